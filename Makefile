@@ -1,0 +1,5 @@
+.PHONY: run test
+run:
+	./scripts/run.sh
+test:
+	./scripts/test.sh

@@ -1,0 +1,9 @@
+"""amplituhedron-rs: a prefix-cached, pipeline-parallel LLM inference runtime.
+
+The Rust core lives in :mod:`amplituhedron_rs._core`; this package re-exports it and
+adds the model loader, tokenizer, station service, coordinator, mesh launcher and bench.
+"""
+
+from amplituhedron_rs._core import __version__
+
+__all__ = ["__version__"]

@@ -1,0 +1,1 @@
+//! TODO(eviction): filled in by the foundation work.

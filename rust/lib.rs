@@ -1,0 +1,13 @@
+//! amplituhedron-rs: a prefix-cached, pipeline-parallel LLM inference core.
+//!
+//! One module per concept; the PyO3 layer (`bindings`, feature `python`) is thin and
+//! everything else is plain Rust, testable with `cargo test` alone.
+
+pub mod eviction;
+pub mod keys;
+pub mod memo;
+pub mod oracle;
+pub mod volume;
+
+#[cfg(feature = "python")]
+mod bindings;

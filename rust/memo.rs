@@ -1,0 +1,1 @@
+//! TODO(memo): filled in by the foundation work.

