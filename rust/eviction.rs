@@ -1,1 +1,1 @@
-//! TODO(eviction): filled in by the foundation work.
+//! `eviction` (being written).

@@ -1,1 +1,1 @@
-//! TODO(keys): filled in by the foundation work.
+//! `keys` (being written).

@@ -3,10 +3,14 @@
 //! One module per concept; the PyO3 layer (`bindings`, feature `python`) is thin and
 //! everything else is plain Rust, testable with `cargo test` alone.
 
+pub mod attention;
 pub mod eviction;
 pub mod keys;
 pub mod memo;
+pub mod model;
 pub mod oracle;
+pub mod quant;
+pub mod ring;
 pub mod volume;
 
 #[cfg(feature = "python")]

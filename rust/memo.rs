@@ -1,1 +1,1 @@
-//! TODO(memo): filled in by the foundation work.
+//! `memo` (being written).

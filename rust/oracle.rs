@@ -1,1 +1,1 @@
-//! TODO(oracle): filled in by the foundation work.
+//! `oracle` (being written).

@@ -1,1 +1,1 @@
-//! TODO(volume): filled in by the foundation work.
+//! `volume` (being written).

@@ -6,4 +6,9 @@ adds the model loader, tokenizer, station service, coordinator, mesh launcher an
 
 from amplituhedron_rs._core import __version__
 
+# --- volume cache, eviction, memo ---
+# --- oracle kernel ---
+# --- ring buffer and attention ---
+# --- model runtime ---
+
 __all__ = ["__version__"]

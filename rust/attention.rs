@@ -1,0 +1,1 @@
+//! `attention` (being written).
