@@ -1,5 +1,589 @@
-use pyo3::prelude::*;
+//! Bindings of the model runtime: weights, range sessions, the pipeline, the sampler.
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use numpy::{
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::model::{
+    ChunkInput, GenerationStats, LlamaConfig, LlamaWeights, LogitsWanted, ModelError,
+    NativeLlamaPipeline, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig,
+    TensorInfo,
+};
+use crate::ring::SpanType;
+use crate::volume::{CacheConfig, EvictionPolicy};
+
+fn value_error(e: ModelError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn parse_logits(which: &str) -> PyResult<LogitsWanted> {
+    match which {
+        "none" => Ok(LogitsWanted::None),
+        "last" => Ok(LogitsWanted::Last),
+        "all" => Ok(LogitsWanted::All),
+        other => Err(PyValueError::new_err(format!(
+            "logits must be 'none', 'last' or 'all', got {other:?}"
+        ))),
+    }
+}
+
+fn parse_span(name: &str) -> PyResult<SpanType> {
+    SpanType::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown span type {name:?} (system, user, thought, tool_call, tool_result, \
+             response_sentence, turn_end)"
+        ))
+    })
+}
+
+fn rows_array<'py>(py: Python<'py>, data: Vec<f32>, width: usize) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let rows = data.len() / width;
+    PyArray1::from_vec(py, data).reshape([rows, width])
+}
+
+/// Memory-mapped GGUF weights of a Llama-architecture model.
+#[pyclass(name = "ModelWeights", module = "amplituhedron_rs._core", frozen)]
+pub struct PyModelWeights {
+    inner: Arc<LlamaWeights>,
+}
+
+#[pymethods]
+impl PyModelWeights {
+    /// Maps `path` and validates `tensors` (name, ggml type id, dims, absolute offset).
+    #[new]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        config: &Bound<'_, PyDict>,
+        tensors: Vec<(String, u32, Vec<u64>, u64)>,
+    ) -> PyResult<Self> {
+        fn get<'py, T: for<'a> FromPyObject<'a, 'py>>(
+            d: &Bound<'py, PyDict>,
+            key: &str,
+        ) -> PyResult<T> {
+            d.get_item(key)?
+                .ok_or_else(|| PyValueError::new_err(format!("config is missing {key:?}")))?
+                .extract::<T>()
+                .map_err(|_| PyValueError::new_err(format!("config[{key:?}] has the wrong type")))
+        }
+        let config = LlamaConfig {
+            n_layers: get(config, "n_layers")?,
+            hidden: get(config, "hidden")?,
+            ffn: get(config, "ffn")?,
+            n_heads: get(config, "n_heads")?,
+            n_kv_heads: get(config, "n_kv_heads")?,
+            vocab: get(config, "vocab")?,
+            rope_base: get(config, "rope_base")?,
+            rms_eps: get(config, "rms_eps")?,
+            context_len: get(config, "context_len")?,
+        };
+        let table: Vec<TensorInfo> = tensors
+            .into_iter()
+            .map(|(name, ggml_type, dims, offset)| TensorInfo {
+                name,
+                ggml_type,
+                dims,
+                offset,
+            })
+            .collect();
+        let weights = py
+            .detach(|| LlamaWeights::from_file(&path, config, &table))
+            .map_err(value_error)?;
+        Ok(PyModelWeights {
+            inner: Arc::new(weights),
+        })
+    }
+
+    /// Content hash of weights + config: the model fingerprint of every volume key.
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint()
+    }
+
+    /// Number of transformer blocks.
+    #[getter]
+    fn n_layers(&self) -> usize {
+        self.inner.config().n_layers
+    }
+
+    /// Residual-stream width.
+    #[getter]
+    fn hidden(&self) -> usize {
+        self.inner.config().hidden
+    }
+
+    /// Vocabulary size.
+    #[getter]
+    fn vocab(&self) -> usize {
+        self.inner.config().vocab
+    }
+
+    /// KV heads.
+    #[getter]
+    fn n_kv_heads(&self) -> usize {
+        self.inner.config().n_kv_heads
+    }
+
+    /// Width of one head.
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.config().head_dim()
+    }
+
+    /// Trained context length.
+    #[getter]
+    fn context_len(&self) -> usize {
+        self.inner.config().context_len
+    }
+}
+
+/// One session's live state (ring buffer + work buffers) for a layer range.
+#[pyclass(name = "RangeSession", module = "amplituhedron_rs._core")]
+pub struct PyRangeSession {
+    inner: RangeSession,
+}
+
+impl PyRangeSession {
+    fn run<'py>(
+        &mut self,
+        py: Python<'py>,
+        input: ChunkInput<'_>,
+        logits: &str,
+        span: &str,
+        new_span: bool,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
+        let wanted = parse_logits(logits)?;
+        let span = parse_span(span)?;
+        let (hidden_w, vocab) = {
+            let c = self.inner.weights().config();
+            (c.hidden, c.vocab)
+        };
+        let mut hidden = Vec::new();
+        let mut out_logits = Vec::new();
+        let session = &mut self.inner;
+        py.detach(|| session.forward(input, span, new_span, wanted, &mut hidden, &mut out_logits))
+            .map_err(value_error)?;
+        let logits = if wanted == LogitsWanted::None {
+            None
+        } else {
+            Some(rows_array(py, out_logits, vocab)?)
+        };
+        Ok((rows_array(py, hidden, hidden_w)?, logits))
+    }
+}
+
+#[pymethods]
+impl PyRangeSession {
+    /// A fresh session over `[layer_lo, layer_hi)`.
+    #[new]
+    #[pyo3(signature = (weights, layer_lo, layer_hi, slots=4096, recall=128, n_sys=0, max_chunk=256))]
+    fn new(
+        weights: PyRef<'_, PyModelWeights>,
+        layer_lo: usize,
+        layer_hi: usize,
+        slots: usize,
+        recall: usize,
+        n_sys: usize,
+        max_chunk: usize,
+    ) -> PyResult<Self> {
+        let cfg = SessionConfig {
+            slots,
+            recall,
+            n_sys,
+            max_chunk,
+        };
+        let inner = RangeSession::new(Arc::clone(&weights.inner), layer_lo, layer_hi, &cfg)
+            .map_err(value_error)?;
+        Ok(PyRangeSession { inner })
+    }
+
+    /// Positions processed so far.
+    #[getter]
+    fn clock(&self) -> u64 {
+        self.inner.clock()
+    }
+
+    /// First layer of the range.
+    #[getter]
+    fn layer_lo(&self) -> usize {
+        self.inner.layer_lo()
+    }
+
+    /// One past the last layer.
+    #[getter]
+    fn layer_hi(&self) -> usize {
+        self.inner.layer_hi()
+    }
+
+    /// True when the range embeds token ids (layer 0).
+    #[getter]
+    fn is_entry(&self) -> bool {
+        self.inner.is_entry()
+    }
+
+    /// True when the range ends with the LM head.
+    #[getter]
+    fn is_exit(&self) -> bool {
+        self.inner.is_exit()
+    }
+
+    /// Runs token ids (entry range). Returns `(hidden (n, hidden), logits (rows, vocab) | None)`.
+    #[pyo3(signature = (tokens, logits="last", span="user", new_span=true))]
+    fn forward_tokens<'py>(
+        &mut self,
+        py: Python<'py>,
+        tokens: Vec<u32>,
+        logits: &str,
+        span: &str,
+        new_span: bool,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
+        self.run(py, ChunkInput::Tokens(&tokens), logits, span, new_span)
+    }
+
+    /// Runs hidden states `(n, hidden)` float32 from the previous range.
+    #[pyo3(signature = (hidden, logits="none", span="user", new_span=true))]
+    fn forward_hidden<'py>(
+        &mut self,
+        py: Python<'py>,
+        hidden: PyReadonlyArray2<'py, f32>,
+        logits: &str,
+        span: &str,
+        new_span: bool,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
+        let width = self.inner.weights().config().hidden;
+        if hidden.shape()[1] != width {
+            return Err(PyValueError::new_err(format!(
+                "hidden states must have {width} columns, got {}",
+                hidden.shape()[1]
+            )));
+        }
+        let owned;
+        let rows = match hidden.as_slice() {
+            Ok(s) => s,
+            Err(_) => {
+                owned = hidden.as_array().iter().copied().collect::<Vec<f32>>();
+                &owned
+            }
+        };
+        self.run(py, ChunkInput::Hidden(rows), logits, span, new_span)
+    }
+
+    /// Undoes every position after `clock` (bit-exact rollback of probe tokens).
+    fn rollback(&mut self, clock: u64) -> PyResult<()> {
+        self.inner.rollback(clock).map_err(value_error)
+    }
+
+    /// Forgets every position (clock 0), keeping the allocation.
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+}
+
+/// The sampler: greedy, or temperature with top-k / top-p, seeded.
+#[pyclass(name = "Sampler", module = "amplituhedron_rs._core")]
+pub struct PySampler {
+    inner: Sampler,
+}
+
+#[pymethods]
+impl PySampler {
+    #[new]
+    #[pyo3(signature = (greedy=true, temperature=1.0, top_k=0, top_p=1.0, seed=0))]
+    fn new(greedy: bool, temperature: f32, top_k: usize, top_p: f32, seed: u64) -> PyResult<Self> {
+        let inner = Sampler::new(SamplingParams {
+            greedy,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        })
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PySampler { inner })
+    }
+
+    /// Picks the next token from float32 logits.
+    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>) -> PyResult<u32> {
+        let owned;
+        let values = match logits.as_slice() {
+            Ok(s) => s,
+            Err(_) => {
+                owned = logits.as_array().to_vec();
+                &owned
+            }
+        };
+        self.inner
+            .sample(values)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// A replayed volume: `status` is `"hit"` (whole prompt) or `"partial"` (after an erasure).
+#[pyclass(name = "ReplayResult", module = "amplituhedron_rs._core", frozen, get_all)]
+pub struct PyReplayResult {
+    status: String,
+    kv_len: usize,
+    tail: Option<Py<PyArray1<f32>>>,
+    logits: Option<Py<PyArray1<f32>>>,
+}
+
+/// Timings and verdicts of one generation.
+#[pyclass(name = "GenerationResult", module = "amplituhedron_rs._core", frozen, get_all)]
+pub struct PyGenerationResult {
+    output_ids: Vec<u32>,
+    cache_hit: bool,
+    replayed_tokens: usize,
+    prefill_ms: f64,
+    decode_ms: f64,
+    stop_reason: String,
+}
+
+impl From<GenerationStats> for PyGenerationResult {
+    fn from(s: GenerationStats) -> Self {
+        PyGenerationResult {
+            output_ids: s.output_ids,
+            cache_hit: s.cache_hit,
+            replayed_tokens: s.replayed_tokens,
+            prefill_ms: s.prefill_ms,
+            decode_ms: s.decode_ms,
+            stop_reason: s.stop_reason.as_str().to_string(),
+        }
+    }
+}
+
+/// A layer range with its own volume cache (seed 000 §2, one-for-one).
+#[pyclass(name = "NativeLlamaPipeline", module = "amplituhedron_rs._core")]
+pub struct PyPipeline {
+    inner: NativeLlamaPipeline,
+}
+
+#[pymethods]
+impl PyPipeline {
+    #[new]
+    #[pyo3(signature = (weights, layer_lo, layer_hi, max_entries=4, max_prefix_len=512, max_bytes=None, policy="pisot"))]
+    fn new(
+        weights: PyRef<'_, PyModelWeights>,
+        layer_lo: usize,
+        layer_hi: usize,
+        max_entries: usize,
+        max_prefix_len: usize,
+        max_bytes: Option<usize>,
+        policy: &str,
+    ) -> PyResult<Self> {
+        let policy: EvictionPolicy = policy
+            .parse()
+            .map_err(|e: crate::eviction::UnknownPolicyError| PyValueError::new_err(e.to_string()))?;
+        let cache = CacheConfig {
+            max_entries,
+            max_prefix_len,
+            max_bytes,
+            policy,
+        };
+        let inner = NativeLlamaPipeline::new(Arc::clone(&weights.inner), layer_lo, layer_hi, cache)
+            .map_err(value_error)?;
+        Ok(PyPipeline { inner })
+    }
+
+    /// `(layer_lo, layer_hi)`.
+    #[getter]
+    fn layer_range(&self) -> (usize, usize) {
+        self.inner.layer_range()
+    }
+
+    fn amplituhedron_enable(&mut self, on: bool) {
+        self.inner.amplituhedron_enable(on);
+    }
+
+    fn amplituhedron_set_max_entries(&mut self, n: usize) {
+        self.inner.amplituhedron_set_max_entries(n);
+    }
+
+    fn amplituhedron_set_max_prefix_len(&mut self, n: usize) {
+        self.inner.amplituhedron_set_max_prefix_len(n);
+    }
+
+    #[pyo3(signature = (n))]
+    fn amplituhedron_set_max_bytes(&mut self, n: Option<usize>) {
+        self.inner.cache_mut().set_max_bytes(n);
+    }
+
+    fn amplituhedron_clear(&mut self) {
+        self.inner.amplituhedron_clear();
+    }
+
+    /// Counters: hits, misses, evictions, entries, bytes, …
+    fn amplituhedron_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in self.inner.amplituhedron_stats().as_pairs() {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Whether the cache is on.
+    #[getter]
+    fn amplituhedron_enabled(&self) -> bool {
+        self.inner.cache().is_enabled()
+    }
+
+    /// The tail residual stored under `prefix_hash`, or None.
+    fn amplituhedron_tail<'py>(
+        &self,
+        py: Python<'py>,
+        prefix_hash: u64,
+    ) -> Option<Bound<'py, PyArray1<f32>>> {
+        self.inner
+            .amplituhedron_tail(prefix_hash)
+            .map(|t| PyArray1::from_vec(py, t))
+    }
+
+    /// Freezes the session's positions `[0, len(tokens))` + `tail` (+ exit logits) as a
+    /// volume. Returns the entry's bytes, or 0 when the cache declined (disabled, too long…).
+    #[pyo3(signature = (session, tokens, tail, logits=None, salt=None))]
+    fn amplituhedron_capture(
+        &mut self,
+        py: Python<'_>,
+        session: PyRef<'_, PyRangeSession>,
+        tokens: Vec<u32>,
+        tail: PyReadonlyArray1<'_, f32>,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
+        salt: Option<String>,
+    ) -> PyResult<usize> {
+        let tail = tail.as_array().to_vec();
+        let logits = logits.map(|l| l.as_array().to_vec());
+        let pipeline = &mut self.inner;
+        let session = &session.inner;
+        let outcome = py
+            .detach(|| {
+                pipeline.amplituhedron_capture(
+                    session,
+                    &tokens,
+                    &tail,
+                    logits.as_deref(),
+                    salt.as_deref(),
+                )
+            })
+            .map_err(value_error)?;
+        Ok(outcome.stored_bytes())
+    }
+
+    /// Splices the volume of `tokens` into a fresh session: a ReplayResult, or None on a miss.
+    #[pyo3(signature = (session, tokens, salt=None))]
+    fn amplituhedron_replay(
+        &mut self,
+        py: Python<'_>,
+        mut session: PyRefMut<'_, PyRangeSession>,
+        tokens: Vec<u32>,
+        salt: Option<String>,
+    ) -> PyResult<Option<PyReplayResult>> {
+        let pipeline = &mut self.inner;
+        let session = &mut session.inner;
+        let outcome = py
+            .detach(|| pipeline.amplituhedron_replay(session, &tokens, salt.as_deref()))
+            .map_err(value_error)?;
+        Ok(match outcome {
+            ReplayOutcome::Miss => None,
+            ReplayOutcome::Hit { tail, logits } => Some(PyReplayResult {
+                status: "hit".into(),
+                kv_len: tokens.len(),
+                tail: Some(PyArray1::from_vec(py, tail).unbind()),
+                logits: logits.map(|l| PyArray1::from_vec(py, l).unbind()),
+            }),
+            ReplayOutcome::Partial { kv_len } => Some(PyReplayResult {
+                status: "partial".into(),
+                kv_len,
+                tail: None,
+                logits: None,
+            }),
+        })
+    }
+
+    /// Single-process generation over the whole model (see `Model.generate`).
+    #[pyo3(signature = (session, tokens, max_new_tokens, sampler, stop_ids=Vec::new(), use_cache=true, on_token=None, on_prefill=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &mut self,
+        py: Python<'_>,
+        mut session: PyRefMut<'_, PyRangeSession>,
+        tokens: Vec<u32>,
+        max_new_tokens: usize,
+        mut sampler: PyRefMut<'_, PySampler>,
+        stop_ids: Vec<u32>,
+        use_cache: bool,
+        on_token: Option<Py<PyAny>>,
+        on_prefill: Option<Py<PyAny>>,
+    ) -> PyResult<PyGenerationResult> {
+        let pipeline = &mut self.inner;
+        let session = &mut session.inner;
+        let sampler = &mut sampler.inner;
+        // The first Python exception raised by a callback (or a pending signal) cancels the
+        // generation and is re-raised here.
+        let mut callback_error: Option<PyErr> = None;
+        let result = py.detach(|| {
+            let mut token_cb = |t: u32| -> bool {
+                Python::attach(|py| {
+                    let r = py.check_signals().and_then(|_| match &on_token {
+                        Some(cb) => cb.call1(py, (t,)).map(|_| ()),
+                        None => Ok(()),
+                    });
+                    match r {
+                        Ok(()) => true,
+                        Err(e) => {
+                            callback_error.get_or_insert(e);
+                            false
+                        }
+                    }
+                })
+            };
+            let mut prefill_cb = |done: usize, total: usize| -> bool {
+                Python::attach(|py| {
+                    let r = py.check_signals().and_then(|_| match &on_prefill {
+                        Some(cb) => cb.call1(py, (done, total)).map(|_| ()),
+                        None => Ok(()),
+                    });
+                    match r {
+                        Ok(()) => true,
+                        Err(e) => {
+                            callback_error.get_or_insert(e);
+                            false
+                        }
+                    }
+                })
+            };
+            pipeline.generate(
+                session,
+                &tokens,
+                max_new_tokens,
+                sampler,
+                &stop_ids,
+                use_cache,
+                &mut token_cb,
+                &mut prefill_cb,
+            )
+        });
+        if let Some(e) = callback_error {
+            return Err(e);
+        }
+        match result {
+            Ok(stats) => Ok(stats.into()),
+            Err(ModelError::Ring(m)) => Err(PyRuntimeError::new_err(m)),
+            Err(e) => Err(value_error(e)),
+        }
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyModelWeights>()?;
+    m.add_class::<PyRangeSession>()?;
+    m.add_class::<PySampler>()?;
+    m.add_class::<PyReplayResult>()?;
+    m.add_class::<PyGenerationResult>()?;
+    m.add_class::<PyPipeline>()?;
     Ok(())
 }

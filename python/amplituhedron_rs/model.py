@@ -1,0 +1,259 @@
+"""The single-process runtime: load a GGUF model, tokenize, and generate with the volume cache.
+
+>>> import amplituhedron_rs as ar
+>>> m = ar.load_model()                       # bundled SmolLM2-135M-Instruct (Q4_1)
+>>> ids = m.chat_ids("You are terse.", "Name a planet.")
+>>> g = m.generate(ids, max_new_tokens=8)     # greedy by default
+>>> g.text, g.cache_hit, g.prefill_ms, g.decode_ms
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from amplituhedron_rs import _core
+from amplituhedron_rs.gguf_file import ModelFile, read_model_file
+from amplituhedron_rs.tokenizer import StreamDecoder, Tokenizer
+
+FloatArray = npt.NDArray[np.float32]
+Policy = Literal["pisot", "lru"]
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Ring-buffer geometry of each session (SPEC §3 defaults)."""
+
+    slots: int = 4096
+    recall: int = 128
+    n_sys: int = 0
+    max_chunk: int = 256
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Volume-cache bounds (SPEC §2 defaults)."""
+
+    enabled: bool = True
+    max_entries: int = 4
+    max_prefix_len: int = 512
+    max_bytes: int | None = None
+    policy: Policy = "pisot"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of one :meth:`Model.generate` call."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    cache_hit: bool
+    replayed_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    stop_reason: str
+    cache: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The CLI's ``--json`` shape."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "output_ids": self.output_ids,
+            "text": self.text,
+            "prefill_ms": self.prefill_ms,
+            "decode_ms": self.decode_ms,
+            "cache_hit": self.cache_hit,
+            "replayed_tokens": self.replayed_tokens,
+            "stop_reason": self.stop_reason,
+            "cache": self.cache,
+        }
+
+
+def _as_ids(ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> list[int]:
+    out = [int(i) for i in ids]
+    if not out:
+        raise ValueError("the prompt is empty: a volume needs at least one token")
+    return out
+
+
+class Model:
+    """A loaded model: weights (memory-mapped), tokenizer, a volume cache and a live session."""
+
+    def __init__(
+        self,
+        model_file: ModelFile,
+        *,
+        session: SessionOptions | None = None,
+        cache: CacheOptions | None = None,
+    ) -> None:
+        self.file = model_file
+        self.session_options = session or SessionOptions()
+        cache = cache or CacheOptions()
+        self.tokenizer = Tokenizer(model_file)
+        self.weights = _core.ModelWeights(
+            str(model_file.path),
+            dict(model_file.config),
+            [(t.name, t.ggml_type, list(t.dims), t.offset) for t in model_file.tensors],
+        )
+        self.n_layers: int = int(model_file.config["n_layers"])
+        self.pipeline = self.new_pipeline(0, self.n_layers, cache)
+        self._session = self.new_session(0, self.n_layers)
+
+    # --- construction helpers (also used by stations) ---------------------------------
+    def new_pipeline(
+        self, layer_lo: int, layer_hi: int, cache: CacheOptions | None = None
+    ) -> _core.NativeLlamaPipeline:
+        """A pipeline (layer range + its own volume cache) sharing these weights."""
+        c = cache or CacheOptions()
+        p = _core.NativeLlamaPipeline(
+            self.weights,
+            layer_lo,
+            layer_hi,
+            max_entries=c.max_entries,
+            max_prefix_len=c.max_prefix_len,
+            max_bytes=c.max_bytes,
+            policy=c.policy,
+        )
+        p.amplituhedron_enable(c.enabled)
+        return p
+
+    def new_session(
+        self, layer_lo: int, layer_hi: int, options: SessionOptions | None = None
+    ) -> _core.RangeSession:
+        """A fresh session (ring buffer + work buffers) for a layer range."""
+        o = options or self.session_options
+        return _core.RangeSession(
+            self.weights,
+            layer_lo,
+            layer_hi,
+            slots=o.slots,
+            recall=o.recall,
+            n_sys=o.n_sys,
+            max_chunk=o.max_chunk,
+        )
+
+    # --- properties ----------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> int:
+        """Content hash of weights + config (the volume keys' model fingerprint)."""
+        return int(self.weights.fingerprint)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.file.config["vocab"])
+
+    # --- text ----------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_ids(self, system: str | None, user: str) -> list[int]:
+        """Prompt ids of a one-turn chat through the model's own template."""
+        return self.tokenizer.chat_ids(system, user)
+
+    # --- compute -------------------------------------------------------------------------
+    def logits(self, ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> FloatArray:
+        """float32 logits (vocab,) at the last position of a fresh run (no cache)."""
+        s = self.new_session(0, self.n_layers)
+        _, logits = s.forward_tokens(_as_ids(ids), logits="last")
+        assert logits is not None
+        return logits[-1]
+
+    def logits_all(self, ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> FloatArray:
+        """float32 logits (n, vocab) at every prompt position of a fresh run (no cache)."""
+        s = self.new_session(0, self.n_layers)
+        _, logits = s.forward_tokens(_as_ids(ids), logits="all")
+        assert logits is not None
+        return logits
+
+    def generate(
+        self,
+        ids: Sequence[int] | npt.NDArray[np.integer[Any]],
+        max_new_tokens: int = 16,
+        *,
+        greedy: bool | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        use_cache: bool = True,
+        stop_at_eos: bool = True,
+        stream: Callable[[str], None] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
+    ) -> Generation:
+        """Generates up to ``max_new_tokens`` after ``ids``.
+
+        Greedy unless a temperature/top-k/top-p is given (or ``greedy=False``). With the cache
+        on, a prompt seen before skips prefill entirely: its volume is replayed into the live
+        ring and the first token comes from the cached logits. ``stream`` receives text pieces
+        as they are generated; ``on_prefill(done, total)`` reports prefill progress.
+        """
+        prompt = _as_ids(ids)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if greedy is None:
+            greedy = temperature == 1.0 and top_k == 0 and top_p == 1.0
+        sampler = _core.Sampler(
+            greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        )
+        decoder = StreamDecoder(self.tokenizer) if stream is not None else None
+
+        def on_token(token: int) -> None:
+            if decoder is not None and stream is not None:
+                piece = decoder.push(token)
+                if piece:
+                    stream(piece)
+
+        stops = [self.eos_id] if (stop_at_eos and self.eos_id is not None) else []
+        r = self.pipeline.generate(
+            self._session,
+            prompt,
+            max_new_tokens,
+            sampler,
+            stop_ids=stops,
+            use_cache=use_cache,
+            on_token=on_token,
+            on_prefill=on_prefill,
+        )
+        out = list(r.output_ids)
+        return Generation(
+            prompt_ids=prompt,
+            output_ids=out,
+            text=self.tokenizer.decode(out, skip_special=True),
+            cache_hit=bool(r.cache_hit),
+            replayed_tokens=int(r.replayed_tokens),
+            prefill_ms=float(r.prefill_ms),
+            decode_ms=float(r.decode_ms),
+            stop_reason=str(r.stop_reason),
+            cache=self.cache_stats(),
+        )
+
+    # --- cache ---------------------------------------------------------------------------
+    def cache_stats(self) -> dict[str, int]:
+        """Volume-cache counters: hits, misses, evictions, entries, bytes, …"""
+        return dict(self.pipeline.amplituhedron_stats())
+
+    def clear_cache(self) -> None:
+        self.pipeline.amplituhedron_clear()
+
+
+def load_model(
+    path: str | Path | None = None,
+    *,
+    session: SessionOptions | None = None,
+    cache: CacheOptions | None = None,
+) -> Model:
+    """Loads a Llama-architecture GGUF (the bundled SmolLM2-135M-Instruct by default)."""
+    return Model(read_model_file(path), session=session, cache=cache)

@@ -1,0 +1,631 @@
+"""A station: one layer range of the model and its sessions' ring buffers, over HTTP.
+
+Stack: FastAPI on uvicorn (ASGI). FastAPI gives typed request models, clear 4xx on bad
+input, and an OpenAPI description (which the schemathesis run checks) for free; uvicorn with
+httptools/uvloop keeps the per-request cost low. Compute runs in Rust with the GIL released,
+in the server's worker threads, so several sessions progress at once.
+
+Control endpoints (SPEC §5, seed 000 §4) and compute endpoints:
+
+- ``POST /amplituhedron/configure``  ``{enabled?, max_entries?, max_prefix_len?, max_bytes?}``
+- ``GET  /amplituhedron/stats``, ``POST /amplituhedron/clear`` (also ``/memo/clear``)
+- ``POST /amplituhedron/capture?session_id&prefix_hash&prefix_len&layer_lo&layer_hi`` with the
+  tail residual (f32 LE; the exit station appends the last position's logits) as the body
+- ``POST /amplituhedron/replay`` ``{session_id, prefix_hash, prefix_len, layer_lo, layer_hi}``:
+  200 + tail (+ logits) octets on a hit, 204 on a miss
+- ``POST /sessions`` (open), ``POST /sessions/{id}/forward`` (a chunk: u32 token ids at the
+  entry station, f32 hidden rows elsewhere), ``POST /sessions/{id}/decode`` (one row),
+  ``POST /sessions/{id}/rollback``, ``DELETE /sessions/{id}``
+- ``GET /healthz``, ``GET /metrics`` (Prometheus), ``GET /openapi.json``
+
+Bad input gets a 4xx whose ``detail`` says what is wrong, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, Field
+
+from amplituhedron_rs import _core
+from amplituhedron_rs.gguf_file import read_model_file
+
+U64_MAX = 2**64 - 1
+HASH_PATTERN = r"^[0-9]{1,20}$"
+OCTETS = "application/octet-stream"
+OCTET_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+class StationError(HTTPException):
+    """A 4xx/5xx with a message that says what is wrong."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(status_code=status, detail=detail)
+
+
+@dataclass
+class StationSettings:
+    """Everything a station is started with."""
+
+    layer_lo: int
+    layer_hi: int
+    model_path: str | None = None
+    token: str | None = None
+    max_sessions: int = 8
+    session_idle_s: float = 300.0
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_entries: int = 4
+    max_prefix_len: int = 512
+    max_bytes: int | None = None
+    policy: Literal["pisot", "lru"] = "pisot"
+    cache_enabled: bool = True
+    slots: int = 4096
+    recall: int = 128
+    max_chunk: int = 256
+    fault_injection: bool = False
+
+
+@dataclass
+class LiveSession:
+    """A session's ring buffer plus what the station needs to serve it."""
+
+    session: _core.RangeSession
+    prompt: list[int]
+    salt: str | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+# --- request bodies -----------------------------------------------------------------------
+
+
+class ConfigureRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool | None = None
+    max_entries: int | None = Field(default=None, ge=0, le=1_000_000)
+    max_prefix_len: int | None = Field(default=None, ge=0, le=1 << 31)
+    max_bytes: int | None = Field(default=None, ge=0, le=1 << 48)
+
+
+class VolumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session_id: str = Field(min_length=1, max_length=128)
+    prefix_hash: str = Field(pattern=HASH_PATTERN, description="u64 as a decimal string")
+    prefix_len: int = Field(ge=1, le=1 << 31)
+    layer_lo: int = Field(ge=0, le=65535)
+    layer_hi: int = Field(ge=0, le=65535)
+
+
+class OpenSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_tokens: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] = Field(min_length=1)
+    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    n_sys: int = Field(default=0, ge=0, le=1 << 20)
+    salt: str | None = Field(default=None, max_length=256)
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    clock: int = Field(ge=0, le=U64_MAX)
+
+
+class FaultRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_tokens: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] = Field(min_length=1)
+    position: int = Field(ge=0)
+    salt: str | None = None
+
+
+# --- the station ----------------------------------------------------------------------------
+
+
+class Station:
+    """State of one station process: weights, pipeline (+ volume cache), sessions."""
+
+    def __init__(self, settings: StationSettings, weights: _core.ModelWeights | None = None) -> None:
+        self.settings = settings
+        if weights is None:
+            mf = read_model_file(settings.model_path)
+            weights = _core.ModelWeights(
+                str(mf.path),
+                dict(mf.config),
+                [(t.name, t.ggml_type, list(t.dims), t.offset) for t in mf.tensors],
+            )
+        self.weights = weights
+        s = settings
+        if not 0 <= s.layer_lo < s.layer_hi <= weights.n_layers:
+            raise ValueError(
+                f"layers {s.layer_lo}:{s.layer_hi} are not a range of 0:{weights.n_layers}"
+            )
+        self.pipeline = _core.NativeLlamaPipeline(
+            weights,
+            s.layer_lo,
+            s.layer_hi,
+            max_entries=s.max_entries,
+            max_prefix_len=s.max_prefix_len,
+            max_bytes=s.max_bytes,
+            policy=s.policy,
+        )
+        self.pipeline.amplituhedron_enable(s.cache_enabled)
+        self.is_entry = s.layer_lo == 0
+        self.is_exit = s.layer_hi == weights.n_layers
+        self.hidden = int(weights.hidden)
+        self.vocab = int(weights.vocab)
+        self.sessions: dict[str, LiveSession] = {}
+        self.sessions_lock = threading.Lock()
+        # The pipeline (volume cache) is shared by all sessions; Rust borrows it mutably.
+        self.pipeline_lock = threading.Lock()
+        self.memo = _core.MatVecMemo()
+        self.requests_by_kind: dict[str, int] = {}
+        self.forward_rows = 0
+
+    # -- sessions --
+    def sweep_idle(self) -> int:
+        """Closes sessions idle longer than ``session_idle_s``; returns how many."""
+        now = time.monotonic()
+        with self.sessions_lock:
+            stale = [
+                sid
+                for sid, s in self.sessions.items()
+                if now - s.last_used > self.settings.session_idle_s and not s.lock.locked()
+            ]
+            for sid in stale:
+                del self.sessions[sid]
+        return len(stale)
+
+    def open_session(self, req: OpenSessionRequest) -> tuple[str, LiveSession]:
+        self.sweep_idle()
+        sid = req.session_id or uuid.uuid4().hex
+        with self.sessions_lock:
+            if sid in self.sessions:
+                raise StationError(409, f"session {sid!r} already exists")
+            if len(self.sessions) >= self.settings.max_sessions:
+                raise StationError(
+                    503,
+                    f"station full: {len(self.sessions)} live sessions "
+                    f"(max {self.settings.max_sessions}); retry later",
+                )
+            if req.n_sys > len(req.prompt_tokens):
+                raise StationError(
+                    422, f"n_sys {req.n_sys} exceeds the {len(req.prompt_tokens)}-token prompt"
+                )
+            try:
+                rs = _core.RangeSession(
+                    self.weights,
+                    self.settings.layer_lo,
+                    self.settings.layer_hi,
+                    slots=self.settings.slots,
+                    recall=self.settings.recall,
+                    n_sys=req.n_sys,
+                    max_chunk=self.settings.max_chunk,
+                )
+            except ValueError as exc:
+                raise StationError(422, str(exc)) from exc
+            live = LiveSession(rs, list(req.prompt_tokens), req.salt)
+            self.sessions[sid] = live
+        return sid, live
+
+    def get_session(self, sid: str) -> LiveSession:
+        with self.sessions_lock:
+            live = self.sessions.get(sid)
+        if live is None:
+            raise StationError(404, f"no session {sid!r} (closed, expired, or never opened)")
+        live.last_used = time.monotonic()
+        return live
+
+    def close_session(self, sid: str) -> None:
+        with self.sessions_lock:
+            live = self.sessions.pop(sid, None)
+        if live is None:
+            raise StationError(404, f"no session {sid!r}")
+
+    # -- checks shared by the volume endpoints --
+    def check_volume_request(self, req: VolumeRequest, live: LiveSession) -> int:
+        s = self.settings
+        if (req.layer_lo, req.layer_hi) != (s.layer_lo, s.layer_hi):
+            raise StationError(
+                409,
+                f"this station owns layers {s.layer_lo}:{s.layer_hi}, "
+                f"not {req.layer_lo}:{req.layer_hi}",
+            )
+        prefix_hash = int(req.prefix_hash)
+        if prefix_hash > U64_MAX:
+            raise StationError(422, f"prefix_hash {req.prefix_hash} does not fit a u64")
+        if req.prefix_len > len(live.prompt):
+            raise StationError(
+                422,
+                f"prefix_len {req.prefix_len} exceeds the session's "
+                f"{len(live.prompt)}-token prompt",
+            )
+        expected = int(_core.prefix_hash(live.prompt[: req.prefix_len]))
+        if prefix_hash != expected:
+            raise StationError(
+                409,
+                f"prefix_hash {prefix_hash} is not the hash of the session's first "
+                f"{req.prefix_len} tokens ({expected})",
+            )
+        return prefix_hash
+
+    def stats(self) -> dict[str, int]:
+        with self.pipeline_lock:
+            return dict(self.pipeline.amplituhedron_stats())
+
+
+def _floats(body: bytes, what: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    if len(body) % 4 != 0:
+        raise StationError(400, f"{what}: {len(body)} bytes is not a whole number of f32")
+    arr = np.frombuffer(body, dtype="<f4")
+    if not np.isfinite(arr).all():
+        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+        raise StationError(400, f"{what}: value {bad} is not finite")
+    return arr
+
+
+def create_app(station: Station) -> FastAPI:
+    """The ASGI app of one station."""
+    s = station.settings
+    app = FastAPI(
+        title="amplituhedron station",
+        version=_core.__version__,
+        description=f"Layers {s.layer_lo}:{s.layer_hi} of the model, their KV rings and volumes.",
+    )
+    registry = CollectorRegistry()
+    latency = Histogram(
+        "amplituhedron_request_seconds",
+        "Request latency by endpoint",
+        ["endpoint"],
+        registry=registry,
+        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    )
+    requests = Counter(
+        "amplituhedron_requests", "Requests by endpoint and status", ["endpoint", "status"],
+        registry=registry,
+    )
+    live_sessions = Gauge("amplituhedron_live_sessions", "Open sessions", registry=registry)
+    live_sessions.set_function(lambda: len(station.sessions))
+
+    class CacheCollector:
+        def collect(self) -> Any:
+            stats = station.stats()
+            for key in ("hits", "misses", "evictions", "captures", "drift_clears", "erasures"):
+                if key in stats:
+                    c = CounterMetricFamily(f"amplituhedron_volume_{key}", f"Volume cache {key}")
+                    c.add_metric([], stats[key])
+                    yield c
+            for key in ("entries", "bytes"):
+                g = GaugeMetricFamily(f"amplituhedron_volume_{key}", f"Volume cache {key}")
+                g.add_metric([], stats.get(key, 0))
+                yield g
+
+    registry.register(CacheCollector())  # type: ignore[arg-type]
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next: Any) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > s.max_body_bytes:
+            return JSONResponse(
+                {"detail": f"body of {declared} bytes exceeds the {s.max_body_bytes}-byte limit"},
+                status_code=413,
+            )
+        route = request.scope.get("route")
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "unmatched")
+        latency.labels(endpoint).observe(time.perf_counter() - started)
+        requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+        if s.token is None:
+            return
+        if authorization is None or not authorization.startswith("Bearer "):
+            raise StationError(401, "this endpoint needs 'Authorization: Bearer <token>'")
+        if not secrets.compare_digest(authorization[len("Bearer ") :], s.token):
+            raise StationError(401, "wrong bearer token")
+
+    auth = [Depends(require_token)]
+
+    async def read_body(request: Request) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > s.max_body_bytes:
+                raise StationError(413, f"body exceeds the {s.max_body_bytes}-byte limit")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # -- health and metrics --
+    @app.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "layer_lo": s.layer_lo,
+            "layer_hi": s.layer_hi,
+            "n_layers": int(station.weights.n_layers),
+            "fingerprint": str(station.weights.fingerprint),
+            "sessions": len(station.sessions),
+            "entry": station.is_entry,
+            "exit": station.is_exit,
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode())
+
+    # -- control --
+    @app.get("/amplituhedron/stats")
+    def amplituhedron_stats() -> dict[str, int]:
+        return station.stats()
+
+    @app.post("/amplituhedron/configure", dependencies=auth)
+    def amplituhedron_configure(req: ConfigureRequest) -> dict[str, Any]:
+        with station.pipeline_lock:
+            p = station.pipeline
+            if req.enabled is not None:
+                p.amplituhedron_enable(req.enabled)
+            if req.max_entries is not None:
+                p.amplituhedron_set_max_entries(req.max_entries)
+            if req.max_prefix_len is not None:
+                p.amplituhedron_set_max_prefix_len(req.max_prefix_len)
+            if "max_bytes" in req.model_fields_set:
+                p.amplituhedron_set_max_bytes(req.max_bytes)
+        return {"stats": station.stats()}
+
+    @app.post("/amplituhedron/clear", dependencies=auth)
+    def amplituhedron_clear() -> dict[str, bool]:
+        with station.pipeline_lock:
+            station.pipeline.amplituhedron_clear()
+        return {"cleared": True}
+
+    @app.post("/memo/clear", dependencies=auth)
+    def memo_clear() -> dict[str, bool]:
+        with station.pipeline_lock:
+            station.memo.clear()
+            station.pipeline.amplituhedron_clear()
+        return {"cleared": True}
+
+    @app.get("/memo/stats")
+    def memo_stats() -> dict[str, int]:
+        return dict(station.memo.stats())
+
+    @app.post("/amplituhedron/capture", dependencies=auth, openapi_extra=OCTET_BODY)
+    async def amplituhedron_capture(
+        request: Request,
+        session_id: Annotated[str, Query(min_length=1, max_length=128)],
+        prefix_hash: Annotated[str, Query(pattern=HASH_PATTERN)],
+        prefix_len: Annotated[int, Query(ge=1, le=1 << 31)],
+        layer_lo: Annotated[int, Query(ge=0, le=65535)],
+        layer_hi: Annotated[int, Query(ge=0, le=65535)],
+    ) -> dict[str, Any]:
+        body = await read_body(request)
+        req = VolumeRequest(
+            session_id=session_id,
+            prefix_hash=prefix_hash,
+            prefix_len=prefix_len,
+            layer_lo=layer_lo,
+            layer_hi=layer_hi,
+        )
+        return await _in_thread(capture_sync, req, body)
+
+    def capture_sync(req: VolumeRequest, body: bytes) -> dict[str, Any]:
+        live = station.get_session(req.session_id)
+        station.check_volume_request(req, live)
+        floats = _floats(body, "tail residual")
+        want = station.hidden + (station.vocab if station.is_exit else 0)
+        if floats.size != want:
+            what = "tail residual + logits" if station.is_exit else "tail residual"
+            raise StationError(
+                400, f"body must be the {what}: {want} f32 ({want * 4} bytes), got {len(body)} bytes"
+            )
+        tail = np.ascontiguousarray(floats[: station.hidden])
+        logits = np.ascontiguousarray(floats[station.hidden :]) if station.is_exit else None
+        with live.lock, station.pipeline_lock:
+            try:
+                nbytes = station.pipeline.amplituhedron_capture(
+                    live.session, live.prompt[: req.prefix_len], tail, logits, live.salt
+                )
+            except ValueError as exc:
+                raise StationError(409, str(exc)) from exc
+        return {"captured": nbytes > 0, "bytes": int(nbytes)}
+
+    @app.post(
+        "/amplituhedron/replay",
+        responses={
+            200: {"description": "hit: tail residual (+ logits) as f32 LE", "content": {OCTETS: {}}},
+            204: {"description": "miss"},
+        },
+    )
+    def amplituhedron_replay(req: VolumeRequest) -> Response:
+        live = station.get_session(req.session_id)
+        station.check_volume_request(req, live)
+        if req.prefix_len != len(live.prompt):
+            raise StationError(
+                422,
+                f"replay covers the whole prompt ({len(live.prompt)} tokens), "
+                f"not {req.prefix_len}",
+            )
+        with live.lock, station.pipeline_lock:
+            if live.session.clock != 0:
+                raise StationError(409, f"session {req.session_id!r} is not fresh")
+            try:
+                r = station.pipeline.amplituhedron_replay(live.session, live.prompt, live.salt)
+            except ValueError as exc:
+                raise StationError(409, str(exc)) from exc
+        if r is None:
+            return Response(status_code=204)
+        headers = {"X-Amplituhedron-Status": r.status, "X-Amplituhedron-Kv-Len": str(r.kv_len)}
+        parts: list[bytes] = []
+        if r.tail is not None:
+            parts.append(np.asarray(r.tail, dtype="<f4").tobytes())
+        if r.logits is not None:
+            parts.append(np.asarray(r.logits, dtype="<f4").tobytes())
+        headers["X-Amplituhedron-Logits"] = "1" if r.logits is not None else "0"
+        return Response(b"".join(parts), status_code=200, media_type=OCTETS, headers=headers)
+
+    # -- sessions --
+    @app.post("/sessions", status_code=201)
+    def open_session(req: OpenSessionRequest) -> dict[str, Any]:
+        sid, live = station.open_session(req)
+        return {
+            "session_id": sid,
+            "clock": int(live.session.clock),
+            "layer_lo": s.layer_lo,
+            "layer_hi": s.layer_hi,
+        }
+
+    @app.get("/sessions")
+    def list_sessions() -> dict[str, Any]:
+        with station.sessions_lock:
+            items = list(station.sessions.items())
+        return {
+            "sessions": [
+                {"session_id": sid, "clock": int(v.session.clock), "prompt_len": len(v.prompt)}
+                for sid, v in items
+            ],
+            "max_sessions": s.max_sessions,
+        }
+
+    @app.delete("/sessions/{session_id}")
+    def close_session(session_id: str) -> dict[str, bool]:
+        station.close_session(session_id)
+        return {"closed": True}
+
+    @app.post("/sessions/{session_id}/rollback")
+    def rollback(session_id: str, req: RollbackRequest) -> dict[str, int]:
+        live = station.get_session(session_id)
+        with live.lock:
+            try:
+                live.session.rollback(req.clock)
+            except ValueError as exc:
+                raise StationError(409, str(exc)) from exc
+            return {"clock": int(live.session.clock)}
+
+    def forward_sync(
+        session_id: str, body: bytes, logits: str, hidden: str, one_row: bool
+    ) -> Response:
+        live = station.get_session(session_id)
+        if station.is_entry:
+            if len(body) % 4 != 0 or not body:
+                raise StationError(
+                    400, f"the entry station takes u32 LE token ids; got {len(body)} bytes"
+                )
+            ids = np.frombuffer(body, dtype="<u4")
+            rows = int(ids.size)
+        else:
+            arr = _floats(body, "hidden states")
+            if arr.size == 0 or arr.size % station.hidden != 0:
+                raise StationError(
+                    400,
+                    f"hidden states must be n × {station.hidden} f32; got {arr.size} values",
+                )
+            rows = arr.size // station.hidden
+        if one_row and rows != 1:
+            raise StationError(400, f"a decode step is exactly one row, got {rows}")
+        if logits != "none" and not station.is_exit:
+            raise StationError(400, "only the exit station returns logits")
+        with live.lock:
+            try:
+                if station.is_entry:
+                    h, lg = live.session.forward_tokens(
+                        [int(i) for i in ids], logits=logits, new_span=live.session.clock == 0
+                    )
+                else:
+                    h, lg = live.session.forward_hidden(
+                        arr.reshape(rows, station.hidden),
+                        logits=logits,
+                        new_span=live.session.clock == 0,
+                    )
+            except ValueError as exc:
+                raise StationError(422, str(exc)) from exc
+            clock = int(live.session.clock)
+        station.forward_rows += rows
+        if hidden == "last":
+            h = h[-1:]
+        elif hidden == "none":
+            h = h[:0]
+        parts = [np.ascontiguousarray(h, dtype="<f4").tobytes()]
+        if lg is not None:
+            parts.append(np.ascontiguousarray(lg, dtype="<f4").tobytes())
+        return Response(
+            b"".join(parts),
+            media_type=OCTETS,
+            headers={
+                "X-Hidden-Rows": str(h.shape[0]),
+                "X-Logits-Rows": str(0 if lg is None else lg.shape[0]),
+                "X-Clock": str(clock),
+            },
+        )
+
+    @app.post("/sessions/{session_id}/forward", openapi_extra=OCTET_BODY)
+    async def forward(
+        session_id: str,
+        request: Request,
+        logits: Literal["none", "last", "all"] = "none",
+        hidden: Literal["all", "last", "none"] = "all",
+    ) -> Response:
+        body = await read_body(request)
+        return await _in_thread(forward_sync, session_id, body, logits, hidden, False)
+
+    @app.post("/sessions/{session_id}/decode", openapi_extra=OCTET_BODY)
+    async def decode(
+        session_id: str,
+        request: Request,
+        logits: Literal["none", "last"] = "last",
+        hidden: Literal["all", "last", "none"] = "all",
+    ) -> Response:
+        body = await read_body(request)
+        if logits == "last" and not station.is_exit:
+            logits = "none"
+        return await _in_thread(forward_sync, session_id, body, logits, hidden, True)
+
+    if s.fault_injection:
+
+        @app.post("/debug/damage")
+        def damage(req: FaultRequest) -> dict[str, bool]:
+            """Fault injection (only with --fault-injection): poisons one cached position."""
+            with station.pipeline_lock:
+                done = station.pipeline.amplituhedron_inject_fault(
+                    req.prompt_tokens, req.position, req.salt
+                )
+            return {"damaged": bool(done)}
+
+    return app
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+def serve(settings: StationSettings, host: str = "127.0.0.1", port: int = 8100) -> None:
+    """Runs one station until interrupted."""
+    import uvicorn
+
+    station = Station(settings)
+    app = create_app(station)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def model_path_or_default(path: str | None) -> Path:
+    from amplituhedron_rs.gguf_file import bundled_model_path
+
+    return Path(path) if path else bundled_model_path()

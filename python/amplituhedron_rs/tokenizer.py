@@ -1,0 +1,162 @@
+"""Tokenizer and chat template, built from a GGUF file's own metadata.
+
+The BPE itself is Hugging Face ``tokenizers`` (Rust); the vocabulary, merges, special tokens
+and the pre-tokenizer choice come from the GGUF header, and the chat template (Jinja) is
+rendered in a sandbox the way ``transformers`` renders it. No BOS is added unless the GGUF
+says so (SmolLM2: ``add_bos_token = false``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from amplituhedron_rs.gguf_file import ModelFile, ModelFileError
+
+# ggml token types (llama.cpp `llama_token_type`)
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Pre-tokenizer split of Llama 3 / Qwen 2 style BPE (llama.cpp `llama-bpe`, `qwen2`).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+Message = dict[str, str]
+
+
+class Tokenizer:
+    """Text ↔ token ids for one model, plus its chat template."""
+
+    def __init__(self, model_file: ModelFile) -> None:
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        kind = model_file.metadata.get("tokenizer_model")
+        if kind != "gpt2":
+            raise ModelFileError(
+                f"tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)"
+            )
+        tokens = model_file.tokens
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in model_file.merges]
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        tok = HFTokenizer(bpe)
+        pre = model_file.metadata.get("pre") or "default"
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre == "smollm":
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        elif pre in ("default", "gpt2"):
+            tok.pre_tokenizer = byte_level
+        elif pre in ("llama-bpe", "llama3", "qwen2"):
+            split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        else:
+            raise ModelFileError(f"pre-tokenizer {pre!r} is not supported")
+        tok.decoder = decoders.ByteLevel()
+        types = model_file.token_types
+        special = [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t in (_CONTROL, _USER_DEFINED)
+        ]
+        tok.add_special_tokens(special)
+        self._tok = tok
+        self.vocab_size = len(tokens)
+        self.bos_id: int | None = model_file.bos_id
+        self.eos_id: int | None = model_file.eos_id
+        self.add_bos = model_file.add_bos
+        self._tokens = tokens
+        self._template_source = model_file.chat_template
+        self._template: Any = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens written in the text are recognised)."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of ``ids``; raises ValueError for ids outside the vocabulary."""
+        ids = list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary of {self.vocab_size}: {bad[:5]}")
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one id (byte-level form)."""
+        return self._tokens[token_id]
+
+    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+        """The model's own chat template applied to ``messages``."""
+        if not messages:
+            raise ValueError("a chat needs at least one message")
+        for m in messages:
+            if set(m) != {"role", "content"}:
+                raise ValueError(f"a message has exactly 'role' and 'content', got {sorted(m)}")
+        template = self._compiled_template()
+        rendered: str = template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._tokens[self.bos_id] if self.bos_id is not None else "",
+            eos_token=self._tokens[self.eos_id] if self.eos_id is not None else "",
+        )
+        return rendered
+
+    def chat_ids(self, system: str | None, user: str) -> list[int]:
+        """Token ids of a one-turn chat (system prompt optional) ready for generation."""
+        messages: list[Message] = []
+        if system is not None:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": user})
+        return self.encode(self.render_chat(messages))
+
+    def _compiled_template(self) -> Any:
+        if self._template is None:
+            if not self._template_source:
+                raise ModelFileError("this model file has no chat template")
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self._template_source)
+        return self._template
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces, never splitting a UTF-8 character.
+
+    Byte-level BPE tokens can end mid-character; a piece is released only once the decoded
+    text no longer ends in the replacement character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        """Adds one id; returns the text that became complete (possibly empty)."""
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[self._emitted :]
+        self._emitted = len(text)
+        return piece

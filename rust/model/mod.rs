@@ -1,0 +1,73 @@
+//! The model runtime: a Llama-architecture decoder run on its own quantized GGUF weights.
+//!
+//! - [`LlamaWeights`]: the memory-mapped GGUF tensors and the model fingerprint.
+//! - [`RangeSession`]: one session's live state for a layer range `[layer_lo, layer_hi)` — the
+//!   unit a station runs (`forward_range`). The entry range embeds token ids, the exit range
+//!   applies the final norm and the LM head; the whole model is one range.
+//! - [`NativeLlamaPipeline`]: a range plus its volume cache and the seed's `amplituhedron_*`
+//!   calls, capturing from and splicing into the live ring buffer.
+//! - [`Sampler`]: greedy / temperature / top-k / top-p with a seed.
+//!
+//! Every kernel is batch-invariant (a row's result never depends on how many rows are computed
+//! with it), so chunked prefill equals unchunked, cache-on equals cache-off, and a mesh of
+//! stations equals one process, bit for bit.
+
+mod config;
+mod forward;
+mod ops;
+mod pipeline;
+mod sampling;
+mod weights;
+
+use std::fmt;
+
+pub use config::LlamaConfig;
+pub use forward::{ChunkInput, LogitsWanted, RangeSession, SessionConfig};
+pub use pipeline::{NativeLlamaPipeline, ReplayOutcome};
+pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
+pub use weights::{LayerView, LlamaWeights, TensorInfo};
+
+#[cfg(test)]
+pub(crate) mod testing;
+
+/// Everything that can go wrong loading or running a model.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelError {
+    /// The hyper-parameters are inconsistent.
+    Config(String),
+    /// A tensor is missing, mis-shaped or of an unsupported type.
+    Weights(String),
+    /// The model file could not be read.
+    Io(String),
+    /// A caller passed something the model cannot run (empty input, a token id outside the
+    /// vocabulary, a hidden state of the wrong width, a layer range that is not this one…).
+    Input(String),
+    /// The session's KV ring refused the operation (full, bad rollback…).
+    Ring(String),
+    /// The volume cache refused the operation.
+    Volume(String),
+    /// Bad sampling parameters.
+    Sampling(String),
+}
+
+impl fmt::Display for ModelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelError::Config(m) => write!(f, "invalid model config: {m}"),
+            ModelError::Weights(m) => write!(f, "invalid weights: {m}"),
+            ModelError::Io(m) => write!(f, "{m}"),
+            ModelError::Input(m) => write!(f, "invalid input: {m}"),
+            ModelError::Ring(m) => write!(f, "KV ring: {m}"),
+            ModelError::Volume(m) => write!(f, "volume cache: {m}"),
+            ModelError::Sampling(m) => write!(f, "sampling: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for ModelError {}
+
+impl From<SamplingError> for ModelError {
+    fn from(e: SamplingError) -> Self {
+        ModelError::Sampling(e.0)
+    }
+}

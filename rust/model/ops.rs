@@ -1,0 +1,142 @@
+//! The small per-row operations of a Llama block: RMSNorm, RoPE, SwiGLU.
+//!
+//! Each works on one row at a time with a fixed operation order, so a row's result never
+//! depends on how many rows are processed together (batch invariance, SPEC §4).
+
+/// Lane count of the fixed-order sum of squares (a multiple of every SIMD width we target).
+const LANES: usize = 8;
+
+/// `out = x / sqrt(mean(x²) + eps) * weight`, per row of width `weight.len()`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    debug_assert_eq!(x.len(), out.len());
+    debug_assert_eq!(x.len() % width, 0);
+    for (row, out_row) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let scale = 1.0 / (sum_of_squares(row) / width as f32 + eps).sqrt();
+        for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// Σ v² in a fixed lane order (lanes, then a fixed pairwise tree), independent of callers.
+fn sum_of_squares(row: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = v.mul_add(v, *a);
+        }
+    }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = v.mul_add(v, *a);
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// RoPE angles for one position: `cos`/`sin` of `pos · base^(−2i/d)` for `i < d/2`.
+///
+/// Computed in f64 from the integer position, so large clocks keep full precision.
+pub fn rope_angles(pos: u64, head_dim: usize, base: f64, cos: &mut [f32], sin: &mut [f32]) {
+    let half = head_dim / 2;
+    for i in 0..half {
+        let inv_freq = base.powf(-((2 * i) as f64) / head_dim as f64);
+        let angle = pos as f64 * inv_freq;
+        cos[i] = angle.cos() as f32;
+        sin[i] = angle.sin() as f32;
+    }
+}
+
+/// Rotates every head of `x` (`n_heads × head_dim`) in place by the given angles.
+///
+/// GGUF stores `attn_q`/`attn_k` permuted for llama.cpp's adjacent-pair RoPE, so pairs are
+/// `(2i, 2i+1)` here (equivalent to rotate-half on the un-permuted HF weights).
+pub fn rope_apply(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * cos[i] - b * sin[i];
+            pair[1] = a * sin[i] + b * cos[i];
+        }
+    }
+}
+
+/// SwiGLU: `gate = silu(gate) * up`, in place.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `acc += x`, elementwise (the residual stream).
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 - 7.0) * 0.25).collect();
+        let w: Vec<f32> = (0..12).map(|i| 1.0 + i as f32 * 0.1).collect();
+        let mut out = vec![0.0; 24];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        for r in 0..2 {
+            let row = &x[r * 12..(r + 1) * 12];
+            let ms: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / 12.0;
+            for i in 0..12 {
+                let expect = row[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+                assert!((out[r * 12 + i] as f64 - expect).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn rms_norm_rows_are_independent_of_batching() {
+        let x: Vec<f32> = (0..64 * 3).map(|i| ((i * 37) % 101) as f32 * 0.03 - 1.5).collect();
+        let w = vec![0.9f32; 64];
+        let mut all = vec![0.0; x.len()];
+        rms_norm(&x, &w, 1e-5, &mut all);
+        for r in 0..3 {
+            let mut one = vec![0.0; 64];
+            rms_norm(&x[r * 64..(r + 1) * 64], &w, 1e-5, &mut one);
+            assert_eq!(one, all[r * 64..(r + 1) * 64]);
+        }
+    }
+
+    #[test]
+    fn rope_is_a_rotation_and_relative() {
+        let hd = 8;
+        let q: Vec<f32> = (0..hd).map(|i| i as f32 * 0.3 - 1.0).collect();
+        let k: Vec<f32> = (0..hd).map(|i| 0.5 - i as f32 * 0.2).collect();
+        let dot_at = |pq: u64, pk: u64| {
+            let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+            let (mut qr, mut kr) = (q.clone(), k.clone());
+            rope_angles(pq, hd, 10000.0, &mut c, &mut s);
+            rope_apply(&mut qr, hd, &c, &s);
+            rope_angles(pk, hd, 10000.0, &mut c, &mut s);
+            rope_apply(&mut kr, hd, &c, &s);
+            qr.iter().zip(&kr).map(|(a, b)| a * b).sum::<f32>()
+        };
+        // Scores depend only on the distance, even far beyond the trained context.
+        assert!((dot_at(10, 3) - dot_at(1_000_007, 1_000_000)).abs() < 1e-4);
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+        let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+        let mut qr = q.clone();
+        rope_angles(12345, hd, 10000.0, &mut c, &mut s);
+        rope_apply(&mut qr, hd, &c, &s);
+        assert!((norm(&qr) - norm(&q)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn swiglu_matches_definition() {
+        let mut g = vec![-2.0f32, 0.0, 1.5];
+        swiglu(&mut g, &[1.0, 2.0, -3.0]);
+        let silu = |x: f32| x / (1.0 + (-x).exp());
+        assert_eq!(g, vec![silu(-2.0), 0.0, silu(1.5) * -3.0]);
+    }
+}

@@ -1,0 +1,468 @@
+//! `NativeLlamaPipeline`: a layer range, its volume cache, and the seed's `amplituhedron_*`
+//! calls (seed 000 §2), capturing from and splicing into a session's live ring.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::forward::{ChunkInput, LogitsWanted, RangeSession};
+use super::sampling::Sampler;
+use super::{LlamaWeights, ModelError};
+use crate::ring::SpanType;
+use crate::volume::{
+    AmplituhedronCache, CacheConfig, CacheStats, CaptureOutcome, DamageOutcome,
+};
+
+/// Tokens per semantic span opened by `generate` (prompt and response alike): small enough
+/// that span-aware eviction frees the window in reasonable steps, fixed so it never depends
+/// on chunking.
+pub const SPAN_TOKENS: usize = 256;
+
+/// What a replay did to the session.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ReplayOutcome {
+    /// No usable volume: the session is untouched (clock 0).
+    Miss,
+    /// The whole prompt was spliced in: the range's tail residual at the last position and,
+    /// on the exit range, that position's logits (so the first token needs no model run).
+    Hit {
+        tail: Vec<f32>,
+        logits: Option<Vec<f32>>,
+    },
+    /// Only the first `kv_len` positions were spliced in (the volume had been erased once
+    /// after damage): the caller prefills the rest.
+    Partial { kv_len: usize },
+}
+
+/// Why a generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop id (EOS) was sampled.
+    Stop,
+    /// `max_new_tokens` were generated.
+    Length,
+    /// A callback asked to stop (e.g. Ctrl-C while streaming).
+    Cancelled,
+}
+
+impl StopReason {
+    /// `"stop"` or `"length"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Stop => "stop",
+            StopReason::Length => "length",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Timings and verdicts of one generation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationStats {
+    /// Sampled ids (a sampled stop id is included).
+    pub output_ids: Vec<u32>,
+    /// True when the whole prompt came from the volume cache (no prefill at all).
+    pub cache_hit: bool,
+    /// Prompt positions that were replayed rather than prefilled.
+    pub replayed_tokens: usize,
+    /// Wall time from the start to the first token's logits (replay or prefill).
+    pub prefill_ms: f64,
+    /// Wall time of the decode loop.
+    pub decode_ms: f64,
+    /// Why generation stopped.
+    pub stop_reason: StopReason,
+}
+
+/// A layer range with its own volume cache.
+pub struct NativeLlamaPipeline {
+    weights: Arc<LlamaWeights>,
+    layer_lo: usize,
+    layer_hi: usize,
+    cache: AmplituhedronCache,
+}
+
+impl NativeLlamaPipeline {
+    /// A pipeline over `[layer_lo, layer_hi)` with a volume cache configured by `cache`.
+    pub fn new(
+        weights: Arc<LlamaWeights>,
+        layer_lo: usize,
+        layer_hi: usize,
+        cache: CacheConfig,
+    ) -> Result<Self, ModelError> {
+        let n = weights.config().n_layers;
+        if layer_lo >= layer_hi || layer_hi > n {
+            return Err(ModelError::Input(format!(
+                "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
+            )));
+        }
+        Ok(NativeLlamaPipeline {
+            weights,
+            layer_lo,
+            layer_hi,
+            cache: AmplituhedronCache::new(cache),
+        })
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &Arc<LlamaWeights> {
+        &self.weights
+    }
+
+    /// `(layer_lo, layer_hi)`.
+    pub fn layer_range(&self) -> (usize, usize) {
+        (self.layer_lo, self.layer_hi)
+    }
+
+    /// The volume cache (read-only).
+    pub fn cache(&self) -> &AmplituhedronCache {
+        &self.cache
+    }
+
+    /// The volume cache.
+    pub fn cache_mut(&mut self) -> &mut AmplituhedronCache {
+        &mut self.cache
+    }
+
+    fn check_session(&self, session: &RangeSession) -> Result<(), ModelError> {
+        if (session.layer_lo(), session.layer_hi()) != (self.layer_lo, self.layer_hi)
+            || !Arc::ptr_eq(session.weights(), &self.weights)
+        {
+            return Err(ModelError::Input(format!(
+                "the session runs layers {}..{} of other weights or another range than this \
+                 pipeline ({}..{})",
+                session.layer_lo(),
+                session.layer_hi(),
+                self.layer_lo,
+                self.layer_hi
+            )));
+        }
+        Ok(())
+    }
+
+    /// `amplituhedron_enable`.
+    pub fn amplituhedron_enable(&mut self, on: bool) {
+        self.cache.enable(on);
+    }
+
+    /// `amplituhedron_set_max_entries`.
+    pub fn amplituhedron_set_max_entries(&mut self, n: usize) {
+        self.cache.set_max_entries(n);
+    }
+
+    /// `amplituhedron_set_max_prefix_len`.
+    pub fn amplituhedron_set_max_prefix_len(&mut self, n: usize) {
+        self.cache.set_max_prefix_len(n);
+    }
+
+    /// `amplituhedron_clear`.
+    pub fn amplituhedron_clear(&mut self) {
+        self.cache.clear();
+    }
+
+    /// `amplituhedron_stats`.
+    pub fn amplituhedron_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    /// `amplituhedron_tail`: the tail residual stored under `prefix_hash`, if any.
+    pub fn amplituhedron_tail(&self, prefix_hash: u64) -> Option<Vec<f32>> {
+        self.cache.tail(prefix_hash)
+    }
+
+    /// `amplituhedron_capture`: freezes positions `[0, tokens.len())` of the session's live
+    /// ring plus `tail` (and the exit range's `logits`) as a volume.
+    ///
+    /// The session may already have decoded past the prefix (capture runs off the latency
+    /// path); the prefix positions must still be resident in the ring.
+    pub fn amplituhedron_capture(
+        &mut self,
+        session: &RangeSession,
+        tokens: &[u32],
+        tail: &[f32],
+        logits: Option<&[f32]>,
+        salt: Option<&str>,
+    ) -> Result<CaptureOutcome, ModelError> {
+        self.check_session(session)?;
+        let c = self.weights.config();
+        if tokens.is_empty() {
+            return Err(ModelError::Input(
+                "an empty prefix has no volume (clinamen_swerve = 1)".into(),
+            ));
+        }
+        if (session.clock() as usize) < tokens.len() {
+            return Err(ModelError::Input(format!(
+                "the session holds {} positions, fewer than the {}-token prefix",
+                session.clock(),
+                tokens.len()
+            )));
+        }
+        if tail.len() != c.hidden {
+            return Err(ModelError::Input(format!(
+                "the tail residual has {} floats, expected {}",
+                tail.len(),
+                c.hidden
+            )));
+        }
+        if logits.is_some() && !session.is_exit() {
+            return Err(ModelError::Input("only the exit range stores logits".into()));
+        }
+        let n = tokens.len();
+        if n > self.cache.max_prefix_len() || !self.cache.is_enabled() {
+            // Reported by the cache without gathering the slab.
+            return self
+                .cache
+                .capture(
+                    self.weights.fingerprint(),
+                    tokens,
+                    self.layer_lo as u16,
+                    self.layer_hi as u16,
+                    c.n_kv_heads,
+                    c.head_dim(),
+                    tail,
+                    &[],
+                    &[],
+                    logits,
+                    salt,
+                )
+                .map_err(|e| ModelError::Volume(e.to_string()));
+        }
+        let layers = self.layer_hi - self.layer_lo;
+        let slab = layers * c.n_kv_heads * n * c.head_dim();
+        let mut keys = vec![0.0f32; slab];
+        let mut vals = vec![0.0f32; slab];
+        session
+            .ring()
+            .read_logical(n, &mut keys, &mut vals)
+            .map_err(|e| ModelError::Ring(e.to_string()))?;
+        self.cache
+            .capture_owned(
+                self.weights.fingerprint(),
+                tokens,
+                self.layer_lo as u16,
+                self.layer_hi as u16,
+                c.n_kv_heads,
+                c.head_dim(),
+                tail.to_vec(),
+                keys,
+                vals,
+                logits.map(<[f32]>::to_vec),
+                salt,
+            )
+            .map_err(|e| ModelError::Volume(e.to_string()))
+    }
+
+    /// `amplituhedron_replay`: splices the volume of `tokens` into a fresh session.
+    ///
+    /// A damaged volume takes the erasure path (SPEC §2): damage at the trailing position
+    /// trims it once and the shorter volume is replayed (`Partial`); deeper damage clears the
+    /// entry (`Miss`). The session is untouched on a miss.
+    pub fn amplituhedron_replay(
+        &mut self,
+        session: &mut RangeSession,
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) -> Result<ReplayOutcome, ModelError> {
+        self.check_session(session)?;
+        if tokens.is_empty() {
+            return Err(ModelError::Input("an empty prefix has no volume".into()));
+        }
+        if session.clock() != 0 {
+            return Err(ModelError::Input(format!(
+                "replay needs a fresh session, this one is at position {}",
+                session.clock()
+            )));
+        }
+        let (fp, lo, hi) = (
+            self.weights.fingerprint(),
+            self.layer_lo as u16,
+            self.layer_hi as u16,
+        );
+        // At most two rounds: the volume as stored, then once more after a trailing trim.
+        for _ in 0..2 {
+            let Some(vol) = self.cache.replay(fp, tokens, lo, hi, salt) else {
+                return Ok(ReplayOutcome::Miss);
+            };
+            if let Some(bad) = vol.first_non_finite_position() {
+                match self.cache.report_damage(fp, tokens, lo, hi, salt, bad) {
+                    DamageOutcome::Trimmed { .. } => continue,
+                    _ => return Ok(ReplayOutcome::Miss),
+                }
+            }
+            let kv_len = vol.kv_len();
+            if kv_len == 0 {
+                return Ok(ReplayOutcome::Miss);
+            }
+            // Replay goes through the ring's own append path, in the same span pieces prefill
+            // uses, so the ring state (table, spans) equals a cold prefill's exactly.
+            let total = vol.prefix_len();
+            let mut at = 0;
+            while at < kv_len {
+                let end = (at + session.max_chunk())
+                    .min(kv_len)
+                    .min((at / SPAN_TOKENS + 1) * SPAN_TOKENS);
+                if let Err(e) = session.append_volume_rows(
+                    vol.kv_keys(),
+                    vol.kv_vals(),
+                    total,
+                    at,
+                    end,
+                    SpanType::User,
+                    at % SPAN_TOKENS == 0,
+                ) {
+                    session.reset();
+                    return Err(e);
+                }
+                at = end;
+            }
+            return Ok(match vol.tail() {
+                Some(tail) if kv_len == tokens.len() => ReplayOutcome::Hit {
+                    tail: tail.to_vec(),
+                    logits: vol.logits().map(<[f32]>::to_vec),
+                },
+                _ => ReplayOutcome::Partial { kv_len },
+            });
+        }
+        Ok(ReplayOutcome::Miss)
+    }
+
+    /// Single-process generation over the whole model (this pipeline must span every layer).
+    ///
+    /// Replays the prompt's volume when cached (no prefill at all on a full hit: the first
+    /// token is sampled from the cached logits), otherwise prefills in chunks (reporting
+    /// progress) and captures the volume; then decodes one token at a time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate(
+        &mut self,
+        session: &mut RangeSession,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        sampler: &mut Sampler,
+        stop_ids: &[u32],
+        use_cache: bool,
+        on_token: &mut dyn FnMut(u32) -> bool,
+        on_prefill: &mut dyn FnMut(usize, usize) -> bool,
+    ) -> Result<GenerationStats, ModelError> {
+        self.check_session(session)?;
+        if !(session.is_entry() && session.is_exit()) {
+            return Err(ModelError::Input(
+                "generate needs a pipeline over the whole model; use a coordinator for ranges"
+                    .into(),
+            ));
+        }
+        if prompt.is_empty() {
+            return Err(ModelError::Input(
+                "the prompt is empty: a volume needs at least one token".into(),
+            ));
+        }
+        session.reset();
+        let started = Instant::now();
+        let mut hidden = Vec::new();
+        let mut logits = Vec::new();
+        let use_cache = use_cache && self.cache.is_enabled();
+        let replay = if use_cache {
+            self.amplituhedron_replay(session, prompt, None)?
+        } else {
+            ReplayOutcome::Miss
+        };
+        let (cache_hit, replayed) = match replay {
+            ReplayOutcome::Hit {
+                logits: Some(cached),
+                ..
+            } => {
+                logits = cached;
+                (true, prompt.len())
+            }
+            ReplayOutcome::Hit { logits: None, .. } => {
+                // A volume without logits cannot seed sampling: start over cold.
+                session.reset();
+                (false, 0)
+            }
+            ReplayOutcome::Partial { kv_len } => (false, kv_len),
+            ReplayOutcome::Miss => (false, 0),
+        };
+        if !cache_hit {
+            let total = prompt.len();
+            let mut done = replayed;
+            if !on_prefill(done, total) {
+                return Ok(cancelled(session, started));
+            }
+            while done < total {
+                // Spans open at fixed positions (multiples of SPAN_TOKENS), never at chunk
+                // boundaries, so how a prompt is chunked stays invisible to span eviction.
+                let end = (done + session.max_chunk())
+                    .min(total)
+                    .min((done / SPAN_TOKENS + 1) * SPAN_TOKENS);
+                let wanted = if end == total {
+                    LogitsWanted::Last
+                } else {
+                    LogitsWanted::None
+                };
+                session.forward(
+                    ChunkInput::Tokens(&prompt[done..end]),
+                    SpanType::User,
+                    done % SPAN_TOKENS == 0,
+                    wanted,
+                    &mut hidden,
+                    &mut logits,
+                )?;
+                done = end;
+                if !on_prefill(done, total) {
+                    return Ok(cancelled(session, started));
+                }
+            }
+            if use_cache {
+                let tail_at = hidden.len() - self.weights.config().hidden;
+                let tail = hidden[tail_at..].to_vec();
+                // Refusals (too long, disabled…) are counted in the cache's stats; a failed
+                // capture never fails the generation that produced it.
+                let _ = self.amplituhedron_capture(session, prompt, &tail, Some(&logits), None);
+            }
+        }
+        let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+        let decode_start = Instant::now();
+        let mut output = Vec::with_capacity(max_new_tokens);
+        let mut stop_reason = StopReason::Length;
+        for step in 0..max_new_tokens {
+            let token = sampler.sample(&logits)?;
+            output.push(token);
+            if !on_token(token) {
+                stop_reason = StopReason::Cancelled;
+                break;
+            }
+            if stop_ids.contains(&token) {
+                stop_reason = StopReason::Stop;
+                break;
+            }
+            if step + 1 == max_new_tokens {
+                break;
+            }
+            session.forward(
+                ChunkInput::Tokens(&[token]),
+                SpanType::ResponseSentence,
+                step % SPAN_TOKENS == 0,
+                LogitsWanted::Last,
+                &mut hidden,
+                &mut logits,
+            )?;
+        }
+        Ok(GenerationStats {
+            output_ids: output,
+            cache_hit,
+            replayed_tokens: replayed,
+            prefill_ms,
+            decode_ms: decode_start.elapsed().as_secs_f64() * 1e3,
+            stop_reason,
+        })
+    }
+}
+
+fn cancelled(session: &mut RangeSession, started: Instant) -> GenerationStats {
+    session.reset();
+    GenerationStats {
+        output_ids: Vec::new(),
+        cache_hit: false,
+        replayed_tokens: 0,
+        prefill_ms: started.elapsed().as_secs_f64() * 1e3,
+        decode_ms: 0.0,
+        stop_reason: StopReason::Cancelled,
+    }
+}

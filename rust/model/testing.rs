@@ -1,0 +1,117 @@
+//! A small synthetic Llama model in the real tensor formats (Q4_1 matrices, a Q8_0 tied
+//! embedding, F32 norms), so the runtime's invariants are tested with `cargo test` alone.
+
+use std::sync::Arc;
+
+use half::f16;
+
+use super::{LlamaConfig, LlamaWeights, TensorInfo};
+
+/// Deterministic pseudo-random floats in [-1, 1).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Q4_1 blocks of `values` (a multiple of 32): `{d: f16, m: f16, qs[16]}`, value = q·d + m.
+fn quantize_q4_1(values: &[f32], out: &mut Vec<u8>) {
+    for block in values.chunks_exact(32) {
+        let min = block.iter().copied().fold(f32::INFINITY, f32::min);
+        let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let d = (max - min) / 15.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+        for j in 0..16 {
+            let q = |x: f32| (((x - min) * inv).round() as i32).clamp(0, 15) as u8;
+            out.push(q(block[j]) | (q(block[j + 16]) << 4));
+        }
+    }
+}
+
+/// Q8_0 blocks of `values`: `{d: f16, qs: [i8; 32]}`, value = q·d.
+fn quantize_q8_0(values: &[f32], out: &mut Vec<u8>) {
+    for block in values.chunks_exact(32) {
+        let amax = block.iter().fold(0.0f32, |a, &x| a.max(x.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+        for &x in block {
+            out.push(((x * inv).round() as i32).clamp(-127, 127) as i8 as u8);
+        }
+    }
+}
+
+/// The tiny model's shape: GQA (4 query heads over 2 KV heads), 3 layers.
+pub(crate) fn tiny_config() -> LlamaConfig {
+    LlamaConfig {
+        n_layers: 3,
+        hidden: 64,
+        ffn: 128,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab: 96,
+        rope_base: 10000.0,
+        rms_eps: 1e-5,
+        context_len: 512,
+    }
+}
+
+/// Builds the tiny model's weights from `seed`.
+pub(crate) fn tiny_weights(seed: u64) -> Arc<LlamaWeights> {
+    let c = tiny_config();
+    let mut rng = Lcg(seed);
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut table = Vec::new();
+    let mut push = |name: String, ggml_type: u32, cols: usize, rows: usize, scale: f32| {
+        while bytes.len() % 32 != 0 {
+            bytes.push(0);
+        }
+        let offset = bytes.len() as u64;
+        let values: Vec<f32> = (0..rows * cols).map(|_| rng.next() * scale).collect();
+        match ggml_type {
+            0 => {
+                for v in &values {
+                    // Norm weights around 1, like a trained model's.
+                    bytes.extend_from_slice(&(1.0 + v).to_le_bytes());
+                }
+            }
+            3 => quantize_q4_1(&values, &mut bytes),
+            8 => quantize_q8_0(&values, &mut bytes),
+            _ => unreachable!(),
+        }
+        let dims = if rows == 1 {
+            vec![cols as u64]
+        } else {
+            vec![cols as u64, rows as u64]
+        };
+        table.push(TensorInfo {
+            name,
+            ggml_type,
+            dims,
+            offset,
+        });
+    };
+    let (h, kv, f) = (c.hidden, c.kv_dim(), c.ffn);
+    push("token_embd.weight".into(), 8, h, c.vocab, 1.0);
+    push("output_norm.weight".into(), 0, h, 1, 0.1);
+    for i in 0..c.n_layers {
+        push(format!("blk.{i}.attn_norm.weight"), 0, h, 1, 0.1);
+        push(format!("blk.{i}.attn_q.weight"), 3, h, h, 0.3);
+        push(format!("blk.{i}.attn_k.weight"), 3, h, kv, 0.3);
+        push(format!("blk.{i}.attn_v.weight"), 3, h, kv, 0.3);
+        push(format!("blk.{i}.attn_output.weight"), 3, h, h, 0.2);
+        push(format!("blk.{i}.ffn_norm.weight"), 0, h, 1, 0.1);
+        push(format!("blk.{i}.ffn_gate.weight"), 3, h, f, 0.3);
+        push(format!("blk.{i}.ffn_up.weight"), 3, h, f, 0.3);
+        push(format!("blk.{i}.ffn_down.weight"), 3, f, h, 0.2);
+    }
+    Arc::new(LlamaWeights::from_bytes(bytes, c, &table).expect("tiny model is well formed"))
+}

@@ -1,0 +1,338 @@
+//! Model weights: the GGUF file memory-mapped once, tensors as typed views into it.
+//!
+//! Parsing GGUF metadata is left to ggml-org's own `gguf` Python package (the format's
+//! reference reader, which also hands the tokenizer and chat template to Python); it gives
+//! this module a tensor table (name, ggml type, dims, absolute byte offset). The bytes are
+//! never copied: the file is mapped read-only and every matrix is a borrowed [`QMatrix`], so
+//! the quantized weights are what the kernels run on (no f32 copy of any matrix).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use super::{LlamaConfig, ModelError};
+use crate::quant::{GgmlType, QMatrix};
+
+/// One entry of the tensor table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// GGUF tensor name, e.g. `blk.3.attn_q.weight`.
+    pub name: String,
+    /// ggml type id (0 = F32, 1 = F16, 2 = Q4_0, 3 = Q4_1, 8 = Q8_0).
+    pub ggml_type: u32,
+    /// GGUF dims, fastest-varying first: `[cols, rows]` for a matrix, `[n]` for a vector.
+    pub dims: Vec<u64>,
+    /// Absolute byte offset of the tensor data in the storage.
+    pub offset: u64,
+}
+
+/// Where the weight bytes live: a read-only file mapping, or memory (tests, synthetic models).
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// A validated tensor: its type, shape and byte range in the storage.
+#[derive(Clone, Debug)]
+struct TensorEntry {
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    start: usize,
+    len: usize,
+}
+
+/// Byte ranges of the tensors of one transformer block.
+#[derive(Clone, Debug)]
+pub struct LayerTensors {
+    attn_norm: TensorEntry,
+    wq: TensorEntry,
+    wk: TensorEntry,
+    wv: TensorEntry,
+    wo: TensorEntry,
+    ffn_norm: TensorEntry,
+    w_gate: TensorEntry,
+    w_up: TensorEntry,
+    w_down: TensorEntry,
+    bq: Option<TensorEntry>,
+    bk: Option<TensorEntry>,
+    bv: Option<TensorEntry>,
+}
+
+/// All weights of a Llama model plus its content fingerprint.
+pub struct LlamaWeights {
+    config: LlamaConfig,
+    storage: Arc<Storage>,
+    token_embd: TensorEntry,
+    output_norm: TensorEntry,
+    /// `None` when the LM head is tied to `token_embd` (SmolLM2).
+    output: Option<TensorEntry>,
+    layers: Vec<LayerTensors>,
+    fingerprint: u64,
+}
+
+/// Borrowed views of one block's tensors, ready for the kernels.
+pub struct LayerView<'a> {
+    pub attn_norm: &'a [f32],
+    pub wq: QMatrix<'a>,
+    pub wk: QMatrix<'a>,
+    pub wv: QMatrix<'a>,
+    pub wo: QMatrix<'a>,
+    pub ffn_norm: &'a [f32],
+    pub w_gate: QMatrix<'a>,
+    pub w_up: QMatrix<'a>,
+    pub w_down: QMatrix<'a>,
+    pub bq: Option<&'a [f32]>,
+    pub bk: Option<&'a [f32]>,
+    pub bv: Option<&'a [f32]>,
+}
+
+impl LlamaWeights {
+    /// Maps `path` read-only and validates the tensor table against `config`.
+    pub fn from_file(
+        path: &Path,
+        config: LlamaConfig,
+        table: &[TensorInfo],
+    ) -> Result<Self, ModelError> {
+        let file = File::open(path)
+            .map_err(|e| ModelError::Io(format!("cannot open {}: {e}", path.display())))?;
+        // SAFETY: the mapping is read-only and private to this process; a model file being
+        // truncated underneath a running server is outside what any inference engine guards.
+        let map = unsafe { Mmap::map(&file) }
+            .map_err(|e| ModelError::Io(format!("cannot map {}: {e}", path.display())))?;
+        Self::from_storage(Storage::Mapped(map), config, table)
+    }
+
+    /// Builds weights from bytes in memory (synthetic models in tests, or a copied file).
+    pub fn from_bytes(
+        bytes: Vec<u8>,
+        config: LlamaConfig,
+        table: &[TensorInfo],
+    ) -> Result<Self, ModelError> {
+        Self::from_storage(Storage::Owned(bytes), config, table)
+    }
+
+    fn from_storage(
+        storage: Storage,
+        config: LlamaConfig,
+        table: &[TensorInfo],
+    ) -> Result<Self, ModelError> {
+        config.validate()?;
+        let total = storage.bytes().len();
+        let mut by_name: HashMap<&str, TensorEntry> = HashMap::new();
+        for info in table {
+            let entry = validate_entry(info, total)?;
+            if by_name.insert(info.name.as_str(), entry).is_some() {
+                return Err(ModelError::Weights(format!("tensor {} listed twice", info.name)));
+            }
+        }
+        let c = &config;
+        let (hidden, kv, ffn) = (c.hidden, c.kv_dim(), c.ffn);
+        let take = |name: &str, rows: usize, cols: usize| -> Result<TensorEntry, ModelError> {
+            let e = by_name
+                .get(name)
+                .ok_or_else(|| ModelError::Weights(format!("missing tensor {name}")))?;
+            if e.rows != rows || e.cols != cols {
+                return Err(ModelError::Weights(format!(
+                    "tensor {name} is {}x{}, expected {rows}x{cols}",
+                    e.rows, e.cols
+                )));
+            }
+            Ok(e.clone())
+        };
+        let vector = |name: &str, n: usize| -> Result<TensorEntry, ModelError> {
+            let e = take(name, 1, n)?;
+            if e.dtype != GgmlType::F32 {
+                return Err(ModelError::Weights(format!("{name} must be F32, is {:?}", e.dtype)));
+            }
+            Ok(e)
+        };
+        let optional_vector = |name: &str, n: usize| -> Result<Option<TensorEntry>, ModelError> {
+            if by_name.contains_key(name) {
+                vector(name, n).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let token_embd = take("token_embd.weight", c.vocab, hidden)?;
+        let output_norm = vector("output_norm.weight", hidden)?;
+        let output = if by_name.contains_key("output.weight") {
+            Some(take("output.weight", c.vocab, hidden)?)
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let n = |t: &str| format!("blk.{i}.{t}");
+            layers.push(LayerTensors {
+                attn_norm: vector(&n("attn_norm.weight"), hidden)?,
+                wq: take(&n("attn_q.weight"), hidden, hidden)?,
+                wk: take(&n("attn_k.weight"), kv, hidden)?,
+                wv: take(&n("attn_v.weight"), kv, hidden)?,
+                wo: take(&n("attn_output.weight"), hidden, hidden)?,
+                ffn_norm: vector(&n("ffn_norm.weight"), hidden)?,
+                w_gate: take(&n("ffn_gate.weight"), ffn, hidden)?,
+                w_up: take(&n("ffn_up.weight"), ffn, hidden)?,
+                w_down: take(&n("ffn_down.weight"), hidden, ffn)?,
+                bq: optional_vector(&n("attn_q.bias"), hidden)?,
+                bk: optional_vector(&n("attn_k.bias"), kv)?,
+                bv: optional_vector(&n("attn_v.bias"), kv)?,
+            });
+        }
+        let fingerprint = fingerprint(&config, table, storage.bytes());
+        let weights = LlamaWeights {
+            config,
+            storage: Arc::new(storage),
+            token_embd,
+            output_norm,
+            output,
+            layers,
+            fingerprint,
+        };
+        // Construct every matrix view once so a malformed tensor fails here, not mid-forward.
+        for i in 0..weights.config.n_layers {
+            weights.layer(i)?;
+        }
+        weights.embedding()?;
+        weights.lm_head()?;
+        Ok(weights)
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Content hash of the model (config + every tensor's name, type, shape and bytes):
+    /// the `model_fingerprint` of every volume key, so new weights never hit old volumes.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    fn matrix(&self, e: &TensorEntry) -> Result<QMatrix<'_>, ModelError> {
+        let bytes = &self.storage.bytes()[e.start..e.start + e.len];
+        QMatrix::new(e.dtype, e.rows, e.cols, bytes)
+            .map_err(|err| ModelError::Weights(err.to_string()))
+    }
+
+    fn f32_slice(&self, e: &TensorEntry) -> &[f32] {
+        let bytes = &self.storage.bytes()[e.start..e.start + e.len];
+        // GGUF aligns tensor data (32 bytes by default), so F32 data is 4-byte aligned.
+        // SAFETY: `validate_entry` checked the range, the F32 type and 4-byte alignment of
+        // the offset relative to an allocation that is page aligned (mmap) or from a Vec<u8>
+        // checked below; every bit pattern is a valid f32.
+        let (head, floats, tail) = unsafe { bytes.align_to::<f32>() };
+        assert!(head.is_empty() && tail.is_empty(), "F32 tensor data is not 4-byte aligned");
+        floats
+    }
+
+    /// The token embedding table (`vocab × hidden`).
+    pub fn embedding(&self) -> Result<QMatrix<'_>, ModelError> {
+        self.matrix(&self.token_embd)
+    }
+
+    /// The LM head: `output.weight`, or the tied `token_embd`.
+    pub fn lm_head(&self) -> Result<QMatrix<'_>, ModelError> {
+        self.matrix(self.output.as_ref().unwrap_or(&self.token_embd))
+    }
+
+    /// The final RMSNorm weight.
+    pub fn output_norm(&self) -> &[f32] {
+        self.f32_slice(&self.output_norm)
+    }
+
+    /// Borrowed views of block `i`.
+    pub fn layer(&self, i: usize) -> Result<LayerView<'_>, ModelError> {
+        let l = self
+            .layers
+            .get(i)
+            .ok_or_else(|| ModelError::Weights(format!("no layer {i}")))?;
+        let opt = |e: &Option<TensorEntry>| e.as_ref().map(|e| self.f32_slice(e));
+        Ok(LayerView {
+            attn_norm: self.f32_slice(&l.attn_norm),
+            wq: self.matrix(&l.wq)?,
+            wk: self.matrix(&l.wk)?,
+            wv: self.matrix(&l.wv)?,
+            wo: self.matrix(&l.wo)?,
+            ffn_norm: self.f32_slice(&l.ffn_norm),
+            w_gate: self.matrix(&l.w_gate)?,
+            w_up: self.matrix(&l.w_up)?,
+            w_down: self.matrix(&l.w_down)?,
+            bq: opt(&l.bq),
+            bk: opt(&l.bk),
+            bv: opt(&l.bv),
+        })
+    }
+}
+
+fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
+    let bad = |what: String| ModelError::Weights(format!("tensor {}: {what}", info.name));
+    let dtype = GgmlType::from_id(info.ggml_type)
+        .ok_or_else(|| bad(format!("unsupported ggml type id {}", info.ggml_type)))?;
+    let (cols, rows) = match info.dims.as_slice() {
+        [n] => (*n as usize, 1usize),
+        [c, r] => (*c as usize, *r as usize),
+        other => return Err(bad(format!("unsupported rank {}", other.len()))),
+    };
+    if cols == 0 || rows == 0 || cols % dtype.block_elems() != 0 {
+        return Err(bad(format!(
+            "{cols} columns do not fit {:?} blocks of {}",
+            dtype,
+            dtype.block_elems()
+        )));
+    }
+    let len = rows
+        .checked_mul(cols / dtype.block_elems())
+        .and_then(|blocks| blocks.checked_mul(dtype.block_bytes()))
+        .ok_or_else(|| bad("size overflows".into()))?;
+    let start = usize::try_from(info.offset).map_err(|_| bad("offset overflows".into()))?;
+    if start.checked_add(len).is_none_or(|end| end > total) {
+        return Err(bad(format!(
+            "bytes {start}..{} lie outside the {total}-byte file",
+            start + len
+        )));
+    }
+    if dtype == GgmlType::F32 && start % 4 != 0 {
+        return Err(bad(format!("F32 data at offset {start} is not 4-byte aligned")));
+    }
+    Ok(TensorEntry {
+        dtype,
+        rows,
+        cols,
+        start,
+        len,
+    })
+}
+
+/// BLAKE3 over the canonical config and every tensor (sorted by name), truncated to u64.
+fn fingerprint(config: &LlamaConfig, table: &[TensorInfo], bytes: &[u8]) -> u64 {
+    let mut sorted: Vec<&TensorInfo> = table.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut h = blake3::Hasher::new();
+    h.update(b"amplituhedron-rs model fingerprint v1\0");
+    h.update(config.canonical().as_bytes());
+    for t in sorted {
+        h.update(t.name.as_bytes());
+        h.update(&[0]);
+        h.update(&t.ggml_type.to_le_bytes());
+        for d in &t.dims {
+            h.update(&d.to_le_bytes());
+        }
+        // Validated in `validate_entry` before the fingerprint is taken.
+        let e = validate_entry(t, bytes.len()).expect("validated tensor");
+        h.update_rayon(&bytes[e.start..e.start + e.len]);
+    }
+    crate::keys::digest_prefix_u64(h.finalize().as_bytes())
+}
