@@ -1,13 +1,15 @@
-//! The two cache key spaces (Lean `CacheKey`, `keyTag`, `encodeKey`): matvec-memo keys
-//! ("death1") and volume-cache keys ("death2"), serialised tag first so they can never
-//! collide. The tags are the crate's real constants, [`crate::keys::MEMO_TAG`] and
-//! [`crate::keys::VOLUME_TAG`], so the parity suite checks what the caches actually use.
+//! The Lean model of the two cache key spaces (Lean `CacheKey`, `keyTag`, `encodeKey`):
+//! matvec-memo keys ("death1") and volume-cache keys ("death2"), serialised tag first so they
+//! can never collide. The tags are the crate's real constants, [`crate::keys::MEMO_TAG`] and
+//! [`crate::keys::VOLUME_TAG`], so the parity suite checks what the caches actually use. The
+//! encoding here is the Lean one (a list of fields); the live caches' byte keys belong to the
+//! cache modules.
 
 use crate::keys::{MEMO_TAG, VOLUME_TAG};
 
-/// A key of one of the two caches.
+/// A key of one of the two caches, as the Lean models it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CacheKey {
+pub enum LeanCacheKey {
     /// MatVecMemo key (Lean `death1`), by the hash of the input vector.
     Memo {
         /// Hash of the matvec input.
@@ -26,7 +28,7 @@ pub enum CacheKey {
     },
 }
 
-impl CacheKey {
+impl LeanCacheKey {
     /// The tag byte written first in the serialised key (Lean `keyTag`).
     pub fn tag(&self) -> u8 {
         match self {
@@ -63,8 +65,8 @@ mod tests {
 
     #[test]
     fn tags_and_encodings_match_the_lean() {
-        let memo = CacheKey::Memo { input_hash: 42 };
-        let volume = CacheKey::Volume {
+        let memo = LeanCacheKey::Memo { input_hash: 42 };
+        let volume = LeanCacheKey::Volume {
             model_fingerprint: 7,
             prefix_hash: 42,
             layer_lo: 0,
@@ -77,8 +79,8 @@ mod tests {
 
     #[test]
     fn encodings_of_the_two_spaces_never_share_a_head() {
-        let memo = CacheKey::Memo { input_hash: 2 };
-        let volume = CacheKey::Volume {
+        let memo = LeanCacheKey::Memo { input_hash: 2 };
+        let volume = LeanCacheKey::Volume {
             model_fingerprint: 1,
             prefix_hash: 2,
             layer_lo: 0,

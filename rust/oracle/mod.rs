@@ -21,7 +21,7 @@ pub mod sizing;
 
 use std::fmt;
 
-pub use cache_key::CacheKey;
+pub use cache_key::LeanCacheKey;
 pub use grassmannian::{
     boundary_profile, plucker_coordinates, plucker_residual, totally_nonnegative, totally_positive,
     zero_minor_count, BoundaryProfile, Mat2x4,
