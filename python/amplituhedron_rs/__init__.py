@@ -8,7 +8,67 @@ from amplituhedron_rs._core import __version__
 
 # --- volume cache, eviction, memo ---
 # --- oracle kernel ---
+# isort: split
+from amplituhedron_rs._core import (
+    ORACLE_CLINAMEN_SWERVE,
+    oracle_admits_volume,
+    oracle_boundary_profile,
+    oracle_bracket,
+    oracle_canonical_form,
+    oracle_encode_memo_key,
+    oracle_encode_volume_key,
+    oracle_execution_volume,
+    oracle_fan_form,
+    oracle_fib,
+    oracle_fib_u128,
+    oracle_grassmannian_volume,
+    oracle_key_tags,
+    oracle_maximal_minors,
+    oracle_moment_curve,
+    oracle_plucker_coordinates,
+    oracle_plucker_residual,
+    oracle_topological_erasure,
+    oracle_totally_nonnegative,
+    oracle_totally_positive,
+    oracle_trim_trailing,
+    oracle_vertex_count,
+    oracle_well_formed_prefix,
+    oracle_y_of,
+    oracle_zero_minor_count,
+)
+from amplituhedron_rs.oracles import LeanOracle, OracleResult, oracle_parity
+
 # --- ring buffer and attention ---
 # --- model runtime ---
 
-__all__ = ["__version__"]
+__all__ = [
+    "ORACLE_CLINAMEN_SWERVE",
+    "LeanOracle",
+    "OracleResult",
+    "__version__",
+    "oracle_admits_volume",
+    "oracle_boundary_profile",
+    "oracle_bracket",
+    "oracle_canonical_form",
+    "oracle_encode_memo_key",
+    "oracle_encode_volume_key",
+    "oracle_execution_volume",
+    "oracle_fan_form",
+    "oracle_fib",
+    "oracle_fib_u128",
+    "oracle_grassmannian_volume",
+    "oracle_key_tags",
+    "oracle_maximal_minors",
+    "oracle_moment_curve",
+    "oracle_parity",
+    "oracle_plucker_coordinates",
+    "oracle_plucker_residual",
+    "oracle_topological_erasure",
+    "oracle_totally_nonnegative",
+    "oracle_totally_positive",
+    "oracle_trim_trailing",
+    "oracle_vertex_count",
+    "oracle_well_formed_prefix",
+    "oracle_y_of",
+    "oracle_zero_minor_count",
+]
