@@ -9,6 +9,15 @@ from amplituhedron_rs._core import __version__
 # --- volume cache, eviction, memo ---
 # --- oracle kernel ---
 # --- ring buffer and attention ---
+# isort: split
+from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
+
 # --- model runtime ---
 
-__all__ = ["__version__"]
+__all__ = [
+    "RingBuffer",
+    "SemanticSpan",
+    "SpanType",
+    "__version__",
+    "attend",
+]
