@@ -1,7 +1,255 @@
-//! Placeholder until the kernel's benches land.
-use criterion::{criterion_group, criterion_main, Criterion};
+//! Decode attention over the ring's active slots at SmolLM2-135M shapes (9 query heads,
+//! 3 KV heads, head_dim 64, one query row), 256 / 1024 / 4096 active slots of a 4096-slot ring.
+//!
+//! Variants: a shuffled indirection table, an in-order table, contiguous rows (no table), a
+//! naive scalar loop (per-key dot + libm exp), and a memcpy of the same KV bytes as the
+//! bandwidth reference. Throughput is the KV bytes read: 2 × active × kv_heads × head_dim × 4.
+//! After criterion, a short same-run timing prints the ratios (indirection overhead, kernel
+//! read rate / memcpy).
 
-fn placeholder(_c: &mut Criterion) {}
+use std::hint::black_box;
+use std::time::{Duration, Instant};
 
-criterion_group!(benches, placeholder);
+use amplituhedron::attention::{attend, attend_with, scratch_len, AttnDims, AttnInputs, Isa};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+const SLOTS: usize = 4096;
+const DIMS: AttnDims = AttnDims {
+    n_q_heads: 9,
+    n_kv_heads: 3,
+    head_dim: 64,
+};
+const ACTIVE: [usize; 3] = [256, 1024, 4096];
+
+struct Fixture {
+    q: Vec<f32>,
+    ring_k: Vec<f32>,
+    ring_v: Vec<f32>,
+    shuffled: Vec<u32>,
+    in_order: Vec<u32>,
+    scratch: Vec<f32>,
+    out: Vec<f32>,
+    copy_dst: Vec<f32>,
+}
+
+fn lcg(state: &mut u64) -> u64 {
+    *state = state
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(1_442_695_040_888_963_407);
+    *state >> 33
+}
+
+impl Fixture {
+    fn new(active: usize) -> Fixture {
+        let mut s = 7u64;
+        let mut rand = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| (lcg(&mut s) % 2001) as f32 / 1000.0 - 1.0)
+                .collect()
+        };
+        let row = DIMS.kv_row();
+        let q = rand(DIMS.q_row());
+        let ring_k = rand(SLOTS * row);
+        let ring_v = rand(SLOTS * row);
+        let mut perm: Vec<u32> = (0..SLOTS as u32).collect();
+        let mut st = 11u64;
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, (lcg(&mut st) % (i as u64 + 1)) as usize);
+        }
+        Fixture {
+            q,
+            ring_k,
+            ring_v,
+            shuffled: perm[..active].to_vec(),
+            in_order: (0..active as u32).collect(),
+            scratch: vec![0.0; scratch_len(DIMS, active)],
+            out: vec![0.0; DIMS.q_row()],
+            copy_dst: vec![0.0; 2 * active * row],
+        }
+    }
+
+    fn kernel(&mut self, slots: Slots) {
+        let active = self.in_order.len();
+        let row = DIMS.kv_row();
+        let (table, local_k, local_v): (&[u32], &[f32], &[f32]) = match slots {
+            Slots::Shuffled => (&self.shuffled, &[], &[]),
+            Slots::InOrder => (&self.in_order, &[], &[]),
+            Slots::Contiguous => (
+                &[],
+                &self.ring_k[..active * row],
+                &self.ring_v[..active * row],
+            ),
+        };
+        let inputs = AttnInputs {
+            q_fixed: &self.q,
+            q_window: &self.q,
+            ring_k: &self.ring_k,
+            ring_v: &self.ring_v,
+            fixed_slots: &[],
+            window_slots: table,
+            local_k,
+            local_v,
+        };
+        attend(&inputs, DIMS, 0.125, &mut self.scratch, &mut self.out).unwrap();
+    }
+
+    fn memcpy(&mut self) {
+        let n = self.in_order.len() * DIMS.kv_row();
+        let (k, v) = self.copy_dst.split_at_mut(n);
+        k.copy_from_slice(&self.ring_k[..n]);
+        v.copy_from_slice(&self.ring_v[..n]);
+    }
+
+    /// The textbook loop: per-key dot products, libm exp, weighted sum.
+    fn naive(&mut self) {
+        let hd = DIMS.head_dim;
+        let row = DIMS.kv_row();
+        let group = DIMS.n_q_heads / DIMS.n_kv_heads;
+        let n = self.shuffled.len();
+        for h in 0..DIMS.n_q_heads {
+            let g = h / group;
+            let q = &self.q[h * hd..(h + 1) * hd];
+            let scores = &mut self.scratch[..n];
+            for (s, &slot) in scores.iter_mut().zip(&self.shuffled) {
+                let k = &self.ring_k[slot as usize * row + g * hd..][..hd];
+                *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * 0.125;
+            }
+            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0.0;
+            for s in scores.iter_mut() {
+                *s = (*s - m).exp();
+                total += *s;
+            }
+            let out = &mut self.out[h * hd..(h + 1) * hd];
+            out.fill(0.0);
+            for (p, &slot) in scores.iter().zip(&self.shuffled) {
+                let v = &self.ring_v[slot as usize * row + g * hd..][..hd];
+                for (o, x) in out.iter_mut().zip(v) {
+                    *o += p * x;
+                }
+            }
+            for o in out.iter_mut() {
+                *o /= total;
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Slots {
+    Shuffled,
+    InOrder,
+    Contiguous,
+}
+
+fn kv_bytes(active: usize) -> u64 {
+    (2 * active * DIMS.kv_row() * 4) as u64
+}
+
+fn bench_decode(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decode_attention");
+    group
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(900))
+        .sample_size(20);
+    for active in ACTIVE {
+        let mut f = Fixture::new(active);
+        group.throughput(Throughput::Bytes(kv_bytes(active)));
+        for slots in [Slots::Shuffled, Slots::InOrder, Slots::Contiguous] {
+            let name = format!("{slots:?}").to_lowercase();
+            group.bench_function(BenchmarkId::new(name, active), |b| {
+                b.iter(|| f.kernel(black_box(slots)))
+            });
+        }
+        group.bench_function(BenchmarkId::new("naive_scalar", active), |b| {
+            b.iter(|| f.naive())
+        });
+        group.bench_function(BenchmarkId::new("memcpy", active), |b| {
+            b.iter(|| f.memcpy())
+        });
+    }
+    group.finish();
+    print_ratios();
+}
+
+/// Best-of time per call of `f` (short, same run as the baseline it is compared with).
+fn best_time(mut f: impl FnMut()) -> f64 {
+    let t = Instant::now();
+    f();
+    // Batches of ~2 ms, at least one call.
+    let reps = ((2e-3 / t.elapsed().as_secs_f64().max(1e-9)) as usize).clamp(1, 1000);
+    for _ in 0..reps {
+        f();
+    }
+    let mut best = f64::INFINITY;
+    for _ in 0..15 {
+        let t = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    best
+}
+
+fn print_ratios() {
+    println!(
+        "\nratios (best-of timing, same run; ISA {:?}):",
+        Isa::best()
+    );
+    println!(
+        "{:>7} {:>12} {:>12} {:>12} {:>12} {:>14} {:>14} {:>12}",
+        "active",
+        "shuffled",
+        "contiguous",
+        "memcpy",
+        "naive",
+        "shuf/contig",
+        "kernel/memcpy",
+        "naive/shuf"
+    );
+    for active in ACTIVE {
+        let mut f = Fixture::new(active);
+        let bytes = kv_bytes(active) as f64;
+        let shuffled = best_time(|| f.kernel(Slots::Shuffled));
+        let contiguous = best_time(|| f.kernel(Slots::Contiguous));
+        let memcpy = best_time(|| f.memcpy());
+        let naive = best_time(|| f.naive());
+        let gbs = |t: f64| bytes / t / 1e9;
+        println!(
+            "{active:>7} {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>13.1}% {:>14.2} {:>11.1}x",
+            gbs(shuffled),
+            gbs(contiguous),
+            gbs(memcpy),
+            gbs(naive),
+            (shuffled / contiguous - 1.0) * 100.0,
+            memcpy / shuffled,
+            naive / shuffled,
+        );
+    }
+    // Cross-ISA speed, for the record (all ISAs give identical bits).
+    let mut f = Fixture::new(4096);
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+        let t = best_time(|| {
+            let inputs = AttnInputs {
+                q_fixed: &f.q,
+                q_window: &f.q,
+                ring_k: &f.ring_k,
+                ring_v: &f.ring_v,
+                fixed_slots: &[],
+                window_slots: &f.shuffled,
+                local_k: &[],
+                local_v: &[],
+            };
+            attend_with(isa, &inputs, DIMS, 0.125, &mut f.scratch, &mut f.out).unwrap();
+        });
+        println!(
+            "  {isa:?}: 4096 shuffled slots {:.1} us ({:.2} GB/s)",
+            t * 1e6,
+            kv_bytes(4096) as f64 / t / 1e9
+        );
+    }
+}
+
+criterion_group!(benches, bench_decode);
 criterion_main!(benches);

@@ -39,13 +39,20 @@ from amplituhedron_rs._core import (
 from amplituhedron_rs.oracles import LeanOracle, OracleResult, oracle_parity
 
 # --- ring buffer and attention ---
+# isort: split
+from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
+
 # --- model runtime ---
 
 __all__ = [
     "ORACLE_CLINAMEN_SWERVE",
     "LeanOracle",
     "OracleResult",
+    "RingBuffer",
+    "SemanticSpan",
+    "SpanType",
     "__version__",
+    "attend",
     "oracle_admits_volume",
     "oracle_boundary_profile",
     "oracle_bracket",

@@ -1,0 +1,568 @@
+use super::*;
+use crate::ring::{RingConfig, SpanType};
+use std::collections::BTreeMap;
+
+/// Small deterministic generator (splitmix64) for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn f32s(&mut self, n: usize, amp: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp)
+            .collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Straightforward f64 attention over an explicit key list.
+fn reference(
+    q_fixed: &[f32],
+    q_window: &[f32],
+    keys: &[(Vec<f32>, Vec<f32>, bool)],
+    dims: AttnDims,
+    scale: f32,
+) -> Vec<f32> {
+    let hd = dims.head_dim;
+    let group = dims.n_q_heads / dims.n_kv_heads;
+    let mut out = vec![0.0; dims.q_row()];
+    for h in 0..dims.n_q_heads {
+        let g = h / group;
+        let scores: Vec<f64> = keys
+            .iter()
+            .map(|(k, _, fixed)| {
+                let q = if *fixed { q_fixed } else { q_window };
+                (0..hd)
+                    .map(|d| q[h * hd + d] as f64 * k[g * hd + d] as f64)
+                    .sum::<f64>()
+                    * scale as f64
+            })
+            .collect();
+        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let total: f64 = p.iter().sum();
+        for d in 0..hd {
+            let acc: f64 = keys
+                .iter()
+                .zip(&p)
+                .map(|((_, v, _), p)| p * v[g * hd + d] as f64)
+                .sum();
+            out[h * hd + d] = (acc / total) as f32;
+        }
+    }
+    out
+}
+
+/// A random attention problem: ring of `slots` rows, random fixed/window slot tables and
+/// `n_local` local rows.
+struct Problem {
+    dims: AttnDims,
+    q_fixed: Vec<f32>,
+    q_window: Vec<f32>,
+    ring_k: Vec<f32>,
+    ring_v: Vec<f32>,
+    fixed: Vec<u32>,
+    window: Vec<u32>,
+    local_k: Vec<f32>,
+    local_v: Vec<f32>,
+}
+
+impl Problem {
+    fn random(
+        rng: &mut Rng,
+        dims: AttnDims,
+        slots: usize,
+        n_fixed: usize,
+        n_window: usize,
+        n_local: usize,
+    ) -> Problem {
+        let kv = dims.kv_row();
+        let mut perm: Vec<u32> = (0..slots as u32).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.below(i + 1));
+        }
+        Problem {
+            dims,
+            q_fixed: rng.f32s(dims.q_row(), 1.0),
+            q_window: rng.f32s(dims.q_row(), 1.0),
+            ring_k: rng.f32s(slots * kv, 2.0),
+            ring_v: rng.f32s(slots * kv, 1.0),
+            fixed: perm[..n_fixed].to_vec(),
+            window: perm[n_fixed..n_fixed + n_window].to_vec(),
+            local_k: rng.f32s(n_local * kv, 2.0),
+            local_v: rng.f32s(n_local * kv, 1.0),
+        }
+    }
+
+    fn inputs(&self) -> AttnInputs<'_> {
+        AttnInputs {
+            q_fixed: &self.q_fixed,
+            q_window: &self.q_window,
+            ring_k: &self.ring_k,
+            ring_v: &self.ring_v,
+            fixed_slots: &self.fixed,
+            window_slots: &self.window,
+            local_k: &self.local_k,
+            local_v: &self.local_v,
+        }
+    }
+
+    fn keys(&self) -> Vec<(Vec<f32>, Vec<f32>, bool)> {
+        let kv = self.dims.kv_row();
+        let ring_row = |s: u32, fixed: bool| {
+            let s = s as usize;
+            (
+                self.ring_k[s * kv..(s + 1) * kv].to_vec(),
+                self.ring_v[s * kv..(s + 1) * kv].to_vec(),
+                fixed,
+            )
+        };
+        let mut keys: Vec<_> = self.fixed.iter().map(|&s| ring_row(s, true)).collect();
+        keys.extend(self.window.iter().map(|&s| ring_row(s, false)));
+        for i in 0..self.local_k.len() / kv {
+            keys.push((
+                self.local_k[i * kv..(i + 1) * kv].to_vec(),
+                self.local_v[i * kv..(i + 1) * kv].to_vec(),
+                false,
+            ));
+        }
+        keys
+    }
+
+    fn run(&self, isa: Isa, scale: f32) -> Vec<f32> {
+        let n = self.keys().len();
+        let mut scratch = vec![f32::NAN; scratch_len(self.dims, n)];
+        let mut out = vec![f32::NAN; self.dims.q_row()];
+        attend_with(
+            isa,
+            &self.inputs(),
+            self.dims,
+            scale,
+            &mut scratch,
+            &mut out,
+        )
+        .unwrap();
+        out
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+const SHAPES: [(usize, usize, usize); 7] = [
+    (9, 3, 64),
+    (4, 4, 16),
+    (8, 2, 128),
+    (6, 3, 17),
+    (2, 1, 100),
+    (3, 3, 1),
+    (12, 4, 48),
+];
+
+#[test]
+fn matches_f64_reference_on_every_isa() {
+    let mut rng = Rng(1);
+    for (n_q_heads, n_kv_heads, head_dim) in SHAPES {
+        let dims = AttnDims {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        for (n_fixed, n_window, n_local) in [(0, 0, 1), (3, 40, 5), (17, 0, 0), (0, 200, 33)] {
+            let p = Problem::random(&mut rng, dims, 300, n_fixed, n_window, n_local);
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let expected = reference(&p.q_fixed, &p.q_window, &p.keys(), dims, scale);
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+                let got = p.run(isa, scale);
+                for (g, e) in got.iter().zip(&expected) {
+                    assert!((g - e).abs() <= 2e-6, "{isa:?} {dims:?}: {g} vs {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_isa_is_bit_identical_to_scalar() {
+    let available: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.is_available()).collect();
+    // This machine class has AVX-512; make sure the test is not vacuous there.
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        assert_eq!(available.len(), 3);
+    }
+    let mut rng = Rng(2);
+    for round in 0..40 {
+        let (n_q_heads, n_kv_heads, head_dim) = SHAPES[round % SHAPES.len()];
+        let dims = AttnDims {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let n_fixed = rng.below(20);
+        let n_window = rng.below(150);
+        let n_local = 1 + rng.below(40);
+        let p = Problem::random(&mut rng, dims, 256, n_fixed, n_window, n_local);
+        // Large scales push scores far apart: exercises the exp flush-to-zero branch.
+        let scale = [0.125, 1.0, 40.0][round % 3];
+        let scalar = bits(&p.run(Isa::Scalar, scale));
+        for &isa in &available {
+            assert_eq!(bits(&p.run(isa, scale)), scalar, "{isa:?} round {round}");
+        }
+    }
+}
+
+#[test]
+fn exp_polynomial_is_accurate_and_identical_across_isas() {
+    let xs: Vec<f32> = (0..4096)
+        .map(|i| -(i as f32) * 0.0231)
+        .chain([-87.3, -87.34, -88.0, -1e30, f32::NEG_INFINITY, -0.0, 0.0])
+        .collect();
+    let eval = |isa: Isa| -> Vec<f32> {
+        let mut out = vec![0.0; xs.len().div_ceil(LANES) * LANES];
+        let mut padded = xs.clone();
+        padded.resize(out.len(), 0.0);
+        for b in (0..padded.len()).step_by(LANES) {
+            // SAFETY: the ISA is available (checked by the caller) and both buffers hold 16
+            // f32 from `b`.
+            unsafe {
+                match isa {
+                    Isa::Scalar => {
+                        ScalarLanes::exp_nonpositive(ScalarLanes::load(padded.as_ptr().add(b)))
+                            .store(out.as_mut_ptr().add(b))
+                    }
+                    Isa::Avx2Fma => x86::exp_avx2(padded.as_ptr().add(b), out.as_mut_ptr().add(b)),
+                    Isa::Avx512 => x86::exp_avx512(padded.as_ptr().add(b), out.as_mut_ptr().add(b)),
+                }
+            }
+        }
+        out.truncate(xs.len());
+        out
+    };
+    let scalar = eval(Isa::Scalar);
+    for (x, y) in xs.iter().zip(&scalar) {
+        let exact = (*x as f64).exp();
+        if *x < -87.336_55 {
+            assert_eq!(*y, 0.0);
+        } else {
+            assert!(
+                ((*y as f64) - exact).abs() <= 2.5e-7 * exact,
+                "exp({x}) = {y}, want {exact}"
+            );
+        }
+    }
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+        assert_eq!(bits(&eval(isa)), bits(&scalar), "{isa:?}");
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let mut rng = Rng(3);
+    let dims = AttnDims {
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+    };
+    let mut p = Problem::random(&mut rng, dims, 10, 2, 3, 1);
+    let mut scratch = vec![0.0; scratch_len(dims, 6)];
+    let mut out = vec![0.0; 32];
+    let bad = AttnDims {
+        n_kv_heads: 3,
+        ..dims
+    };
+    assert_eq!(
+        attend(&p.inputs(), bad, 1.0, &mut scratch, &mut out),
+        Err(AttnError::BadDims(bad))
+    );
+    assert!(matches!(
+        attend(&p.inputs(), dims, 1.0, &mut scratch[..10], &mut out),
+        Err(AttnError::ScratchTooSmall { .. })
+    ));
+    assert!(matches!(
+        attend(&p.inputs(), dims, 1.0, &mut scratch, &mut out[..31]),
+        Err(AttnError::ShapeMismatch { what: "out", .. })
+    ));
+    p.window[1] = 10;
+    let err = attend(&p.inputs(), dims, 1.0, &mut scratch, &mut out).unwrap_err();
+    assert_eq!(
+        err,
+        AttnError::SlotOutOfRange {
+            slot: 10,
+            slots: 10
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "slot 10 out of range: the ring has 10 slots"
+    );
+    assert!(out.iter().all(|&x| x == 0.0));
+    let empty = AttnInputs {
+        fixed_slots: &[],
+        window_slots: &[],
+        local_k: &[],
+        local_v: &[],
+        ..p.inputs()
+    };
+    assert_eq!(
+        attend(&empty, dims, 1.0, &mut scratch, &mut out),
+        Err(AttnError::NoKeys)
+    );
+}
+
+// ----- the model-runtime protocol: chunking and threads never change a bit ---------------
+
+const HEADS: usize = 6;
+
+/// Query rows of a position: `q_window` at its clock; `q_fixed` at its cache position, equal to
+/// `q_window` while the two positions coincide (as RoPE makes them).
+fn queries(ring: &DynamicRingBuffer, i: usize, layer: usize) -> (Vec<f32>, Vec<f32>) {
+    let hd = ring.config().head_dim;
+    let c = ring.pending_clock(i);
+    let q_window = crate::ring::tests::row_for(c, layer, 2, HEADS * hd);
+    let q_fixed = if ring.pending_cache_pos(i) == c {
+        q_window.clone()
+    } else {
+        crate::ring::tests::row_for(c, layer, 3, HEADS * hd)
+    };
+    (q_fixed, q_window)
+}
+
+/// Runs the full protocol over `spans` (type, length), each span cut into chunks of `chunk`;
+/// returns every (clock, layer) output.
+fn run_stream(
+    cfg: &RingConfig,
+    spans: &[(SpanType, usize)],
+    chunk: usize,
+    scratch_blocks: usize,
+    recall_first: bool,
+) -> BTreeMap<(u64, usize), Vec<u32>> {
+    let mut ring = DynamicRingBuffer::new(cfg.clone()).unwrap();
+    if recall_first {
+        let rows = Rng(9).f32s(cfg.n_layers * cfg.row_len() * 3, 1.0);
+        ring.inject_recall(3, &rows, &rows).unwrap();
+    }
+    let q_row = HEADS * cfg.head_dim;
+    let mut scratch = AttnScratch::new(scratch_blocks, HEADS, cfg.slots + cfg.max_chunk);
+    let mut outputs = BTreeMap::new();
+    for &(span, len) in spans {
+        let mut done = 0;
+        while done < len {
+            let n = chunk.min(len - done);
+            ring.begin_append(n, span, done == 0).unwrap();
+            for layer in 0..cfg.n_layers {
+                let (k, v) = crate::ring::tests::pending_rows(&ring, layer);
+                let (mut qf, mut qw) = (Vec::new(), Vec::new());
+                for i in 0..n {
+                    let (f, w) = queries(&ring, i, layer);
+                    qf.extend(f);
+                    qw.extend(w);
+                }
+                let mut out = vec![0.0; n * q_row];
+                let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+                attend_chunk(
+                    &ring,
+                    layer,
+                    &qf,
+                    &qw,
+                    &k,
+                    &v,
+                    HEADS,
+                    scale,
+                    &mut scratch,
+                    &mut out,
+                )
+                .unwrap();
+                for i in 0..n {
+                    outputs.insert(
+                        (ring.pending_clock(i), layer),
+                        bits(&out[i * q_row..(i + 1) * q_row]),
+                    );
+                }
+                ring.write_pending(layer, &k, &v).unwrap();
+            }
+            ring.commit_append().unwrap();
+            done += n;
+        }
+    }
+    outputs
+}
+
+fn stream_config() -> RingConfig {
+    RingConfig {
+        slots: 96,
+        recall: 8,
+        n_sys: 10,
+        max_chunk: 78,
+        undo_capacity: 4,
+        ..RingConfig::new(2, 2, 64)
+    }
+}
+
+/// Spans for ~4 wraps of the 78-slot window, lengths up to a whole window.
+fn stream_spans() -> Vec<(SpanType, usize)> {
+    let mut spans = vec![(SpanType::System, 10), (SpanType::User, 70)];
+    for (i, len) in [13, 1, 64, 7, 78, 30, 2, 77, 20, 41]
+        .into_iter()
+        .enumerate()
+    {
+        spans.push((SpanType::ALL[1 + i % 6], len));
+    }
+    spans
+}
+
+#[test]
+fn chunked_appends_match_one_at_a_time_bit_for_bit_across_wraps() {
+    let cfg = stream_config();
+    let spans = stream_spans();
+    let total: usize = spans.iter().map(|s| s.1).sum();
+    assert!(total > 4 * 78);
+    for recall_first in [false, true] {
+        let single = run_stream(&cfg, &spans, 1, 1, recall_first);
+        assert_eq!(single.len(), total * cfg.n_layers);
+        for chunk in [7, 64, cfg.max_chunk] {
+            let chunked = run_stream(&cfg, &spans, chunk, 2, recall_first);
+            assert!(
+                chunked == single,
+                "chunk {chunk}, recall_first {recall_first}"
+            );
+        }
+    }
+}
+
+#[test]
+fn thread_count_and_row_grouping_never_change_a_bit() {
+    let cfg = stream_config();
+    let spans = stream_spans();
+    let reference = run_stream(&cfg, &spans, 64, 1, true);
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for blocks in [2, 5] {
+            let got = pool.install(|| run_stream(&cfg, &spans, 64, blocks, true));
+            assert!(got == reference, "threads {threads}, blocks {blocks}");
+        }
+    }
+}
+
+#[test]
+fn before_the_first_wrap_ring_attention_is_plain_causal_attention() {
+    let cfg = stream_config();
+    let outputs = run_stream(
+        &cfg,
+        &[(SpanType::System, 10), (SpanType::User, 60)],
+        7,
+        2,
+        false,
+    );
+    // Recompute clock 50, layer 1 with the f64 reference over positions 0..=50.
+    let hd = cfg.head_dim;
+    let row = cfg.row_len();
+    let keys: Vec<_> = (0..=50u64)
+        .map(|c| {
+            (
+                crate::ring::tests::row_for(c, 1, 0, row),
+                crate::ring::tests::row_for(c, 1, 1, row),
+                false,
+            )
+        })
+        .collect();
+    let q = crate::ring::tests::row_for(50, 1, 2, HEADS * hd);
+    let dims = AttnDims {
+        n_q_heads: HEADS,
+        n_kv_heads: 2,
+        head_dim: hd,
+    };
+    let expected = reference(&q, &q, &keys, dims, 1.0 / 8.0);
+    let got: Vec<f32> = outputs[&(50, 1)]
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .collect();
+    for (g, e) in got.iter().zip(&expected) {
+        assert!((g - e).abs() <= 2e-6);
+    }
+}
+
+#[test]
+fn chunk_helper_validates_its_arguments() {
+    let cfg = stream_config();
+    let mut ring = DynamicRingBuffer::new(cfg.clone()).unwrap();
+    let mut scratch = AttnScratch::new(1, HEADS, 8);
+    let mut out = vec![0.0; HEADS * 64];
+    let q = vec![0.0; HEADS * 64];
+    let kv = vec![0.0; 2 * 64];
+    assert_eq!(
+        attend_chunk(
+            &ring,
+            0,
+            &q,
+            &q,
+            &kv,
+            &kv,
+            HEADS,
+            1.0,
+            &mut scratch,
+            &mut out
+        ),
+        Err(AttnError::NoPendingAppend)
+    );
+    ring.begin_append(1, SpanType::User, true).unwrap();
+    assert_eq!(
+        attend_chunk(
+            &ring,
+            2,
+            &q,
+            &q,
+            &kv,
+            &kv,
+            HEADS,
+            1.0,
+            &mut scratch,
+            &mut out
+        ),
+        Err(AttnError::LayerOutOfRange {
+            layer: 2,
+            n_layers: 2
+        })
+    );
+    assert!(matches!(
+        attend_chunk(
+            &ring,
+            0,
+            &q,
+            &q,
+            &kv[1..],
+            &kv,
+            HEADS,
+            1.0,
+            &mut scratch,
+            &mut out
+        ),
+        Err(AttnError::ShapeMismatch {
+            what: "local_k",
+            ..
+        })
+    ));
+    attend_chunk(
+        &ring,
+        0,
+        &q,
+        &q,
+        &kv,
+        &kv,
+        HEADS,
+        1.0,
+        &mut scratch,
+        &mut out,
+    )
+    .unwrap();
+}
