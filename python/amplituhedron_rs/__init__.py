@@ -7,8 +7,22 @@ adds the model loader, tokenizer, station service, coordinator, mesh launcher an
 from amplituhedron_rs._core import __version__
 
 # --- volume cache, eviction, memo ---
+# isort: split
+from amplituhedron_rs._core import (
+    AmplituhedronCache,
+    AmplituhedronVolume,
+    MatVecMemo,
+    prefix_hash,
+)
+
 # --- oracle kernel ---
 # --- ring buffer and attention ---
 # --- model runtime ---
 
-__all__ = ["__version__"]
+__all__ = [
+    "AmplituhedronCache",
+    "AmplituhedronVolume",
+    "MatVecMemo",
+    "__version__",
+    "prefix_hash",
+]
