@@ -946,22 +946,32 @@ fn finiteness_kernels_agree_with_is_finite() {
         f32::NAN,
         -f32::NAN,
     ];
-    for &x in &specials {
-        for len in [1usize, 7, 33] {
-            for at in [0, len / 2, len - 1] {
-                let mut src = vec![0.5f32; len];
-                src[at] = x;
-                let mut dst = vec![0.0; len];
-                assert_eq!(all_finite(&src), x.is_finite());
-                assert_eq!(copy_all_finite(&src, &mut dst), x.is_finite());
-                assert_eq!(
-                    dst.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    src.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-                );
+    // Both the run-time dispatched kernels and the portable ones (used without AVX2), on
+    // lengths around the vector widths and across the 1024-float copy chunks.
+    type Check = fn(&[f32]) -> bool;
+    type Copy = fn(&[f32], &mut [f32]) -> bool;
+    let kernels: [(Check, Copy); 2] = [
+        (all_finite, copy_all_finite),
+        (all_finite_portable, copy_all_finite_portable),
+    ];
+    for (check, copy) in kernels {
+        for &x in &specials {
+            for len in [1usize, 7, 33, 1024, 2500] {
+                for at in [0, len / 2, len - 1, len.min(1025) - 1] {
+                    let mut src: Vec<f32> = (0..len).map(|i| i as f32 * 0.5 - 3.0).collect();
+                    src[at] = x;
+                    let mut dst = vec![0.0; len];
+                    assert_eq!(check(&src), x.is_finite());
+                    assert_eq!(copy(&src, &mut dst), x.is_finite());
+                    assert_eq!(
+                        dst.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        src.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    );
+                }
             }
         }
+        assert!(check(&[]));
     }
-    assert!(all_finite(&[]));
 }
 
 // ---- tail accessor --------------------------------------------------------------------
