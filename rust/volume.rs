@@ -356,6 +356,7 @@ pub enum CaptureOutcome {
         bytes: usize,
     },
     /// The same key and content is already cached (a concurrent capture): nothing stored.
+    /// (An entry that was trimmed by an erasure is replaced instead: `Stored`.)
     AlreadyPresent {
         /// The resident entry's byte size.
         bytes: usize,
@@ -1216,10 +1217,12 @@ impl AmplituhedronCache {
 
         // Outcomes that store nothing are decided before copying, but the slabs are still
         // checked, so bad input is an error whatever the cache's state.
+        // An erased (trimmed) entry is not "the same content": a fresh capture replaces it.
         let present = self.entries.iter().position(|e| e.volume.matches(key, &id));
+        let intact = present.filter(|&i| !self.entries[i].volume.is_erased());
         let skip = if !self.enabled {
             Some(CaptureOutcome::Disabled)
-        } else if let Some(i) = present {
+        } else if let Some(i) = intact {
             Some(CaptureOutcome::AlreadyPresent {
                 bytes: self.entries[i].volume.nbytes(),
             })
@@ -1242,7 +1245,7 @@ impl AmplituhedronCache {
             self.tick += 1;
             match outcome {
                 CaptureOutcome::AlreadyPresent { .. } => {
-                    if let Some(i) = present {
+                    if let Some(i) = intact {
                         self.entries[i].last_used = self.tick;
                     }
                 }
@@ -1267,6 +1270,9 @@ impl AmplituhedronCache {
 
         // Valid: from here on state changes.
         self.tick += 1;
+        if let Some(i) = present {
+            self.remove_at(i); // the erased entry this capture restores
+        }
         let cleared = self.clear_drift(key, &id);
         self.evict_to_fit(1, bytes);
         let volume = AmplituhedronVolume {

@@ -811,6 +811,24 @@ fn erasure_trims_the_trailing_position_once_then_clears() {
         }
     );
     assert_eq!(cache.stats(), st);
+    // A fresh capture of the same key restores the full volume (an erased entry is not
+    // "the same content"); erase it again for the rest of the test.
+    let st = cache.stats();
+    assert_eq!(
+        a.capture(&mut cache).unwrap(),
+        CaptureOutcome::Stored {
+            bytes: a.expected_bytes()
+        }
+    );
+    a.assert_is(&a.replay(&mut cache).unwrap());
+    assert_eq!(cache.len(), 2);
+    assert_eq!(cache.stats().bytes, a.expected_bytes() + b.expected_bytes());
+    assert_eq!(cache.stats().captures, st.captures + 1);
+    assert_eq!(cache.stats().evictions + cache.stats().drift_clears, 0);
+    assert_eq!(
+        cache.report_damage(&a.key(), 3).unwrap(),
+        DamageOutcome::Trimmed { kv_len: 3 }
+    );
     // A second erasure (even at the new trailing position) clears the entry.
     assert_eq!(
         cache.report_damage(&a.key(), 2).unwrap(),
@@ -822,7 +840,7 @@ fn erasure_trims_the_trailing_position_once_then_clears() {
         cache.report_damage(&a.key(), 0).unwrap(),
         DamageOutcome::Absent
     );
-    assert_eq!(cache.stats().erasures, 2);
+    assert_eq!(cache.stats().erasures, 3);
 
     // Damage before the trailing position clears at once; other entries stay.
     assert_eq!(
