@@ -1,1 +1,518 @@
-//! `memo` (being written).
+//! `MatVecMemo`: an exact-match memo of decode matvecs `y = W·x` (SPEC §2, "death #1").
+//!
+//! Keyed by (weight id, BLAKE3 of `x`'s f32 little-endian bytes) in the tagged key space of
+//! [`crate::keys::CacheKey::Memo`] (tag byte 1), so its keys can never equal a volume key
+//! (tag byte 2). Bounded by entries and bytes with the same eviction policies as the volume
+//! cache (drift computed on `y`). **Off by default.** The volume cache never routes capture
+//! or replay through it.
+//!
+//! `x` itself is not stored: a 256-bit BLAKE3 digest decides equality (a collision is
+//! cryptographically negligible), which halves the memory of every entry. Byte size of an
+//! entry = the encoded key (41 bytes) + `4 × y.len()`.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::eviction::{pisot_drift, select_victim, EvictionCandidate, EvictionPolicy};
+use crate::keys::{f32_digest, CacheKey};
+
+/// Bytes of an encoded memo key: tag (1) + weight id (8) + digest (32).
+pub const MEMO_KEY_BYTES: usize = 41;
+
+/// Limits and policy of a [`MatVecMemo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoConfig {
+    /// Most entries resident at once (default 1024).
+    pub max_entries: usize,
+    /// Most bytes resident at once (default: unbounded).
+    pub max_bytes: Option<usize>,
+    /// Victim choice when full (default Pisot-guard).
+    pub policy: EvictionPolicy,
+}
+
+impl Default for MemoConfig {
+    fn default() -> Self {
+        MemoConfig {
+            max_entries: 1024,
+            max_bytes: None,
+            policy: EvictionPolicy::PisotGuard,
+        }
+    }
+}
+
+/// Bad input to the memo. Returned before any state changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemoError {
+    /// `y` holds a non-finite value: a damaged result is never memoised.
+    NonFiniteOutput {
+        /// Index of the first non-finite value.
+        index: usize,
+    },
+    /// A limit that must be at least 1 was 0.
+    InvalidConfig {
+        /// Which setting.
+        setting: &'static str,
+    },
+}
+
+impl fmt::Display for MemoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoError::NonFiniteOutput { index } => write!(
+                f,
+                "y has a non-finite value at index {index}: a damaged result is never memoised"
+            ),
+            MemoError::InvalidConfig { setting } => write!(f, "{setting} must be at least 1"),
+        }
+    }
+}
+
+impl std::error::Error for MemoError {}
+
+/// What a valid [`MatVecMemo::insert`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoInsertOutcome {
+    /// A new entry of `bytes` bytes was stored.
+    Stored {
+        /// The entry's byte size.
+        bytes: usize,
+    },
+    /// The key is already memoised: kept as is (marked used).
+    AlreadyPresent {
+        /// The resident entry's byte size.
+        bytes: usize,
+    },
+    /// The entry alone is larger than `max_bytes`: not stored.
+    SkippedTooLarge {
+        /// The entry's byte size.
+        bytes: usize,
+        /// The configured maximum.
+        max: usize,
+    },
+    /// The memo is disabled: nothing stored, nothing counted.
+    Disabled,
+}
+
+impl MemoInsertOutcome {
+    /// Bytes of the entry now memoised for this key, 0 when none is.
+    pub fn cached_bytes(&self) -> usize {
+        match *self {
+            MemoInsertOutcome::Stored { bytes } | MemoInsertOutcome::AlreadyPresent { bytes } => {
+                bytes
+            }
+            MemoInsertOutcome::SkippedTooLarge { .. } | MemoInsertOutcome::Disabled => 0,
+        }
+    }
+}
+
+/// Counters and occupancy of a [`MatVecMemo`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoStats {
+    /// Lookups that found `y`.
+    pub hits: u64,
+    /// Lookups that did not (while enabled).
+    pub misses: u64,
+    /// Entries removed to respect the limits.
+    pub evictions: u64,
+    /// Entries resident now.
+    pub entries: usize,
+    /// Bytes resident now.
+    pub bytes: usize,
+}
+
+#[derive(Debug)]
+struct MemoEntry {
+    y: Vec<f32>,
+    drift: f32,
+    last_used: u64,
+}
+
+impl MemoEntry {
+    fn bytes(&self) -> usize {
+        MEMO_KEY_BYTES + 4 * self.y.len()
+    }
+}
+
+/// Exact-match memo of `y = W·x`, bounded, off by default.
+#[derive(Debug)]
+pub struct MatVecMemo {
+    config: MemoConfig,
+    enabled: bool,
+    entries: HashMap<CacheKey, MemoEntry>,
+    /// Logical clock: bumped on every get and insert while enabled.
+    tick: u64,
+    stats: MemoStats,
+}
+
+impl Default for MatVecMemo {
+    fn default() -> Self {
+        Self::new(MemoConfig::default()).expect("the default config is valid")
+    }
+}
+
+impl MatVecMemo {
+    /// An empty, **disabled** memo; fails if a limit is zero.
+    pub fn new(config: MemoConfig) -> Result<Self, MemoError> {
+        check_limit("max_entries", config.max_entries)?;
+        if let Some(b) = config.max_bytes {
+            check_limit("max_bytes", b)?;
+        }
+        Ok(MatVecMemo {
+            config,
+            enabled: false,
+            entries: HashMap::new(),
+            tick: 0,
+            stats: MemoStats::default(),
+        })
+    }
+
+    /// Turns the memo on or off (entries are kept).
+    pub fn enable(&mut self, on: bool) {
+        self.enabled = on;
+    }
+
+    /// Whether the memo is on.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Current limits and policy.
+    pub fn config(&self) -> MemoConfig {
+        self.config
+    }
+
+    /// Sets the entry limit (≥ 1) and evicts down to it at once.
+    pub fn set_max_entries(&mut self, n: usize) -> Result<(), MemoError> {
+        check_limit("max_entries", n)?;
+        self.config.max_entries = n;
+        self.evict_to_fit(0, 0);
+        Ok(())
+    }
+
+    /// Sets the byte limit (`None` = unbounded, else ≥ 1) and evicts down to it at once.
+    pub fn set_max_bytes(&mut self, n: Option<usize>) -> Result<(), MemoError> {
+        if let Some(b) = n {
+            check_limit("max_bytes", b)?;
+        }
+        self.config.max_bytes = n;
+        self.evict_to_fit(0, 0);
+        Ok(())
+    }
+
+    /// Drops every entry (counters are kept).
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.stats.entries = 0;
+        self.stats.bytes = 0;
+    }
+
+    /// Counters and occupancy.
+    pub fn stats(&self) -> MemoStats {
+        self.stats
+    }
+
+    /// The memo key of `(weight_id, x)`.
+    pub fn key(weight_id: u64, x: &[f32]) -> CacheKey {
+        CacheKey::Memo {
+            weight_id,
+            input_digest: f32_digest(x),
+        }
+    }
+
+    /// The memoised `y` for `(weight_id, x)`. Disabled: `None` without counting.
+    pub fn get(&mut self, weight_id: u64, x: &[f32]) -> Option<&[f32]> {
+        if !self.enabled {
+            return None;
+        }
+        self.tick += 1;
+        match self.entries.get_mut(&Self::key(weight_id, x)) {
+            Some(e) => {
+                e.last_used = self.tick;
+                self.stats.hits += 1;
+                Some(&e.y)
+            }
+            None => {
+                self.stats.misses += 1;
+                None
+            }
+        }
+    }
+
+    /// Memoises `y = W·x` for `(weight_id, x)`, evicting by policy if full (never the new
+    /// entry). A non-finite `y` is refused.
+    pub fn insert(
+        &mut self,
+        weight_id: u64,
+        x: &[f32],
+        y: &[f32],
+    ) -> Result<MemoInsertOutcome, MemoError> {
+        if let Some(index) = y.iter().position(|v| !v.is_finite()) {
+            return Err(MemoError::NonFiniteOutput { index });
+        }
+        if !self.enabled {
+            return Ok(MemoInsertOutcome::Disabled);
+        }
+        let bytes = MEMO_KEY_BYTES + 4 * y.len();
+        if let Some(max) = self.config.max_bytes.filter(|&m| bytes > m) {
+            self.tick += 1;
+            return Ok(MemoInsertOutcome::SkippedTooLarge { bytes, max });
+        }
+        self.tick += 1;
+        let key = Self::key(weight_id, x);
+        if let Some(e) = self.entries.get_mut(&key) {
+            e.last_used = self.tick;
+            return Ok(MemoInsertOutcome::AlreadyPresent { bytes: e.bytes() });
+        }
+        self.evict_to_fit(1, bytes);
+        let entry = MemoEntry {
+            y: y.to_vec(),
+            drift: pisot_drift(y),
+            last_used: self.tick,
+        };
+        self.entries.insert(key, entry);
+        self.stats.bytes += bytes;
+        self.stats.entries = self.entries.len();
+        Ok(MemoInsertOutcome::Stored { bytes })
+    }
+
+    fn evict_to_fit(&mut self, incoming_entries: usize, incoming_bytes: usize) {
+        loop {
+            let over_entries = self.entries.len() + incoming_entries > self.config.max_entries;
+            let over_bytes = self
+                .config
+                .max_bytes
+                .is_some_and(|m| self.stats.bytes + incoming_bytes > m);
+            if !(over_entries || over_bytes) {
+                return;
+            }
+            let candidates = self.entries.iter().map(|(k, e)| {
+                let c = EvictionCandidate {
+                    drift: e.drift,
+                    last_used: e.last_used,
+                };
+                (*k, c)
+            });
+            let Some(victim) = select_victim(self.config.policy, self.tick, candidates) else {
+                return;
+            };
+            if let Some(e) = self.entries.remove(&victim) {
+                self.stats.bytes -= e.bytes();
+            }
+            self.stats.entries = self.entries.len();
+            self.stats.evictions += 1;
+        }
+    }
+}
+
+fn check_limit(setting: &'static str, value: usize) -> Result<(), MemoError> {
+    if value == 0 {
+        Err(MemoError::InvalidConfig { setting })
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn enabled(config: MemoConfig) -> MatVecMemo {
+        let mut m = MatVecMemo::new(config).unwrap();
+        m.enable(true);
+        m
+    }
+
+    #[test]
+    fn off_by_default_and_inert_while_off() {
+        let mut m = MatVecMemo::default();
+        assert!(!m.is_enabled());
+        assert_eq!(
+            m.insert(1, &[1.0], &[2.0]).unwrap(),
+            MemoInsertOutcome::Disabled
+        );
+        assert_eq!(m.get(1, &[1.0]), None);
+        assert_eq!(m.stats(), MemoStats::default());
+    }
+
+    #[test]
+    fn exact_match_round_trip_and_stats() {
+        let mut m = enabled(MemoConfig::default());
+        let x = [0.5f32, -1.0, 3.25];
+        let y = [1.0f32, 2.0];
+        assert_eq!(m.get(7, &x), None);
+        let out = m.insert(7, &x, &y).unwrap();
+        assert_eq!(out, MemoInsertOutcome::Stored { bytes: 41 + 8 });
+        assert_eq!(out.cached_bytes(), 49);
+        assert_eq!(m.get(7, &x), Some(&y[..]));
+        // Another weight id, a bit-different x (even -0.0 vs 0.0): misses.
+        assert_eq!(m.get(8, &x), None);
+        assert_eq!(m.get(7, &[0.5, -1.0, 3.250_000_2]), None);
+        assert_eq!(m.get(7, &[0.0]), None);
+        m.insert(7, &[0.0], &[1.0]).unwrap();
+        assert_eq!(m.get(7, &[-0.0]), None);
+        assert_eq!(
+            m.insert(7, &x, &y).unwrap(),
+            MemoInsertOutcome::AlreadyPresent { bytes: 49 }
+        );
+        let s = m.stats();
+        assert_eq!((s.hits, s.misses, s.entries, s.bytes), (1, 5, 2, 49 + 45));
+        m.clear();
+        assert_eq!((m.stats().entries, m.stats().bytes), (0, 0));
+        assert_eq!(m.get(7, &x), None);
+    }
+
+    #[test]
+    fn bad_input_is_an_error_that_changes_nothing() {
+        let mut m = enabled(MemoConfig::default());
+        m.insert(1, &[1.0], &[1.0]).unwrap();
+        let before = m.stats();
+        let err = m.insert(2, &[1.0], &[0.0, f32::NAN]).unwrap_err();
+        assert_eq!(err, MemoError::NonFiniteOutput { index: 1 });
+        assert!(err.to_string().contains("index 1"));
+        assert_eq!(m.stats(), before);
+        assert!(MatVecMemo::new(MemoConfig {
+            max_entries: 0,
+            ..MemoConfig::default()
+        })
+        .is_err());
+        assert_eq!(
+            m.set_max_bytes(Some(0)),
+            Err(MemoError::InvalidConfig {
+                setting: "max_bytes"
+            })
+        );
+        assert_eq!(m.stats(), before);
+    }
+
+    #[test]
+    fn too_large_is_skipped_and_limits_evict_at_once() {
+        let mut m = enabled(MemoConfig {
+            max_entries: 8,
+            max_bytes: Some(100),
+            policy: EvictionPolicy::Lru,
+        });
+        assert_eq!(
+            m.insert(1, &[1.0], &[0.0; 20]).unwrap(),
+            MemoInsertOutcome::SkippedTooLarge {
+                bytes: 121,
+                max: 100
+            }
+        );
+        for i in 0..4 {
+            m.insert(i, &[1.0], &[1.0]).unwrap(); // 45 bytes each: only 2 fit
+        }
+        assert_eq!(m.stats().entries, 2);
+        assert_eq!(m.stats().evictions, 2);
+        assert!(m.get(3, &[1.0]).is_some() && m.get(2, &[1.0]).is_some());
+        m.set_max_entries(1).unwrap();
+        assert_eq!(m.stats().entries, 1);
+        assert!(m.get(2, &[1.0]).is_some(), "LRU kept the most recent");
+    }
+
+    #[test]
+    fn memo_keys_live_in_the_tag_1_space() {
+        let k = MatVecMemo::key(3, &[1.0, 2.0]);
+        let enc = k.encode();
+        assert_eq!(enc[0], crate::keys::MEMO_TAG);
+        assert_eq!(enc.len(), MEMO_KEY_BYTES);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert {
+            w: u64,
+            x: u8,
+            ylen: usize,
+            scale: f32,
+        },
+        Get {
+            w: u64,
+            x: u8,
+        },
+        SetMaxEntries(usize),
+        SetMaxBytes(Option<usize>),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0u64..4, 0u8..8, 1usize..12, 0.0f32..3.0)
+                .prop_map(|(w, x, ylen, scale)| Op::Insert { w, x, ylen, scale }),
+            4 => (0u64..4, 0u8..8).prop_map(|(w, x)| Op::Get { w, x }),
+            1 => (1usize..6).prop_map(Op::SetMaxEntries),
+            1 => proptest::option::of(41usize..300).prop_map(Op::SetMaxBytes),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn random_sequences_respect_the_bounds(
+            ops in proptest::collection::vec(op(), 1..80),
+            lru in any::<bool>(),
+        ) {
+            let policy = if lru { EvictionPolicy::Lru } else { EvictionPolicy::PisotGuard };
+            let mut m = enabled(MemoConfig { max_entries: 3, max_bytes: Some(200), policy });
+            for op in ops {
+                match op {
+                    Op::Insert { w, x, ylen, scale } => {
+                        let y = vec![scale; ylen];
+                        m.insert(w, &[f32::from(x)], &y).unwrap();
+                    }
+                    Op::Get { w, x } => {
+                        m.get(w, &[f32::from(x)]);
+                    }
+                    Op::SetMaxEntries(n) => m.set_max_entries(n).unwrap(),
+                    Op::SetMaxBytes(b) => m.set_max_bytes(b).unwrap(),
+                    Op::Clear => m.clear(),
+                }
+                let s = m.stats();
+                let c = m.config();
+                prop_assert!(s.entries <= c.max_entries);
+                prop_assert!(c.max_bytes.is_none_or(|b| s.bytes <= b));
+                prop_assert_eq!(s.entries, m.entries.len());
+                prop_assert_eq!(s.bytes, m.entries.values().map(MemoEntry::bytes).sum::<usize>());
+            }
+        }
+
+        #[test]
+        fn the_victim_is_the_policy_choice(
+            drifts in proptest::collection::vec(0usize..4, 2..8),
+            touches in proptest::collection::vec(0usize..8, 0..10),
+            lru in any::<bool>(),
+        ) {
+            let policy = if lru { EvictionPolicy::Lru } else { EvictionPolicy::PisotGuard };
+            let n = drifts.len();
+            let mut m = enabled(MemoConfig { max_entries: n, max_bytes: None, policy });
+            // y = [1 + d]: drift exactly d (small integers, so ties happen).
+            for (i, &d) in drifts.iter().enumerate() {
+                m.insert(i as u64, &[0.0], &[1.0 + d as f32]).unwrap();
+            }
+            for t in touches {
+                m.get((t % n) as u64, &[0.0]);
+            }
+            let now = m.tick + 1; // the insert below bumps the clock first
+            let expected = (0..n as u64)
+                .map(|w| {
+                    let e = &m.entries[&MatVecMemo::key(w, &[0.0])];
+                    (w, e.drift, e.last_used)
+                })
+                .max_by(|a, b| {
+                    let score = |d: f32, t: u64| f64::from(d) * (now - t) as f64;
+                    match policy {
+                        EvictionPolicy::Lru => b.2.cmp(&a.2),
+                        EvictionPolicy::PisotGuard => score(a.1, a.2)
+                            .total_cmp(&score(b.1, b.2))
+                            .then(b.2.cmp(&a.2)),
+                    }
+                })
+                .unwrap()
+                .0;
+            m.insert(99, &[0.0], &[1.0]).unwrap();
+            prop_assert_eq!(m.stats().evictions, 1);
+            prop_assert!(!m.entries.contains_key(&MatVecMemo::key(expected, &[0.0])));
+            prop_assert!(m.entries.contains_key(&MatVecMemo::key(99, &[0.0])));
+        }
+    }
+}

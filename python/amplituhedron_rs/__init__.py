@@ -7,6 +7,14 @@ adds the model loader, tokenizer, station service, coordinator, mesh launcher an
 from amplituhedron_rs._core import __version__
 
 # --- volume cache, eviction, memo ---
+# isort: split
+from amplituhedron_rs._core import (
+    AmplituhedronCache,
+    AmplituhedronVolume,
+    MatVecMemo,
+    prefix_hash,
+)
+
 # --- oracle kernel ---
 # isort: split
 from amplituhedron_rs._core import (
@@ -45,8 +53,11 @@ from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
 # --- model runtime ---
 
 __all__ = [
-    "ORACLE_CLINAMEN_SWERVE",
+    "AmplituhedronCache",
+    "AmplituhedronVolume",
     "LeanOracle",
+    "MatVecMemo",
+    "ORACLE_CLINAMEN_SWERVE",
     "OracleResult",
     "RingBuffer",
     "SemanticSpan",
@@ -78,4 +89,5 @@ __all__ = [
     "oracle_well_formed_prefix",
     "oracle_y_of",
     "oracle_zero_minor_count",
+    "prefix_hash",
 ]
