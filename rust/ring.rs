@@ -1238,6 +1238,22 @@ impl DynamicRingBuffer {
         Ok(())
     }
 
+    /// Forgets every position, span and recall entry (clock 0), keeping the allocation, so a
+    /// session can be reused without paying for fresh pages. Stale KV bytes stay in the
+    /// slots but nothing references them: the table is empty. Drops a pending append.
+    pub fn reset(&mut self) {
+        self.plan.active = false;
+        self.plan.n = 0;
+        self.clock = 0;
+        self.recall_count = 0;
+        self.spans.clear();
+        self.n_anchor_spans = 0;
+        self.journal_head = 0;
+        self.journal_len = 0;
+        self.rollback_floor = 0;
+        self.refresh_table();
+    }
+
     /// Removes every recall entry from the table.
     pub fn clear_recall(&mut self) -> Result<(), RingError> {
         if self.plan.active {

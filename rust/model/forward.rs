@@ -2,13 +2,16 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use super::ops::{add_in_place, rms_norm, rope_angles, rope_apply, swiglu};
 use super::{LlamaWeights, ModelError};
-use crate::attention::{attend, AttnDims};
-use crate::quant::{matmul_f32, QMatrix, QuantScratch};
+use crate::attention::{attend_chunk, AttnScratch};
+use crate::quant::{matmul, matmul_f32, QuantScratch, QuantizedInput};
 use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
+
+/// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
+/// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
+/// span layout never depends on chunking.
+pub const SPAN_TOKENS: u64 = 256;
 
 /// Sizes of a session's ring buffer and work buffers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,9 +82,8 @@ struct Workspace {
     sin_w: Vec<f32>,
     cos_f: Vec<f32>,
     sin_f: Vec<f32>,
-    logit_row: Vec<f32>,
-    scores: Vec<f32>,
     quant: QuantScratch,
+    attn_scratch: AttnScratch,
 }
 
 /// One session's live state for the layer range `[layer_lo, layer_hi)`.
@@ -119,20 +121,18 @@ impl RangeSession {
         if cfg.max_chunk == 0 {
             return Err(ModelError::Input("max_chunk must be at least 1".into()));
         }
-        let ring = DynamicRingBuffer::new(RingConfig {
-            n_layers: layer_hi - layer_lo,
-            kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim(),
-            slots: cfg.slots,
-            recall: cfg.recall,
-            n_sys: cfg.n_sys,
-            max_chunk: cfg.max_chunk,
-            ..RingConfig::default()
-        })
-        .map_err(|e| ModelError::Ring(e.to_string()))?;
-        let n = cfg.max_chunk;
+        let mut ring_cfg = RingConfig::new(layer_hi - layer_lo, c.n_kv_heads, c.head_dim());
+        ring_cfg.slots = cfg.slots;
+        ring_cfg.recall = cfg.recall;
+        ring_cfg.n_sys = cfg.n_sys;
+        ring_cfg.max_positions = Some(c.context_len);
+        // A chunk never spans more than the window (the ring's rule) nor more than a span.
+        ring_cfg.max_chunk = cfg.max_chunk.min(ring_cfg.window_len()).min(SPAN_TOKENS as usize).max(1);
+        let ring = DynamicRingBuffer::new(ring_cfg).map_err(|e| ModelError::Ring(e.to_string()))?;
+        let n = ring.config().max_chunk;
         let half = c.head_dim() / 2;
         let zeros = |len: usize| vec![0.0f32; len];
+        let attn_scratch = AttnScratch::for_ring(&ring, c.n_heads);
         let ws = Workspace {
             x: zeros(n * c.hidden),
             h: zeros(n * c.hidden),
@@ -148,9 +148,8 @@ impl RangeSession {
             sin_w: zeros(n * half),
             cos_f: zeros(n * half),
             sin_f: zeros(n * half),
-            logit_row: zeros(c.hidden),
-            scores: zeros(cfg.slots + n),
-            quant: QuantScratch::default(),
+            quant: QuantScratch::with_capacity(n, c.ffn.max(c.hidden)),
+            attn_scratch,
         };
         Ok(RangeSession {
             weights,
@@ -212,53 +211,69 @@ impl RangeSession {
         self.ring.reset();
     }
 
-    /// Appends precomputed K/V rows (a replayed volume) exactly as prefill would have written
-    /// them: `keys`/`vals` are in the volume layout `(layers, kv_heads, total, head_dim)` and
-    /// rows `[from, to)` of it are appended, opening a new span when `new_span`.
-    pub fn append_volume_rows(
+    /// Appends the first `kv_len` positions of a volume slab (layout
+    /// `(layers, kv_heads, stride, head_dim)`) through the ring's own append path, in the
+    /// same pieces and spans prefill would use, so the ring ends up exactly as a cold prefill
+    /// leaves it. On error the session is back where it started.
+    pub fn append_volume(
         &mut self,
         keys: &[f32],
         vals: &[f32],
-        total: usize,
-        from: usize,
-        to: usize,
+        stride: usize,
+        kv_len: usize,
         span: SpanType,
-        new_span: bool,
     ) -> Result<(), ModelError> {
         let c = self.weights.config();
         let (kvh, hd) = (c.n_kv_heads, c.head_dim());
         let layers = self.layer_hi - self.layer_lo;
-        let n = to - from;
-        if from >= to || to > total || keys.len() != layers * kvh * total * hd || vals.len() != keys.len() {
+        if kv_len == 0
+            || kv_len > stride
+            || keys.len() != layers * kvh * stride * hd
+            || vals.len() != keys.len()
+        {
             return Err(ModelError::Input(format!(
-                "volume rows {from}..{to} of {total} do not fit a {layers}-layer slab of {} floats",
+                "{kv_len} positions of a {layers}-layer slab with stride {stride} do not fit \
+                 {} floats",
                 keys.len()
             )));
         }
-        if n > self.max_chunk {
-            return Err(ModelError::Input(format!("{n} rows exceed max_chunk {}", self.max_chunk)));
-        }
-        self.ring
-            .begin_append(n, span, new_span)
-            .map_err(|e| ModelError::Ring(e.to_string()))?;
+        let saved = self.ring.clock();
         let kv_dim = kvh * hd;
-        for layer in 0..layers {
-            // Volume layout (layer, head, pos, dim) → ring rows (pos, head, dim).
-            for (dst, src) in [(&mut self.ws.k, keys), (&mut self.ws.v, vals)] {
-                for p in 0..n {
-                    for h in 0..kvh {
-                        let at = ((layer * kvh + h) * total + from + p) * hd;
-                        dst[p * kv_dim + h * hd..p * kv_dim + (h + 1) * hd]
-                            .copy_from_slice(&src[at..at + hd]);
+        let mut from = 0;
+        while from < kv_len {
+            let (n, new_span) = self.next_piece(kv_len - from, span);
+            self.ring
+                .begin_append(n, span, new_span)
+                .map_err(|e| ModelError::Ring(e.to_string()))?;
+            for layer in 0..layers {
+                // Volume layout (layer, head, pos, dim) → ring rows (pos, head, dim).
+                for (dst, src) in [(&mut self.ws.k, keys), (&mut self.ws.v, vals)] {
+                    for p in 0..n {
+                        for h in 0..kvh {
+                            let at = ((layer * kvh + h) * stride + from + p) * hd;
+                            dst[p * kv_dim + h * hd..p * kv_dim + (h + 1) * hd]
+                                .copy_from_slice(&src[at..at + hd]);
+                        }
                     }
                 }
+                let written = self.ring.write_pending(
+                    layer,
+                    &self.ws.k[..n * kv_dim],
+                    &self.ws.v[..n * kv_dim],
+                );
+                if let Err(e) = written {
+                    self.ring.abort_append();
+                    let _ = self.ring.rollback_clock(saved);
+                    return Err(ModelError::Ring(e.to_string()));
+                }
             }
-            if let Err(e) = self.ring.write_pending(layer, &self.ws.k[..n * kv_dim], &self.ws.v[..n * kv_dim]) {
+            if let Err(e) = self.ring.commit_append() {
                 self.ring.abort_append();
+                let _ = self.ring.rollback_clock(saved);
                 return Err(ModelError::Ring(e.to_string()));
             }
+            from += n;
         }
-        self.ring.commit_append();
         Ok(())
     }
 
@@ -269,7 +284,29 @@ impl RangeSession {
             .map_err(|e| ModelError::Ring(e.to_string()))
     }
 
-    /// Runs `input` through the range, appending its positions to the ring.
+    /// Where the next piece of an append starting at the current clock ends, and whether it
+    /// opens a new span. Pieces never cross `max_chunk`, the anchor boundary `n_sys`, or a
+    /// multiple of [`SPAN_TOKENS`]; spans open at those fixed positions (or when the span type
+    /// changes), so the span layout — and with it span-aware eviction — never depends on
+    /// how a caller chunked its input, nor on whether positions were replayed or prefilled.
+    fn next_piece(&self, remaining: usize, span: SpanType) -> (usize, bool) {
+        let clock = self.ring.clock();
+        let n_sys = self.ring.n_sys() as u64;
+        let mut end = clock + remaining.min(self.max_chunk) as u64;
+        end = end.min((clock / SPAN_TOKENS + 1) * SPAN_TOKENS);
+        if clock < n_sys {
+            end = end.min(n_sys);
+        }
+        let open_same = self
+            .ring
+            .spans()
+            .last()
+            .is_some_and(|s| s.end_clock == clock && s.span_type == span);
+        let new_span = clock % SPAN_TOKENS == 0 || clock == n_sys || !open_same;
+        ((end - clock) as usize, new_span)
+    }
+
+    /// Runs `input` through the range, appending its positions to the ring as `span`.
     ///
     /// Writes the range's output residual rows (`n × hidden`) to `hidden_out` and, for the exit
     /// range, the requested logits rows (`× vocab`) to `logits_out`. On error nothing changes.
@@ -277,46 +314,37 @@ impl RangeSession {
         &mut self,
         input: ChunkInput<'_>,
         span: SpanType,
-        new_span: bool,
         logits: LogitsWanted,
         hidden_out: &mut Vec<f32>,
         logits_out: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
-        let c = self.weights.config().clone();
+        let hidden = self.weights.config().hidden;
         self.validate_input(&input, logits)?;
-        let n = input.rows(c.hidden);
+        let n = input.rows(hidden);
         hidden_out.clear();
-        hidden_out.reserve(n * c.hidden);
+        hidden_out.reserve(n * hidden);
         logits_out.clear();
         let saved = self.ring.clock();
         let mut start = 0;
         while start < n {
-            let len = (n - start).min(self.max_chunk);
+            let (len, new_span) = self.next_piece(n - start, span);
             let piece = match input {
                 ChunkInput::Tokens(t) => ChunkInput::Tokens(&t[start..start + len]),
-                ChunkInput::Hidden(h) => {
-                    ChunkInput::Hidden(&h[start * c.hidden..(start + len) * c.hidden])
-                }
+                ChunkInput::Hidden(h) => ChunkInput::Hidden(&h[start * hidden..(start + len) * hidden]),
             };
-            let first_piece = start == 0;
-            let last_piece = start + len == n;
             let piece_logits = match logits {
                 LogitsWanted::All => LogitsWanted::All,
-                LogitsWanted::Last if last_piece => LogitsWanted::Last,
+                LogitsWanted::Last if start + len == n => LogitsWanted::Last,
                 _ => LogitsWanted::None,
             };
-            // Later pieces extend the span the first piece opened: chunking stays invisible.
-            let piece_new_span = new_span && first_piece;
-            if let Err(e) =
-                self.forward_chunk(piece, span, piece_new_span, piece_logits, logits_out)
-            {
+            if let Err(e) = self.forward_chunk(piece, span, new_span, piece_logits, logits_out) {
                 // Leave the session as it was: undo the pieces that did run.
                 let _ = self.ring.rollback_clock(saved);
                 hidden_out.clear();
                 logits_out.clear();
                 return Err(e);
             }
-            hidden_out.extend_from_slice(&self.ws.x[..len * c.hidden]);
+            hidden_out.extend_from_slice(&self.ws.x[..len * hidden]);
             start += len;
         }
         Ok(())
@@ -372,7 +400,7 @@ impl RangeSession {
         Ok(())
     }
 
-    /// One chunk of at most `max_chunk` rows through every layer of the range.
+    /// One piece (at most `max_chunk` rows, one span) through every layer of the range.
     fn forward_chunk(
         &mut self,
         input: ChunkInput<'_>,
@@ -382,27 +410,22 @@ impl RangeSession {
         logits_out: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         let weights = Arc::clone(&self.weights);
-        let c = weights.config();
-        let (hidden, kv_dim, hd) = (c.hidden, c.kv_dim(), c.head_dim());
-        let half = hd / 2;
-        let n = input.rows(hidden);
+        let n = input.rows(weights.config().hidden);
         self.ring
             .begin_append(n, span, new_span)
             .map_err(|e| ModelError::Ring(e.to_string()))?;
-        let result = self.run_layers(&weights, input, n, logits, logits_out);
-        match result {
-            Ok(()) => {
-                self.ring.commit_append();
-                Ok(())
-            }
-            Err(e) => {
-                self.ring.abort_append();
-                Err(e)
-            }
+        let at = logits_out.len();
+        let result = self
+            .run_layers(&weights, input, n, logits, logits_out)
+            .and_then(|()| self.ring.commit_append().map_err(|e| ModelError::Ring(e.to_string())));
+        if result.is_err() {
+            self.ring.abort_append();
+            logits_out.truncate(at);
         }
+        result
     }
 
-    /// The layers of one chunk after `begin_append`; the caller commits or aborts.
+    /// The layers of one piece after `begin_append`; the caller commits or aborts.
     fn run_layers(
         &mut self,
         weights: &LlamaWeights,
@@ -412,14 +435,15 @@ impl RangeSession {
         logits_out: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         let c = weights.config();
-        let (hidden, kv_dim, hd) = (c.hidden, c.kv_dim(), c.head_dim());
+        let (hidden, kv_dim, hd, ffn) = (c.hidden, c.kv_dim(), c.head_dim(), c.ffn);
         let half = hd / 2;
         let ws = &mut self.ws;
+        let quant_err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
         match input {
             ChunkInput::Tokens(ids) => weights
                 .embedding()?
                 .embed(ids, &mut ws.x[..n * hidden])
-                .map_err(|e| ModelError::Weights(e.to_string()))?,
+                .map_err(quant_err)?,
             ChunkInput::Hidden(h) => ws.x[..n * hidden].copy_from_slice(h),
         }
         // RoPE angles: window rotation at the absolute clock, fixed-segment rotation at the
@@ -430,24 +454,24 @@ impl RangeSession {
             let cache_pos = self.ring.pending_cache_pos(i);
             let r = i * half..(i + 1) * half;
             rope_angles(pos, hd, c.rope_base, &mut ws.cos_w[r.clone()], &mut ws.sin_w[r.clone()]);
-            if cache_pos != pos {
-                fixed_differs = true;
-            }
+            fixed_differs |= cache_pos != pos;
             rope_angles(cache_pos, hd, c.rope_base, &mut ws.cos_f[r.clone()], &mut ws.sin_f[r]);
         }
-        let dims = AttnDims {
-            n_q_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: hd,
-        };
         let scale = 1.0 / (hd as f32).sqrt();
         for layer in self.layer_lo..self.layer_hi {
             let lw = weights.layer(layer)?;
             let ring_layer = layer - self.layer_lo;
             rms_norm(&ws.x[..n * hidden], lw.attn_norm, c.rms_eps, &mut ws.h[..n * hidden]);
-            matmul(&lw.wq, &ws.h, n, &mut ws.q[..n * hidden], lw.bq, &mut ws.quant)?;
-            matmul(&lw.wk, &ws.h, n, &mut ws.k[..n * kv_dim], lw.bk, &mut ws.quant)?;
-            matmul(&lw.wv, &ws.h, n, &mut ws.v[..n * kv_dim], lw.bv, &mut ws.quant)?;
+            {
+                let input = QuantizedInput::quantize(&ws.h[..n * hidden], n, hidden, &mut ws.quant)
+                    .map_err(quant_err)?;
+                matmul(&lw.wq, &input, &mut ws.q[..n * hidden]).map_err(quant_err)?;
+                matmul(&lw.wk, &input, &mut ws.k[..n * kv_dim]).map_err(quant_err)?;
+                matmul(&lw.wv, &input, &mut ws.v[..n * kv_dim]).map_err(quant_err)?;
+            }
+            add_bias(&mut ws.q[..n * hidden], lw.bq);
+            add_bias(&mut ws.k[..n * kv_dim], lw.bk);
+            add_bias(&mut ws.v[..n * kv_dim], lw.bv);
             for i in 0..n {
                 let r = i * half..(i + 1) * half;
                 let (cw, sw) = (&ws.cos_w[r.clone()], &ws.sin_w[r.clone()]);
@@ -461,52 +485,35 @@ impl RangeSession {
                 rope_apply(q_row, hd, cw, sw);
             }
             let q_fixed = if fixed_differs { &ws.q_fixed } else { &ws.q };
-            {
-                let ring = &self.ring;
-                let (ring_k, ring_v) = ring.layer_kv(ring_layer);
-                let fixed = ring.fixed_slots();
-                let (q, k, v) = (&ws.q, &ws.k, &ws.v);
-                let attend_row = |i: usize, out: &mut [f32], scores: &mut Vec<f32>| {
-                    let window = ring.pending_window(i);
-                    let need = fixed.len() + window.len() + i + 1;
-                    if scores.len() < need {
-                        scores.resize(need, 0.0);
-                    }
-                    attend(
-                        &q_fixed[i * hidden..(i + 1) * hidden],
-                        &q[i * hidden..(i + 1) * hidden],
-                        ring_k,
-                        ring_v,
-                        fixed,
-                        window,
-                        &k[..(i + 1) * kv_dim],
-                        &v[..(i + 1) * kv_dim],
-                        i + 1,
-                        dims,
-                        scale,
-                        scores,
-                        out,
-                    )
-                };
-                if n == 1 {
-                    attend_row(0, &mut ws.attn[..hidden], &mut ws.scores);
-                } else {
-                    ws.attn[..n * hidden]
-                        .par_chunks_mut(hidden)
-                        .enumerate()
-                        .for_each_init(Vec::new, |scores, (i, out)| attend_row(i, out, scores));
-                }
-            }
+            attend_chunk(
+                &self.ring,
+                ring_layer,
+                &q_fixed[..n * hidden],
+                &ws.q[..n * hidden],
+                &ws.k[..n * kv_dim],
+                &ws.v[..n * kv_dim],
+                c.n_heads,
+                scale,
+                &mut ws.attn_scratch,
+                &mut ws.attn[..n * hidden],
+            )
+            .map_err(|e| ModelError::Ring(e.to_string()))?;
             self.ring
                 .write_pending(ring_layer, &ws.k[..n * kv_dim], &ws.v[..n * kv_dim])
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
-            matmul(&lw.wo, &ws.attn, n, &mut ws.proj[..n * hidden], None, &mut ws.quant)?;
+            matmul_f32(&lw.wo, &ws.attn[..n * hidden], n, &mut ws.proj[..n * hidden], &mut ws.quant)
+                .map_err(quant_err)?;
             add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
             rms_norm(&ws.x[..n * hidden], lw.ffn_norm, c.rms_eps, &mut ws.h[..n * hidden]);
-            matmul(&lw.w_gate, &ws.h, n, &mut ws.gate[..n * c.ffn], None, &mut ws.quant)?;
-            matmul(&lw.w_up, &ws.h, n, &mut ws.up[..n * c.ffn], None, &mut ws.quant)?;
-            swiglu(&mut ws.gate[..n * c.ffn], &ws.up[..n * c.ffn]);
-            matmul(&lw.w_down, &ws.gate, n, &mut ws.proj[..n * hidden], None, &mut ws.quant)?;
+            {
+                let input = QuantizedInput::quantize(&ws.h[..n * hidden], n, hidden, &mut ws.quant)
+                    .map_err(quant_err)?;
+                matmul(&lw.w_gate, &input, &mut ws.gate[..n * ffn]).map_err(quant_err)?;
+                matmul(&lw.w_up, &input, &mut ws.up[..n * ffn]).map_err(quant_err)?;
+            }
+            swiglu(&mut ws.gate[..n * ffn], &ws.up[..n * ffn]);
+            matmul_f32(&lw.w_down, &ws.gate[..n * ffn], n, &mut ws.proj[..n * hidden], &mut ws.quant)
+                .map_err(quant_err)?;
             add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
         }
         let rows = match logits {
@@ -516,37 +523,26 @@ impl RangeSession {
         };
         if !rows.is_empty() {
             let head = weights.lm_head()?;
-            for i in rows {
-                rms_norm(
-                    &ws.x[i * hidden..(i + 1) * hidden],
-                    weights.output_norm(),
-                    c.rms_eps,
-                    &mut ws.logit_row,
-                );
-                let at = logits_out.len();
-                logits_out.resize(at + c.vocab, 0.0);
-                matmul(&head, &ws.logit_row, 1, &mut logits_out[at..], None, &mut ws.quant)?;
-            }
+            let (first, count) = (rows.start, rows.len());
+            rms_norm(
+                &ws.x[first * hidden..rows.end * hidden],
+                weights.output_norm(),
+                c.rms_eps,
+                &mut ws.h[..count * hidden],
+            );
+            let at = logits_out.len();
+            logits_out.resize(at + count * c.vocab, 0.0);
+            matmul_f32(&head, &ws.h[..count * hidden], count, &mut logits_out[at..], &mut ws.quant)
+                .map_err(quant_err)?;
         }
         Ok(())
     }
 }
 
-/// `out = W · x (+ bias)` for `n` rows of `x`.
-fn matmul(
-    w: &QMatrix<'_>,
-    x: &[f32],
-    n: usize,
-    out: &mut [f32],
-    bias: Option<&[f32]>,
-    scratch: &mut QuantScratch,
-) -> Result<(), ModelError> {
-    matmul_f32(w, &x[..n * w.cols()], n, out, scratch)
-        .map_err(|e| ModelError::Weights(e.to_string()))?;
+fn add_bias(rows: &mut [f32], bias: Option<&[f32]>) {
     if let Some(b) = bias {
-        for row in out.chunks_exact_mut(b.len()) {
+        for row in rows.chunks_exact_mut(b.len()) {
             add_in_place(row, b);
         }
     }
-    Ok(())
 }

@@ -9,13 +9,9 @@ use super::sampling::Sampler;
 use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
-    AmplituhedronCache, CacheConfig, CacheStats, CaptureOutcome, DamageOutcome,
+    AmplituhedronCache, CacheConfig, CacheStats, CaptureOutcome, DamageOutcome, OwnedVolumeData,
+    VolumeData, VolumeKey,
 };
-
-/// Tokens per semantic span opened by `generate` (prompt and response alike): small enough
-/// that span-aware eviction frees the window in reasonable steps, fixed so it never depends
-/// on chunking.
-pub const SPAN_TOKENS: usize = 256;
 
 /// What a replay did to the session.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,11 +90,12 @@ impl NativeLlamaPipeline {
                 "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
             )));
         }
+        let cache = AmplituhedronCache::new(cache).map_err(|e| ModelError::Volume(e.to_string()))?;
         Ok(NativeLlamaPipeline {
             weights,
             layer_lo,
             layer_hi,
-            cache: AmplituhedronCache::new(cache),
+            cache,
         })
     }
 
@@ -120,6 +117,16 @@ impl NativeLlamaPipeline {
     /// The volume cache.
     pub fn cache_mut(&mut self) -> &mut AmplituhedronCache {
         &mut self.cache
+    }
+
+    fn key<'a>(&self, tokens: &'a [u32], salt: Option<&'a str>) -> VolumeKey<'a> {
+        VolumeKey {
+            model_fingerprint: self.weights.fingerprint(),
+            tokens,
+            layer_lo: self.layer_lo as u16,
+            layer_hi: self.layer_hi as u16,
+            salt,
+        }
     }
 
     fn check_session(&self, session: &RangeSession) -> Result<(), ModelError> {
@@ -144,13 +151,18 @@ impl NativeLlamaPipeline {
     }
 
     /// `amplituhedron_set_max_entries`.
-    pub fn amplituhedron_set_max_entries(&mut self, n: usize) {
-        self.cache.set_max_entries(n);
+    pub fn amplituhedron_set_max_entries(&mut self, n: usize) -> Result<(), ModelError> {
+        self.cache.set_max_entries(n).map_err(|e| ModelError::Volume(e.to_string()))
     }
 
     /// `amplituhedron_set_max_prefix_len`.
-    pub fn amplituhedron_set_max_prefix_len(&mut self, n: usize) {
-        self.cache.set_max_prefix_len(n);
+    pub fn amplituhedron_set_max_prefix_len(&mut self, n: usize) -> Result<(), ModelError> {
+        self.cache.set_max_prefix_len(n).map_err(|e| ModelError::Volume(e.to_string()))
+    }
+
+    /// `amplituhedron_set_max_bytes` (None: unbounded).
+    pub fn amplituhedron_set_max_bytes(&mut self, n: Option<usize>) -> Result<(), ModelError> {
+        self.cache.set_max_bytes(n).map_err(|e| ModelError::Volume(e.to_string()))
     }
 
     /// `amplituhedron_clear`.
@@ -206,48 +218,36 @@ impl NativeLlamaPipeline {
             return Err(ModelError::Input("only the exit range stores logits".into()));
         }
         let n = tokens.len();
-        if n > self.cache.max_prefix_len() || !self.cache.is_enabled() {
-            // Reported by the cache without gathering the slab.
-            return self
-                .cache
-                .capture(
-                    self.weights.fingerprint(),
-                    tokens,
-                    self.layer_lo as u16,
-                    self.layer_hi as u16,
-                    c.n_kv_heads,
-                    c.head_dim(),
-                    tail,
-                    &[],
-                    &[],
-                    logits,
-                    salt,
-                )
-                .map_err(|e| ModelError::Volume(e.to_string()));
-        }
         let layers = self.layer_hi - self.layer_lo;
+        let kv_shape = [layers, c.n_kv_heads, n, c.head_dim()];
+        let key = self.key(tokens, salt);
+        let volume_err = |e: crate::volume::VolumeError| ModelError::Volume(e.to_string());
+        if n > self.cache.config().max_prefix_len || !self.cache.is_enabled() {
+            // Reported by the cache (counted, not stored) without gathering the slab.
+            let empty = VolumeData {
+                kv_shape,
+                tail,
+                kv_keys: &[],
+                kv_vals: &[],
+                logits,
+            };
+            return self.cache.capture(&key, empty).map_err(volume_err);
+        }
         let slab = layers * c.n_kv_heads * n * c.head_dim();
-        let mut keys = vec![0.0f32; slab];
-        let mut vals = vec![0.0f32; slab];
+        let mut kv_keys = vec![0.0f32; slab];
+        let mut kv_vals = vec![0.0f32; slab];
         session
             .ring()
-            .read_logical(n, &mut keys, &mut vals)
+            .read_logical(0, layers, n, &mut kv_keys, &mut kv_vals)
             .map_err(|e| ModelError::Ring(e.to_string()))?;
-        self.cache
-            .capture_owned(
-                self.weights.fingerprint(),
-                tokens,
-                self.layer_lo as u16,
-                self.layer_hi as u16,
-                c.n_kv_heads,
-                c.head_dim(),
-                tail.to_vec(),
-                keys,
-                vals,
-                logits.map(<[f32]>::to_vec),
-                salt,
-            )
-            .map_err(|e| ModelError::Volume(e.to_string()))
+        let data = OwnedVolumeData {
+            kv_shape,
+            tail: tail.to_vec(),
+            kv_keys,
+            kv_vals,
+            logits: logits.map(<[f32]>::to_vec),
+        };
+        self.cache.capture_owned(&key, data).map_err(volume_err)
     }
 
     /// `amplituhedron_replay`: splices the volume of `tokens` into a fresh session.
@@ -271,48 +271,31 @@ impl NativeLlamaPipeline {
                 session.clock()
             )));
         }
-        let (fp, lo, hi) = (
-            self.weights.fingerprint(),
-            self.layer_lo as u16,
-            self.layer_hi as u16,
-        );
+        let key = self.key(tokens, salt);
+        let volume_err = |e: crate::volume::VolumeError| ModelError::Volume(e.to_string());
         // At most two rounds: the volume as stored, then once more after a trailing trim.
         for _ in 0..2 {
-            let Some(vol) = self.cache.replay(fp, tokens, lo, hi, salt) else {
+            let Some(vol) = self.cache.replay(&key).map_err(volume_err)? else {
                 return Ok(ReplayOutcome::Miss);
             };
             if let Some(bad) = vol.first_non_finite_position() {
-                match self.cache.report_damage(fp, tokens, lo, hi, salt, bad) {
+                match self.cache.report_damage(&key, bad).map_err(volume_err)? {
                     DamageOutcome::Trimmed { .. } => continue,
-                    _ => return Ok(ReplayOutcome::Miss),
+                    DamageOutcome::Cleared | DamageOutcome::Absent => {
+                        return Ok(ReplayOutcome::Miss)
+                    }
                 }
             }
             let kv_len = vol.kv_len();
-            if kv_len == 0 {
-                return Ok(ReplayOutcome::Miss);
-            }
             // Replay goes through the ring's own append path, in the same span pieces prefill
             // uses, so the ring state (table, spans) equals a cold prefill's exactly.
-            let total = vol.prefix_len();
-            let mut at = 0;
-            while at < kv_len {
-                let end = (at + session.max_chunk())
-                    .min(kv_len)
-                    .min((at / SPAN_TOKENS + 1) * SPAN_TOKENS);
-                if let Err(e) = session.append_volume_rows(
-                    vol.kv_keys(),
-                    vol.kv_vals(),
-                    total,
-                    at,
-                    end,
-                    SpanType::User,
-                    at % SPAN_TOKENS == 0,
-                ) {
-                    session.reset();
-                    return Err(e);
-                }
-                at = end;
-            }
+            session.append_volume(
+                vol.kv_keys(),
+                vol.kv_vals(),
+                vol.prefix_len(),
+                kv_len,
+                SpanType::User,
+            )?;
             return Ok(match vol.tail() {
                 Some(tail) if kv_len == tokens.len() => ReplayOutcome::Hit {
                     tail: tail.to_vec(),
@@ -386,11 +369,8 @@ impl NativeLlamaPipeline {
                 return Ok(cancelled(session, started));
             }
             while done < total {
-                // Spans open at fixed positions (multiples of SPAN_TOKENS), never at chunk
-                // boundaries, so how a prompt is chunked stays invisible to span eviction.
-                let end = (done + session.max_chunk())
-                    .min(total)
-                    .min((done / SPAN_TOKENS + 1) * SPAN_TOKENS);
+                // Progress is reported per `max_chunk` piece; results never depend on it.
+                let end = (done + session.max_chunk()).min(total);
                 let wanted = if end == total {
                     LogitsWanted::Last
                 } else {
@@ -399,7 +379,6 @@ impl NativeLlamaPipeline {
                 session.forward(
                     ChunkInput::Tokens(&prompt[done..end]),
                     SpanType::User,
-                    done % SPAN_TOKENS == 0,
                     wanted,
                     &mut hidden,
                     &mut logits,
@@ -438,7 +417,6 @@ impl NativeLlamaPipeline {
             session.forward(
                 ChunkInput::Tokens(&[token]),
                 SpanType::ResponseSentence,
-                step % SPAN_TOKENS == 0,
                 LogitsWanted::Last,
                 &mut hidden,
                 &mut logits,

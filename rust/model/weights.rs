@@ -279,22 +279,21 @@ impl LlamaWeights {
 
 fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
     let bad = |what: String| ModelError::Weights(format!("tensor {}: {what}", info.name));
-    let dtype = GgmlType::from_id(info.ggml_type)
-        .ok_or_else(|| bad(format!("unsupported ggml type id {}", info.ggml_type)))?;
+    let dtype = GgmlType::from_id(info.ggml_type).map_err(|e| bad(e.to_string()))?;
     let (cols, rows) = match info.dims.as_slice() {
         [n] => (*n as usize, 1usize),
         [c, r] => (*c as usize, *r as usize),
         other => return Err(bad(format!("unsupported rank {}", other.len()))),
     };
-    if cols == 0 || rows == 0 || cols % dtype.block_elems() != 0 {
+    if cols == 0 || rows == 0 || cols % dtype.block_size() != 0 {
         return Err(bad(format!(
             "{cols} columns do not fit {:?} blocks of {}",
             dtype,
-            dtype.block_elems()
+            dtype.block_size()
         )));
     }
     let len = rows
-        .checked_mul(cols / dtype.block_elems())
+        .checked_mul(cols / dtype.block_size())
         .and_then(|blocks| blocks.checked_mul(dtype.block_bytes()))
         .ok_or_else(|| bad("size overflows".into()))?;
     let start = usize::try_from(info.offset).map_err(|_| bad("offset overflows".into()))?;
