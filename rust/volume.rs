@@ -440,6 +440,24 @@ pub struct CacheStats {
     pub erasures: u64,
 }
 
+impl CacheStats {
+    /// Every counter by name, in a fixed order (the bindings' and the station's dict form).
+    pub fn as_pairs(&self) -> [(&'static str, u64); 10] {
+        [
+            ("hits", self.hits),
+            ("misses", self.misses),
+            ("evictions", self.evictions),
+            ("entries", self.entries as u64),
+            ("bytes", self.bytes as u64),
+            ("captures", self.captures),
+            ("skipped_too_long", self.skipped_too_long),
+            ("skipped_too_large", self.skipped_too_large),
+            ("drift_clears", self.drift_clears),
+            ("erasures", self.erasures),
+        ]
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Keys and captured data
 // ---------------------------------------------------------------------------------------

@@ -4,20 +4,23 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use numpy::{
-    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyUntypedArrayMethods,
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::eviction::EvictionPolicy;
 use crate::model::{
     ChunkInput, GenerationStats, LlamaConfig, LlamaWeights, LogitsWanted, ModelError,
     NativeLlamaPipeline, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig,
     TensorInfo,
 };
 use crate::ring::SpanType;
-use crate::volume::{CacheConfig, EvictionPolicy};
+use crate::volume::CacheConfig;
+
+use super::ring::PySpanType;
+use super::volume::stats_dict;
 
 fn value_error(e: ModelError) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -34,16 +37,11 @@ fn parse_logits(which: &str) -> PyResult<LogitsWanted> {
     }
 }
 
-fn parse_span(name: &str) -> PyResult<SpanType> {
-    SpanType::from_name(name).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "unknown span type {name:?} (system, user, thought, tool_call, tool_result, \
-             response_sentence, turn_end)"
-        ))
-    })
-}
-
-fn rows_array<'py>(py: Python<'py>, data: Vec<f32>, width: usize) -> PyResult<Bound<'py, PyArray2<f32>>> {
+fn rows_array<'py>(
+    py: Python<'py>,
+    data: Vec<f32>,
+    width: usize,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let rows = data.len() / width;
     PyArray1::from_vec(py, data).reshape([rows, width])
 }
@@ -156,11 +154,10 @@ impl PyRangeSession {
         py: Python<'py>,
         input: ChunkInput<'_>,
         logits: &str,
-        span: &str,
-        new_span: bool,
+        span: PySpanType,
     ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
         let wanted = parse_logits(logits)?;
-        let span = parse_span(span)?;
+        let span = SpanType::from(span);
         let (hidden_w, vocab) = {
             let c = self.inner.weights().config();
             (c.hidden, c.vocab)
@@ -168,7 +165,7 @@ impl PyRangeSession {
         let mut hidden = Vec::new();
         let mut out_logits = Vec::new();
         let session = &mut self.inner;
-        py.detach(|| session.forward(input, span, new_span, wanted, &mut hidden, &mut out_logits))
+        py.detach(|| session.forward(input, span, wanted, &mut hidden, &mut out_logits))
             .map_err(value_error)?;
         let logits = if wanted == LogitsWanted::None {
             None
@@ -235,27 +232,25 @@ impl PyRangeSession {
     }
 
     /// Runs token ids (entry range). Returns `(hidden (n, hidden), logits (rows, vocab) | None)`.
-    #[pyo3(signature = (tokens, logits="last", span="user", new_span=true))]
+    #[pyo3(signature = (tokens, logits="last", span=PySpanType::User))]
     fn forward_tokens<'py>(
         &mut self,
         py: Python<'py>,
         tokens: Vec<u32>,
         logits: &str,
-        span: &str,
-        new_span: bool,
+        span: PySpanType,
     ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
-        self.run(py, ChunkInput::Tokens(&tokens), logits, span, new_span)
+        self.run(py, ChunkInput::Tokens(&tokens), logits, span)
     }
 
     /// Runs hidden states `(n, hidden)` float32 from the previous range.
-    #[pyo3(signature = (hidden, logits="none", span="user", new_span=true))]
+    #[pyo3(signature = (hidden, logits="none", span=PySpanType::User))]
     fn forward_hidden<'py>(
         &mut self,
         py: Python<'py>,
         hidden: PyReadonlyArray2<'py, f32>,
         logits: &str,
-        span: &str,
-        new_span: bool,
+        span: PySpanType,
     ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
         let width = self.inner.weights().config().hidden;
         if hidden.shape()[1] != width {
@@ -272,7 +267,7 @@ impl PyRangeSession {
                 &owned
             }
         };
-        self.run(py, ChunkInput::Hidden(rows), logits, span, new_span)
+        self.run(py, ChunkInput::Hidden(rows), logits, span)
     }
 
     /// Undoes every position after `clock` (bit-exact rollback of probe tokens).
@@ -325,7 +320,12 @@ impl PySampler {
 }
 
 /// A replayed volume: `status` is `"hit"` (whole prompt) or `"partial"` (after an erasure).
-#[pyclass(name = "ReplayResult", module = "amplituhedron_rs._core", frozen, get_all)]
+#[pyclass(
+    name = "ReplayResult",
+    module = "amplituhedron_rs._core",
+    frozen,
+    get_all
+)]
 pub struct PyReplayResult {
     status: String,
     kv_len: usize,
@@ -334,7 +334,12 @@ pub struct PyReplayResult {
 }
 
 /// Timings and verdicts of one generation.
-#[pyclass(name = "GenerationResult", module = "amplituhedron_rs._core", frozen, get_all)]
+#[pyclass(
+    name = "GenerationResult",
+    module = "amplituhedron_rs._core",
+    frozen,
+    get_all
+)]
 pub struct PyGenerationResult {
     output_ids: Vec<u32>,
     cache_hit: bool,
@@ -376,9 +381,12 @@ impl PyPipeline {
         max_bytes: Option<usize>,
         policy: &str,
     ) -> PyResult<Self> {
-        let policy: EvictionPolicy = policy
-            .parse()
-            .map_err(|e: crate::eviction::UnknownPolicyError| PyValueError::new_err(e.to_string()))?;
+        let policy: EvictionPolicy =
+            policy
+                .parse()
+                .map_err(|e: crate::eviction::UnknownPolicyError| {
+                    PyValueError::new_err(e.to_string())
+                })?;
         let cache = CacheConfig {
             max_entries,
             max_prefix_len,
@@ -400,17 +408,23 @@ impl PyPipeline {
         self.inner.amplituhedron_enable(on);
     }
 
-    fn amplituhedron_set_max_entries(&mut self, n: usize) {
-        self.inner.amplituhedron_set_max_entries(n);
+    fn amplituhedron_set_max_entries(&mut self, n: usize) -> PyResult<()> {
+        self.inner
+            .amplituhedron_set_max_entries(n)
+            .map_err(value_error)
     }
 
-    fn amplituhedron_set_max_prefix_len(&mut self, n: usize) {
-        self.inner.amplituhedron_set_max_prefix_len(n);
+    fn amplituhedron_set_max_prefix_len(&mut self, n: usize) -> PyResult<()> {
+        self.inner
+            .amplituhedron_set_max_prefix_len(n)
+            .map_err(value_error)
     }
 
     #[pyo3(signature = (n))]
-    fn amplituhedron_set_max_bytes(&mut self, n: Option<usize>) {
-        self.inner.cache_mut().set_max_bytes(n);
+    fn amplituhedron_set_max_bytes(&mut self, n: Option<usize>) -> PyResult<()> {
+        self.inner
+            .amplituhedron_set_max_bytes(n)
+            .map_err(value_error)
     }
 
     fn amplituhedron_clear(&mut self) {
@@ -419,11 +433,7 @@ impl PyPipeline {
 
     /// Counters: hits, misses, evictions, entries, bytes, …
     fn amplituhedron_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (k, v) in self.inner.amplituhedron_stats().as_pairs() {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        stats_dict(py, &self.inner.amplituhedron_stats().as_pairs())
     }
 
     /// Whether the cache is on.
@@ -470,7 +480,7 @@ impl PyPipeline {
                 )
             })
             .map_err(value_error)?;
-        Ok(outcome.stored_bytes())
+        Ok(outcome.cached_bytes())
     }
 
     /// Splices the volume of `tokens` into a fresh session: a ReplayResult, or None on a miss.
@@ -524,8 +534,8 @@ impl PyPipeline {
         let sampler = &mut sampler.inner;
         // The first Python exception raised by a callback (or a pending signal) cancels the
         // generation and is re-raised here.
-        let mut callback_error: Option<PyErr> = None;
-        let result = py.detach(|| {
+        let (result, callback_error) = py.detach(|| {
+            let callback_error: std::cell::RefCell<Option<PyErr>> = std::cell::RefCell::new(None);
             let mut token_cb = |t: u32| -> bool {
                 Python::attach(|py| {
                     let r = py.check_signals().and_then(|_| match &on_token {
@@ -535,7 +545,7 @@ impl PyPipeline {
                     match r {
                         Ok(()) => true,
                         Err(e) => {
-                            callback_error.get_or_insert(e);
+                            callback_error.borrow_mut().get_or_insert(e);
                             false
                         }
                     }
@@ -550,13 +560,13 @@ impl PyPipeline {
                     match r {
                         Ok(()) => true,
                         Err(e) => {
-                            callback_error.get_or_insert(e);
+                            callback_error.borrow_mut().get_or_insert(e);
                             false
                         }
                     }
                 })
             };
-            pipeline.generate(
+            let result = pipeline.generate(
                 session,
                 &tokens,
                 max_new_tokens,
@@ -565,7 +575,8 @@ impl PyPipeline {
                 use_cache,
                 &mut token_cb,
                 &mut prefill_cb,
-            )
+            );
+            (result, callback_error.into_inner())
         });
         if let Some(e) = callback_error {
             return Err(e);

@@ -172,7 +172,10 @@ fn to_vec(a: &ArrayViewD<'_, f32>) -> Vec<f32> {
     }
 }
 
-fn stats_dict<'py>(py: Python<'py>, items: &[(&str, u64)]) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn stats_dict<'py>(
+    py: Python<'py>,
+    items: &[(&str, u64)],
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for (k, v) in items {
         d.set_item(k, v)?;
@@ -556,22 +559,7 @@ impl PyCache {
 
     /// Counters and occupancy.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.lock()?.stats();
-        stats_dict(
-            py,
-            &[
-                ("hits", s.hits),
-                ("misses", s.misses),
-                ("evictions", s.evictions),
-                ("entries", s.entries as u64),
-                ("bytes", s.bytes as u64),
-                ("captures", s.captures),
-                ("skipped_too_long", s.skipped_too_long),
-                ("skipped_too_large", s.skipped_too_large),
-                ("drift_clears", s.drift_clears),
-                ("erasures", s.erasures),
-            ],
-        )
+        stats_dict(py, &self.lock()?.stats().as_pairs())
     }
 
     /// Turns the cache on or off (entries are kept).

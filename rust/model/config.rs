@@ -45,7 +45,10 @@ impl LlamaConfig {
             return bad(format!("zero-sized model dimension in {self}"));
         }
         if self.n_heads == 0 || self.n_kv_heads == 0 || self.hidden % self.n_heads != 0 {
-            return bad(format!("hidden {} is not divisible by {} heads", self.hidden, self.n_heads));
+            return bad(format!(
+                "hidden {} is not divisible by {} heads",
+                self.hidden, self.n_heads
+            ));
         }
         if self.n_heads % self.n_kv_heads != 0 {
             return bad(format!(
@@ -54,16 +57,28 @@ impl LlamaConfig {
             ));
         }
         if self.head_dim() % 2 != 0 {
-            return bad(format!("RoPE needs an even head_dim, got {}", self.head_dim()));
+            return bad(format!(
+                "RoPE needs an even head_dim, got {}",
+                self.head_dim()
+            ));
         }
         if self.n_layers > u16::MAX as usize {
-            return bad(format!("{} layers do not fit a u16 layer index", self.n_layers));
+            return bad(format!(
+                "{} layers do not fit a u16 layer index",
+                self.n_layers
+            ));
         }
         if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
-            return bad(format!("rope base must be positive, got {}", self.rope_base));
+            return bad(format!(
+                "rope base must be positive, got {}",
+                self.rope_base
+            ));
         }
         if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
-            return bad(format!("rms epsilon must be positive, got {}", self.rms_eps));
+            return bad(format!(
+                "rms epsilon must be positive, got {}",
+                self.rms_eps
+            ));
         }
         if self.context_len == 0 {
             return bad("context length is zero".into());

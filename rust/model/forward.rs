@@ -127,7 +127,11 @@ impl RangeSession {
         ring_cfg.n_sys = cfg.n_sys;
         ring_cfg.max_positions = Some(c.context_len);
         // A chunk never spans more than the window (the ring's rule) nor more than a span.
-        ring_cfg.max_chunk = cfg.max_chunk.min(ring_cfg.window_len()).min(SPAN_TOKENS as usize).max(1);
+        ring_cfg.max_chunk = cfg
+            .max_chunk
+            .min(ring_cfg.window_len())
+            .min(SPAN_TOKENS as usize)
+            .max(1);
         let ring = DynamicRingBuffer::new(ring_cfg).map_err(|e| ModelError::Ring(e.to_string()))?;
         let n = ring.config().max_chunk;
         let half = c.head_dim() / 2;
@@ -330,7 +334,9 @@ impl RangeSession {
             let (len, new_span) = self.next_piece(n - start, span);
             let piece = match input {
                 ChunkInput::Tokens(t) => ChunkInput::Tokens(&t[start..start + len]),
-                ChunkInput::Hidden(h) => ChunkInput::Hidden(&h[start * hidden..(start + len) * hidden]),
+                ChunkInput::Hidden(h) => {
+                    ChunkInput::Hidden(&h[start * hidden..(start + len) * hidden])
+                }
             };
             let piece_logits = match logits {
                 LogitsWanted::All => LogitsWanted::All,
@@ -350,7 +356,11 @@ impl RangeSession {
         Ok(())
     }
 
-    fn validate_input(&self, input: &ChunkInput<'_>, logits: LogitsWanted) -> Result<(), ModelError> {
+    fn validate_input(
+        &self,
+        input: &ChunkInput<'_>,
+        logits: LogitsWanted,
+    ) -> Result<(), ModelError> {
         let c = self.weights.config();
         match input {
             ChunkInput::Tokens(t) => {
@@ -417,7 +427,11 @@ impl RangeSession {
         let at = logits_out.len();
         let result = self
             .run_layers(&weights, input, n, logits, logits_out)
-            .and_then(|()| self.ring.commit_append().map_err(|e| ModelError::Ring(e.to_string())));
+            .and_then(|()| {
+                self.ring
+                    .commit_append()
+                    .map_err(|e| ModelError::Ring(e.to_string()))
+            });
         if result.is_err() {
             self.ring.abort_append();
             logits_out.truncate(at);
@@ -453,15 +467,32 @@ impl RangeSession {
             let pos = self.ring.pending_clock(i);
             let cache_pos = self.ring.pending_cache_pos(i);
             let r = i * half..(i + 1) * half;
-            rope_angles(pos, hd, c.rope_base, &mut ws.cos_w[r.clone()], &mut ws.sin_w[r.clone()]);
+            rope_angles(
+                pos,
+                hd,
+                c.rope_base,
+                &mut ws.cos_w[r.clone()],
+                &mut ws.sin_w[r.clone()],
+            );
             fixed_differs |= cache_pos != pos;
-            rope_angles(cache_pos, hd, c.rope_base, &mut ws.cos_f[r.clone()], &mut ws.sin_f[r]);
+            rope_angles(
+                cache_pos,
+                hd,
+                c.rope_base,
+                &mut ws.cos_f[r.clone()],
+                &mut ws.sin_f[r],
+            );
         }
         let scale = 1.0 / (hd as f32).sqrt();
         for layer in self.layer_lo..self.layer_hi {
             let lw = weights.layer(layer)?;
             let ring_layer = layer - self.layer_lo;
-            rms_norm(&ws.x[..n * hidden], lw.attn_norm, c.rms_eps, &mut ws.h[..n * hidden]);
+            rms_norm(
+                &ws.x[..n * hidden],
+                lw.attn_norm,
+                c.rms_eps,
+                &mut ws.h[..n * hidden],
+            );
             {
                 let input = QuantizedInput::quantize(&ws.h[..n * hidden], n, hidden, &mut ws.quant)
                     .map_err(quant_err)?;
@@ -501,10 +532,21 @@ impl RangeSession {
             self.ring
                 .write_pending(ring_layer, &ws.k[..n * kv_dim], &ws.v[..n * kv_dim])
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
-            matmul_f32(&lw.wo, &ws.attn[..n * hidden], n, &mut ws.proj[..n * hidden], &mut ws.quant)
-                .map_err(quant_err)?;
+            matmul_f32(
+                &lw.wo,
+                &ws.attn[..n * hidden],
+                n,
+                &mut ws.proj[..n * hidden],
+                &mut ws.quant,
+            )
+            .map_err(quant_err)?;
             add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
-            rms_norm(&ws.x[..n * hidden], lw.ffn_norm, c.rms_eps, &mut ws.h[..n * hidden]);
+            rms_norm(
+                &ws.x[..n * hidden],
+                lw.ffn_norm,
+                c.rms_eps,
+                &mut ws.h[..n * hidden],
+            );
             {
                 let input = QuantizedInput::quantize(&ws.h[..n * hidden], n, hidden, &mut ws.quant)
                     .map_err(quant_err)?;
@@ -512,8 +554,14 @@ impl RangeSession {
                 matmul(&lw.w_up, &input, &mut ws.up[..n * ffn]).map_err(quant_err)?;
             }
             swiglu(&mut ws.gate[..n * ffn], &ws.up[..n * ffn]);
-            matmul_f32(&lw.w_down, &ws.gate[..n * ffn], n, &mut ws.proj[..n * hidden], &mut ws.quant)
-                .map_err(quant_err)?;
+            matmul_f32(
+                &lw.w_down,
+                &ws.gate[..n * ffn],
+                n,
+                &mut ws.proj[..n * hidden],
+                &mut ws.quant,
+            )
+            .map_err(quant_err)?;
             add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
         }
         let rows = match logits {
@@ -532,8 +580,14 @@ impl RangeSession {
             );
             let at = logits_out.len();
             logits_out.resize(at + count * c.vocab, 0.0);
-            matmul_f32(&head, &ws.h[..count * hidden], count, &mut logits_out[at..], &mut ws.quant)
-                .map_err(quant_err)?;
+            matmul_f32(
+                &head,
+                &ws.h[..count * hidden],
+                count,
+                &mut logits_out[at..],
+                &mut ws.quant,
+            )
+            .map_err(quant_err)?;
         }
         Ok(())
     }

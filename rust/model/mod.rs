@@ -22,8 +22,8 @@ mod weights;
 use std::fmt;
 
 pub use config::LlamaConfig;
-pub use forward::{ChunkInput, LogitsWanted, RangeSession, SessionConfig};
-pub use pipeline::{NativeLlamaPipeline, ReplayOutcome};
+pub use forward::{ChunkInput, LogitsWanted, RangeSession, SessionConfig, SPAN_TOKENS};
+pub use pipeline::{GenerationStats, NativeLlamaPipeline, ReplayOutcome, StopReason};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
 pub use weights::{LayerView, LlamaWeights, TensorInfo};
 

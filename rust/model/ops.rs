@@ -97,7 +97,9 @@ mod tests {
 
     #[test]
     fn rms_norm_rows_are_independent_of_batching() {
-        let x: Vec<f32> = (0..64 * 3).map(|i| ((i * 37) % 101) as f32 * 0.03 - 1.5).collect();
+        let x: Vec<f32> = (0..64 * 3)
+            .map(|i| ((i * 37) % 101) as f32 * 0.03 - 1.5)
+            .collect();
         let w = vec![0.9f32; 64];
         let mut all = vec![0.0; x.len()];
         rms_norm(&x, &w, 1e-5, &mut all);

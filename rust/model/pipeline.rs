@@ -90,7 +90,8 @@ impl NativeLlamaPipeline {
                 "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
             )));
         }
-        let cache = AmplituhedronCache::new(cache).map_err(|e| ModelError::Volume(e.to_string()))?;
+        let cache =
+            AmplituhedronCache::new(cache).map_err(|e| ModelError::Volume(e.to_string()))?;
         Ok(NativeLlamaPipeline {
             weights,
             layer_lo,
@@ -152,17 +153,23 @@ impl NativeLlamaPipeline {
 
     /// `amplituhedron_set_max_entries`.
     pub fn amplituhedron_set_max_entries(&mut self, n: usize) -> Result<(), ModelError> {
-        self.cache.set_max_entries(n).map_err(|e| ModelError::Volume(e.to_string()))
+        self.cache
+            .set_max_entries(n)
+            .map_err(|e| ModelError::Volume(e.to_string()))
     }
 
     /// `amplituhedron_set_max_prefix_len`.
     pub fn amplituhedron_set_max_prefix_len(&mut self, n: usize) -> Result<(), ModelError> {
-        self.cache.set_max_prefix_len(n).map_err(|e| ModelError::Volume(e.to_string()))
+        self.cache
+            .set_max_prefix_len(n)
+            .map_err(|e| ModelError::Volume(e.to_string()))
     }
 
     /// `amplituhedron_set_max_bytes` (None: unbounded).
     pub fn amplituhedron_set_max_bytes(&mut self, n: Option<usize>) -> Result<(), ModelError> {
-        self.cache.set_max_bytes(n).map_err(|e| ModelError::Volume(e.to_string()))
+        self.cache
+            .set_max_bytes(n)
+            .map_err(|e| ModelError::Volume(e.to_string()))
     }
 
     /// `amplituhedron_clear`.
@@ -215,7 +222,9 @@ impl NativeLlamaPipeline {
             )));
         }
         if logits.is_some() && !session.is_exit() {
-            return Err(ModelError::Input("only the exit range stores logits".into()));
+            return Err(ModelError::Input(
+                "only the exit range stores logits".into(),
+            ));
         }
         let n = tokens.len();
         let layers = self.layer_hi - self.layer_lo;

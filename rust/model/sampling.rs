@@ -58,7 +58,10 @@ impl SamplingParams {
             )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(SamplingError(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(SamplingError(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         Ok(())
     }
@@ -135,7 +138,10 @@ impl Sampler {
             return Err(SamplingError("cannot sample from empty logits".into()));
         }
         if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
-            return Err(SamplingError(format!("logit {i} is not finite ({})", logits[i])));
+            return Err(SamplingError(format!(
+                "logit {i} is not finite ({})",
+                logits[i]
+            )));
         }
         if self.params.greedy {
             return Ok(argmax(logits));
@@ -146,10 +152,13 @@ impl Sampler {
             .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
         // Highest logit first; equal logits by lower id, so the order is total and stable.
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| {
-            b.1.partial_cmp(&a.1).unwrap_or(Ordering::Equal).then(a.0.cmp(&b.0))
+            b.1.partial_cmp(&a.1)
+                .unwrap_or(Ordering::Equal)
+                .then(a.0.cmp(&b.0))
         };
         if p.top_k > 0 && p.top_k < self.candidates.len() {
-            self.candidates.select_nth_unstable_by(p.top_k - 1, by_logit);
+            self.candidates
+                .select_nth_unstable_by(p.top_k - 1, by_logit);
             self.candidates.truncate(p.top_k);
         }
         self.candidates.sort_unstable_by(by_logit);
@@ -220,7 +229,9 @@ mod tests {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 7) % 13) as f32 * 0.2).collect();
         let run = |seed| {
             let mut s = Sampler::new(params(1.0, 0, 1.0, seed)).unwrap();
-            (0..50).map(|_| s.sample(&logits).unwrap()).collect::<Vec<_>>()
+            (0..50)
+                .map(|_| s.sample(&logits).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -249,7 +260,9 @@ mod tests {
     fn temperature_sampling_follows_the_distribution() {
         let logits = [0.0f32, (3.0f32).ln()]; // p = 0.25, 0.75
         let mut s = Sampler::new(params(1.0, 0, 1.0, 99)).unwrap();
-        let ones = (0..20000).filter(|_| s.sample(&logits).unwrap() == 1).count();
+        let ones = (0..20000)
+            .filter(|_| s.sample(&logits).unwrap() == 1)
+            .count();
         let frac = ones as f64 / 20000.0;
         assert!((frac - 0.75).abs() < 0.02, "{frac}");
     }

@@ -135,7 +135,10 @@ impl LlamaWeights {
         for info in table {
             let entry = validate_entry(info, total)?;
             if by_name.insert(info.name.as_str(), entry).is_some() {
-                return Err(ModelError::Weights(format!("tensor {} listed twice", info.name)));
+                return Err(ModelError::Weights(format!(
+                    "tensor {} listed twice",
+                    info.name
+                )));
             }
         }
         let c = &config;
@@ -155,7 +158,10 @@ impl LlamaWeights {
         let vector = |name: &str, n: usize| -> Result<TensorEntry, ModelError> {
             let e = take(name, 1, n)?;
             if e.dtype != GgmlType::F32 {
-                return Err(ModelError::Weights(format!("{name} must be F32, is {:?}", e.dtype)));
+                return Err(ModelError::Weights(format!(
+                    "{name} must be F32, is {:?}",
+                    e.dtype
+                )));
             }
             Ok(e)
         };
@@ -234,7 +240,10 @@ impl LlamaWeights {
         // the offset relative to an allocation that is page aligned (mmap) or from a Vec<u8>
         // checked below; every bit pattern is a valid f32.
         let (head, floats, tail) = unsafe { bytes.align_to::<f32>() };
-        assert!(head.is_empty() && tail.is_empty(), "F32 tensor data is not 4-byte aligned");
+        assert!(
+            head.is_empty() && tail.is_empty(),
+            "F32 tensor data is not 4-byte aligned"
+        );
         floats
     }
 
@@ -304,7 +313,9 @@ fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelE
         )));
     }
     if dtype == GgmlType::F32 && start % 4 != 0 {
-        return Err(bad(format!("F32 data at offset {start} is not 4-byte aligned")));
+        return Err(bad(format!(
+            "F32 data at offset {start} is not 4-byte aligned"
+        )));
     }
     Ok(TensorEntry {
         dtype,
