@@ -1190,6 +1190,37 @@ impl AmplituhedronCache {
         vol.tail.clone()
     }
 
+    /// Fault injection for tests and failure drills: overwrites the key slab of `key`'s
+    /// volume at `position` (first layer, head and dimension) with NaN, as memory corruption
+    /// would. Returns whether an entry was found. Never used by the runtime itself.
+    pub fn inject_fault(
+        &mut self,
+        key: &VolumeKey<'_>,
+        position: usize,
+    ) -> Result<bool, VolumeError> {
+        key.validate()?;
+        let id = PrefixIdentity::of(key);
+        let Some(entry) = self.entries.iter_mut().find(|e| e.volume.matches(key, &id)) else {
+            return Ok(false);
+        };
+        let vol = &entry.volume;
+        if position >= vol.kv_len {
+            return Err(VolumeError::DamageOutOfRange {
+                position,
+                kv_len: vol.kv_len,
+            });
+        }
+        let mut keys = vol.kv_keys.as_ref().clone();
+        keys[vol.shape.row_offset(0, 0, position)] = f32::NAN;
+        let mut damaged = vol.trimmed();
+        damaged.kv_len = vol.kv_len;
+        damaged.tail.clone_from(&vol.tail);
+        damaged.logits.clone_from(&vol.logits);
+        damaged.kv_keys = Arc::new(keys);
+        entry.volume = Arc::new(damaged);
+        Ok(true)
+    }
+
     /// Reports damage found at `position` while replaying `key`'s volume (Lean
     /// `topological_erasure`): the trailing covered position of a never-erased volume is
     /// trimmed once; any other damage clears that one entry. Other entries are untouched.

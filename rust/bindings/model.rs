@@ -22,6 +22,9 @@ use crate::volume::CacheConfig;
 use super::ring::PySpanType;
 use super::volume::stats_dict;
 
+/// `(hidden rows, logits rows or None)` returned by a forward call.
+type Forwarded<'py> = (Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>);
+
 fn value_error(e: ModelError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
@@ -155,7 +158,7 @@ impl PyRangeSession {
         input: ChunkInput<'_>,
         logits: &str,
         span: PySpanType,
-    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
+    ) -> PyResult<Forwarded<'py>> {
         let wanted = parse_logits(logits)?;
         let span = SpanType::from(span);
         let (hidden_w, vocab) = {
@@ -239,7 +242,7 @@ impl PyRangeSession {
         tokens: Vec<u32>,
         logits: &str,
         span: PySpanType,
-    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
+    ) -> PyResult<Forwarded<'py>> {
         self.run(py, ChunkInput::Tokens(&tokens), logits, span)
     }
 
@@ -251,7 +254,7 @@ impl PyRangeSession {
         hidden: PyReadonlyArray2<'py, f32>,
         logits: &str,
         span: PySpanType,
-    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>)> {
+    ) -> PyResult<Forwarded<'py>> {
         let width = self.inner.weights().config().hidden;
         if hidden.shape()[1] != width {
             return Err(PyValueError::new_err(format!(

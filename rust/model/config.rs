@@ -44,19 +44,19 @@ impl LlamaConfig {
         if self.n_layers == 0 || self.hidden == 0 || self.ffn == 0 || self.vocab == 0 {
             return bad(format!("zero-sized model dimension in {self}"));
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.hidden % self.n_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.hidden.is_multiple_of(self.n_heads) {
             return bad(format!(
                 "hidden {} is not divisible by {} heads",
                 self.hidden, self.n_heads
             ));
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return bad(format!(
                 "RoPE needs an even head_dim, got {}",
                 self.head_dim()

@@ -10,7 +10,7 @@ use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
 
 /// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
 /// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
-/// span layout never depends on chunking.
+/// span layout never depends on chunking. Smaller windows use half their length.
 pub const SPAN_TOKENS: u64 = 256;
 
 /// Sizes of a session's ring buffer and work buffers.
@@ -93,6 +93,8 @@ pub struct RangeSession {
     layer_hi: usize,
     ring: DynamicRingBuffer,
     max_chunk: usize,
+    /// Span length of this session: `SPAN_TOKENS`, or half the window if that is smaller.
+    span_tokens: u64,
     ws: Workspace,
 }
 
@@ -127,11 +129,8 @@ impl RangeSession {
         ring_cfg.n_sys = cfg.n_sys;
         ring_cfg.max_positions = Some(c.context_len);
         // A chunk never spans more than the window (the ring's rule) nor more than a span.
-        ring_cfg.max_chunk = cfg
-            .max_chunk
-            .min(ring_cfg.window_len())
-            .min(SPAN_TOKENS as usize)
-            .max(1);
+        let span_tokens = SPAN_TOKENS.min(ring_cfg.window_len() as u64 / 2).max(1);
+        ring_cfg.max_chunk = cfg.max_chunk.min(span_tokens as usize).max(1);
         let ring = DynamicRingBuffer::new(ring_cfg).map_err(|e| ModelError::Ring(e.to_string()))?;
         let n = ring.config().max_chunk;
         let half = c.head_dim() / 2;
@@ -161,6 +160,7 @@ impl RangeSession {
             layer_hi,
             ring,
             max_chunk: n,
+            span_tokens,
             ws,
         })
     }
@@ -290,14 +290,14 @@ impl RangeSession {
 
     /// Where the next piece of an append starting at the current clock ends, and whether it
     /// opens a new span. Pieces never cross `max_chunk`, the anchor boundary `n_sys`, or a
-    /// multiple of [`SPAN_TOKENS`]; spans open at those fixed positions (or when the span type
+    /// multiple of the span length; spans open at those fixed positions (or when the span type
     /// changes), so the span layout — and with it span-aware eviction — never depends on
     /// how a caller chunked its input, nor on whether positions were replayed or prefilled.
     fn next_piece(&self, remaining: usize, span: SpanType) -> (usize, bool) {
         let clock = self.ring.clock();
         let n_sys = self.ring.n_sys() as u64;
         let mut end = clock + remaining.min(self.max_chunk) as u64;
-        end = end.min((clock / SPAN_TOKENS + 1) * SPAN_TOKENS);
+        end = end.min((clock / self.span_tokens + 1) * self.span_tokens);
         if clock < n_sys {
             end = end.min(n_sys);
         }
@@ -306,7 +306,7 @@ impl RangeSession {
             .spans()
             .last()
             .is_some_and(|s| s.end_clock == clock && s.span_type == span);
-        let new_span = clock % SPAN_TOKENS == 0 || clock == n_sys || !open_same;
+        let new_span = clock.is_multiple_of(self.span_tokens) || clock == n_sys || !open_same;
         ((end - clock) as usize, new_span)
     }
 

@@ -29,6 +29,8 @@ pub use weights::{LayerView, LlamaWeights, TensorInfo};
 
 #[cfg(test)]
 pub(crate) mod testing;
+#[cfg(test)]
+mod tests;
 
 /// Everything that can go wrong loading or running a model.
 #[derive(Clone, Debug, PartialEq)]

@@ -71,7 +71,7 @@ pub(crate) fn tiny_weights(seed: u64) -> Arc<LlamaWeights> {
     let mut bytes: Vec<u8> = Vec::new();
     let mut table = Vec::new();
     let mut push = |name: String, ggml_type: u32, cols: usize, rows: usize, scale: f32| {
-        while bytes.len() % 32 != 0 {
+        while !bytes.len().is_multiple_of(32) {
             bytes.push(0);
         }
         let offset = bytes.len() as u64;

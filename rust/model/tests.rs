@@ -1,0 +1,407 @@
+//! The runtime's invariants on a small synthetic model in the real tensor formats:
+//! chunked = unchunked, split ranges = one range, cache-on = cache-off, rollback exact,
+//! erasure, bad input refused without side effects.
+
+use std::sync::Arc;
+
+use super::testing::{tiny_config, tiny_weights};
+use super::*;
+use crate::ring::SpanType;
+use crate::volume::{CacheConfig, VolumeKey};
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 7 + salt * 13 + 5) % 96)
+        .collect()
+}
+
+fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> RangeSession {
+    let cfg = SessionConfig {
+        slots: 256,
+        recall: 16,
+        n_sys: 0,
+        max_chunk,
+    };
+    RangeSession::new(Arc::clone(w), lo, hi, &cfg).unwrap()
+}
+
+/// Logits of every position, computed by one session over the whole model.
+fn all_logits(s: &mut RangeSession, tokens: &[u32]) -> Vec<f32> {
+    let (mut h, mut l) = (Vec::new(), Vec::new());
+    s.forward(
+        ChunkInput::Tokens(tokens),
+        SpanType::User,
+        LogitsWanted::All,
+        &mut h,
+        &mut l,
+    )
+    .unwrap();
+    l
+}
+
+#[test]
+fn chunked_prefill_equals_unchunked_bit_for_bit() {
+    let w = tiny_weights(1);
+    let tokens = prompt(90, 1);
+    let reference = all_logits(&mut session(&w, 0, 3, 256), &tokens);
+    for chunk in [1, 7, 64] {
+        assert_eq!(
+            all_logits(&mut session(&w, 0, 3, chunk), &tokens),
+            reference,
+            "chunk {chunk}"
+        );
+    }
+    // Feeding the prompt in uneven caller pieces changes nothing either.
+    let mut s = session(&w, 0, 3, 256);
+    let (mut h, mut l, mut got) = (Vec::new(), Vec::new(), Vec::new());
+    for piece in tokens.chunks(13) {
+        s.forward(
+            ChunkInput::Tokens(piece),
+            SpanType::User,
+            LogitsWanted::All,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+        got.extend_from_slice(&l);
+    }
+    assert_eq!(got, reference);
+}
+
+#[test]
+fn split_ranges_equal_one_range() {
+    let w = tiny_weights(2);
+    let tokens = prompt(40, 2);
+    let reference = all_logits(&mut session(&w, 0, 3, 256), &tokens);
+    for cuts in [vec![0, 1, 3], vec![0, 2, 3], vec![0, 1, 2, 3]] {
+        let mut hidden = Vec::new();
+        let mut logits = Vec::new();
+        for pair in cuts.windows(2) {
+            let mut s = session(&w, pair[0], pair[1], 16);
+            let input = if pair[0] == 0 {
+                ChunkInput::Tokens(&tokens)
+            } else {
+                ChunkInput::Hidden(&hidden)
+            };
+            let wanted = if s.is_exit() {
+                LogitsWanted::All
+            } else {
+                LogitsWanted::None
+            };
+            let mut out = Vec::new();
+            s.forward(input, SpanType::User, wanted, &mut out, &mut logits)
+                .unwrap();
+            hidden = out;
+        }
+        assert_eq!(logits, reference, "cuts {cuts:?}");
+    }
+}
+
+#[test]
+fn rollback_after_a_probe_gives_identical_next_logits() {
+    let w = tiny_weights(3);
+    let tokens = prompt(30, 3);
+    let next = [17u32];
+    let run = |probe: bool| {
+        let mut s = session(&w, 0, 3, 8);
+        let (mut h, mut l) = (Vec::new(), Vec::new());
+        s.forward(
+            ChunkInput::Tokens(&tokens),
+            SpanType::User,
+            LogitsWanted::Last,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+        if probe {
+            let saved = s.clock();
+            let p = prompt(5, 9);
+            s.forward(
+                ChunkInput::Tokens(&p),
+                SpanType::Thought,
+                LogitsWanted::Last,
+                &mut h,
+                &mut l,
+            )
+            .unwrap();
+            s.rollback(saved).unwrap();
+            assert_eq!(s.clock(), saved);
+        }
+        s.forward(
+            ChunkInput::Tokens(&next),
+            SpanType::User,
+            LogitsWanted::Last,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+        l
+    };
+    assert_eq!(run(true), run(false));
+}
+
+fn pipeline(w: &Arc<LlamaWeights>, lo: usize, hi: usize) -> NativeLlamaPipeline {
+    NativeLlamaPipeline::new(Arc::clone(w), lo, hi, CacheConfig::default()).unwrap()
+}
+
+fn generate(
+    p: &mut NativeLlamaPipeline,
+    s: &mut RangeSession,
+    tokens: &[u32],
+    n: usize,
+    use_cache: bool,
+) -> GenerationStats {
+    let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
+    p.generate(
+        s,
+        tokens,
+        n,
+        &mut sampler,
+        &[],
+        use_cache,
+        &mut |_| true,
+        &mut |_, _| true,
+    )
+    .unwrap()
+}
+
+#[test]
+fn cache_on_equals_cache_off_and_skips_prefill() {
+    let w = tiny_weights(4);
+    let tokens = prompt(50, 4);
+    let mut p = pipeline(&w, 0, 3);
+    let mut s = session(&w, 0, 3, 16);
+    let cold = generate(&mut p, &mut s, &tokens, 20, false);
+    let first = generate(&mut p, &mut s, &tokens, 20, true);
+    let warm = generate(&mut p, &mut s, &tokens, 20, true);
+    assert!(!first.cache_hit && warm.cache_hit);
+    assert_eq!(warm.replayed_tokens, tokens.len());
+    assert_eq!(cold.output_ids, first.output_ids);
+    assert_eq!(cold.output_ids, warm.output_ids);
+    let stats = p.amplituhedron_stats();
+    assert_eq!((stats.hits, stats.entries), (1, 1));
+}
+
+#[test]
+fn replayed_session_continues_bit_identically() {
+    let w = tiny_weights(5);
+    let tokens = prompt(33, 5);
+    let mut p = pipeline(&w, 0, 3);
+    let mut cold = session(&w, 0, 3, 16);
+    let (mut h, mut l) = (Vec::new(), Vec::new());
+    cold.forward(
+        ChunkInput::Tokens(&tokens),
+        SpanType::User,
+        LogitsWanted::Last,
+        &mut h,
+        &mut l,
+    )
+    .unwrap();
+    let tail = h[h.len() - w.config().hidden..].to_vec();
+    let logits = l.clone();
+    p.amplituhedron_capture(&cold, &tokens, &tail, Some(&logits), None)
+        .unwrap();
+    let mut warm = session(&w, 0, 3, 16);
+    match p.amplituhedron_replay(&mut warm, &tokens, None).unwrap() {
+        ReplayOutcome::Hit {
+            tail: t,
+            logits: Some(cached),
+        } => {
+            assert_eq!(t, tail);
+            assert_eq!(cached, logits);
+        }
+        other => panic!("expected a hit, got {other:?}"),
+    }
+    assert_eq!(warm.clock(), cold.clock());
+    assert_eq!(warm.ring().active_slots(), cold.ring().active_slots());
+    assert_eq!(
+        warm.ring().spans().collect::<Vec<_>>(),
+        cold.ring().spans().collect::<Vec<_>>()
+    );
+    for step in 0..10u32 {
+        let t = [step * 3 % 96];
+        let (mut h1, mut l1, mut h2, mut l2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        cold.forward(
+            ChunkInput::Tokens(&t),
+            SpanType::User,
+            LogitsWanted::Last,
+            &mut h1,
+            &mut l1,
+        )
+        .unwrap();
+        warm.forward(
+            ChunkInput::Tokens(&t),
+            SpanType::User,
+            LogitsWanted::Last,
+            &mut h2,
+            &mut l2,
+        )
+        .unwrap();
+        assert_eq!(l1, l2, "step {step}");
+    }
+}
+
+#[test]
+fn a_damaged_trailing_position_is_erased_once_then_the_entry_is_cleared() {
+    let w = tiny_weights(6);
+    let tokens = prompt(20, 6);
+    let mut p = pipeline(&w, 0, 3);
+    let mut s = session(&w, 0, 3, 16);
+    let reference = generate(&mut p, &mut s, &tokens, 8, true);
+    let key = VolumeKey {
+        model_fingerprint: w.fingerprint(),
+        tokens: &tokens,
+        layer_lo: 0,
+        layer_hi: 3,
+        salt: None,
+    };
+    // Damage at the trailing position: trimmed once, the last token is prefilled again.
+    assert!(p.cache_mut().inject_fault(&key, tokens.len() - 1).unwrap());
+    let trimmed = generate(&mut p, &mut s, &tokens, 8, true);
+    assert!(!trimmed.cache_hit);
+    assert_eq!(trimmed.replayed_tokens, tokens.len() - 1);
+    assert_eq!(trimmed.output_ids, reference.output_ids);
+    // The regenerated full volume replaced the trimmed one.
+    let warm = generate(&mut p, &mut s, &tokens, 8, true);
+    assert!(warm.cache_hit);
+    // Deeper damage clears the entry (and only it): a cold run with the same output.
+    assert!(p.cache_mut().inject_fault(&key, 3).unwrap());
+    let cleared = generate(&mut p, &mut s, &tokens, 8, true);
+    assert_eq!((cleared.cache_hit, cleared.replayed_tokens), (false, 0));
+    assert_eq!(cleared.output_ids, reference.output_ids);
+    assert!(p.amplituhedron_stats().erasures >= 2);
+}
+
+#[test]
+fn long_streams_past_the_window_do_not_depend_on_chunking() {
+    let w = tiny_weights(7);
+    // 256 slots − 16 recall = a 240-slot window: 600 positions wrap it twice.
+    let tokens = prompt(600, 7);
+    let run = |chunk: usize| {
+        let mut s = session(&w, 0, 3, chunk);
+        let (mut h, mut l) = (Vec::new(), Vec::new());
+        s.forward(
+            ChunkInput::Tokens(&tokens),
+            SpanType::User,
+            LogitsWanted::All,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+        assert!(s.ring().active_slots().len() <= 240);
+        l
+    };
+    let reference = run(1);
+    assert!(reference.iter().all(|v| v.is_finite()));
+    assert_eq!(run(64), reference);
+    assert_eq!(run(240), reference);
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let w = tiny_weights(8);
+    let mut s = session(&w, 0, 3, 16);
+    let (mut h, mut l) = (Vec::new(), Vec::new());
+    s.forward(
+        ChunkInput::Tokens(&prompt(5, 8)),
+        SpanType::User,
+        LogitsWanted::Last,
+        &mut h,
+        &mut l,
+    )
+    .unwrap();
+    let before = (s.clock(), s.ring().active_slots().to_vec());
+    let cases: Vec<(ChunkInput<'_>, LogitsWanted, &str)> = vec![
+        (ChunkInput::Tokens(&[]), LogitsWanted::Last, "no tokens"),
+        (
+            ChunkInput::Tokens(&[3, 96]),
+            LogitsWanted::Last,
+            "outside the vocabulary",
+        ),
+        (
+            ChunkInput::Hidden(&[0.0; 64]),
+            LogitsWanted::None,
+            "takes token ids",
+        ),
+    ];
+    for (input, wanted, needle) in cases {
+        let err = s
+            .forward(input, SpanType::User, wanted, &mut h, &mut l)
+            .unwrap_err();
+        assert!(err.to_string().contains(needle), "{err}");
+        assert_eq!((s.clock(), s.ring().active_slots().to_vec()), before);
+    }
+    let mut mid = session(&w, 1, 2, 16);
+    let mut nan = vec![0.5f32; 64];
+    nan[7] = f32::NAN;
+    for (input, wanted) in [
+        (ChunkInput::Hidden(&nan), LogitsWanted::None),
+        (ChunkInput::Hidden(&[0.0; 63]), LogitsWanted::None),
+        (ChunkInput::Hidden(&[0.0; 64]), LogitsWanted::Last),
+    ] {
+        assert!(mid
+            .forward(input, SpanType::User, wanted, &mut h, &mut l)
+            .is_err());
+        assert_eq!(mid.clock(), 0);
+    }
+    let mut p = pipeline(&w, 0, 3);
+    assert!(p
+        .amplituhedron_capture(&s, &[], &[0.0; 64], None, None)
+        .is_err());
+    assert!(p
+        .amplituhedron_capture(&s, &prompt(9, 8), &[0.0; 64], None, None)
+        .is_err());
+    assert!(p
+        .amplituhedron_capture(&s, &prompt(5, 8), &[0.0; 3], None, None)
+        .is_err());
+    assert_eq!(p.amplituhedron_stats().entries, 0);
+    assert!(RangeSession::new(Arc::clone(&w), 2, 2, &SessionConfig::default()).is_err());
+    let too_many = SessionConfig {
+        slots: tiny_config().context_len + 1,
+        ..SessionConfig::default()
+    };
+    assert!(RangeSession::new(Arc::clone(&w), 0, 3, &too_many).is_err());
+}
+
+#[test]
+fn fingerprint_tracks_content() {
+    assert_eq!(tiny_weights(9).fingerprint(), tiny_weights(9).fingerprint());
+    assert_ne!(
+        tiny_weights(9).fingerprint(),
+        tiny_weights(10).fingerprint()
+    );
+}
+
+#[test]
+fn sampled_generation_is_reproducible_and_cache_invariant() {
+    let w = tiny_weights(11);
+    let tokens = prompt(25, 11);
+    let params = SamplingParams {
+        greedy: false,
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.95,
+        seed: 1234,
+    };
+    let mut p = pipeline(&w, 0, 3);
+    let mut s = session(&w, 0, 3, 16);
+    let mut run = |use_cache| {
+        let mut sampler = Sampler::new(params.clone()).unwrap();
+        p.generate(
+            &mut s,
+            &tokens,
+            24,
+            &mut sampler,
+            &[],
+            use_cache,
+            &mut |_| true,
+            &mut |_, _| true,
+        )
+        .unwrap()
+    };
+    let cold = run(false);
+    let _capture = run(true);
+    let warm = run(true);
+    assert!(warm.cache_hit);
+    assert_eq!(cold.output_ids, warm.output_ids);
+}
