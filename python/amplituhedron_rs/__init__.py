@@ -53,11 +53,11 @@ from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
 # --- model runtime ---
 
 __all__ = [
+    "ORACLE_CLINAMEN_SWERVE",
     "AmplituhedronCache",
     "AmplituhedronVolume",
     "LeanOracle",
     "MatVecMemo",
-    "ORACLE_CLINAMEN_SWERVE",
     "OracleResult",
     "RingBuffer",
     "SemanticSpan",

@@ -3,15 +3,15 @@
 Sections are kept per core module (volume, oracle, ring, model) so they stay easy to find.
 """
 
-__version__: str
-
-# --- volume cache, eviction, memo --------------------------------------------------------
-
-from collections.abc import Sequence
-from typing import Any, Literal, SupportsIndex, TypeAlias, final
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, final
 
 import numpy as np
 from numpy.typing import NDArray
+
+__version__: str
+
+# --- volume cache, eviction, memo --------------------------------------------------------
 
 # Token ids: a sequence of ints or a 1-D integer array; every id must fit u32.
 _Tokens: TypeAlias = Sequence[SupportsIndex] | NDArray[np.integer[Any]]
@@ -145,8 +145,6 @@ def prefix_hash(tokens: _Tokens) -> int: ...
 # den > 0. Semantic errors and wrong row lengths raise ValueError; non-integers raise
 # TypeError and integers outside the kernel's range (i64 entries, u64 sizes) OverflowError.
 
-from collections.abc import Sequence
-
 ORACLE_CLINAMEN_SWERVE: int
 
 def oracle_plucker_coordinates(m: Sequence[Sequence[int]]) -> list[int]: ...
@@ -179,12 +177,6 @@ def oracle_encode_volume_key(
 ) -> list[int]: ...
 
 # --- ring buffer and attention -----------------------------------------------------------
-
-from collections.abc import Sequence
-from typing import Any, ClassVar, final
-
-import numpy as np
-from numpy.typing import NDArray
 
 @final
 class SpanType:
@@ -296,3 +288,162 @@ def attend(
     ``keys``/``vals`` ``(slots, n_kv_heads, head_dim)``; scale ``1/sqrt(head_dim)``."""
 
 # --- model runtime -----------------------------------------------------------------------
+
+# The model runtime: memory-mapped GGUF weights, one session per layer range (the unit a
+# station runs), a pipeline = layer range + volume cache with the seed's amplituhedron_* calls.
+
+_Logits: TypeAlias = Literal["none", "last", "all"]
+_Forwarded: TypeAlias = tuple[NDArray[np.float32], NDArray[np.float32] | None]
+
+@final
+class ModelWeights:
+    """Memory-mapped GGUF weights of a Llama-architecture model, validated at load."""
+
+    def __new__(
+        cls,
+        path: str,
+        config: dict[str, Any],
+        tensors: Sequence[tuple[str, int, Sequence[int], int]],
+    ) -> ModelWeights: ...
+    @property
+    def fingerprint(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def vocab(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def context_len(self) -> int: ...
+
+@final
+class RangeSession:
+    """One session's ring buffer and work buffers for the layers [layer_lo, layer_hi)."""
+
+    def __new__(
+        cls,
+        weights: ModelWeights,
+        layer_lo: int,
+        layer_hi: int,
+        slots: int = 4096,
+        recall: int = 128,
+        n_sys: int = 0,
+        max_chunk: int = 256,
+    ) -> RangeSession: ...
+    @property
+    def clock(self) -> int: ...
+    @property
+    def layer_lo(self) -> int: ...
+    @property
+    def layer_hi(self) -> int: ...
+    @property
+    def is_entry(self) -> bool: ...
+    @property
+    def is_exit(self) -> bool: ...
+    def forward_tokens(
+        self, tokens: Sequence[int], logits: _Logits = "last", span: SpanType = ...
+    ) -> _Forwarded: ...
+    def forward_hidden(
+        self, hidden: NDArray[np.float32], logits: _Logits = "none", span: SpanType = ...
+    ) -> _Forwarded: ...
+    def rollback(self, clock: int) -> None: ...
+    def reset(self) -> None: ...
+
+@final
+class Sampler:
+    """Greedy, or temperature with top-k / top-p, seeded."""
+
+    def __new__(
+        cls,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> Sampler: ...
+    def sample(self, logits: NDArray[np.float32]) -> int: ...
+
+@final
+class ReplayResult:
+    """A replayed volume: status "hit" (whole prompt) or "partial" (after an erasure)."""
+
+    @property
+    def status(self) -> Literal["hit", "partial"]: ...
+    @property
+    def kv_len(self) -> int: ...
+    @property
+    def tail(self) -> NDArray[np.float32] | None: ...
+    @property
+    def logits(self) -> NDArray[np.float32] | None: ...
+
+@final
+class GenerationResult:
+    """Timings and verdicts of one generation."""
+
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def cache_hit(self) -> bool: ...
+    @property
+    def replayed_tokens(self) -> int: ...
+    @property
+    def prefill_ms(self) -> float: ...
+    @property
+    def decode_ms(self) -> float: ...
+    @property
+    def stop_reason(self) -> Literal["stop", "length", "cancelled"]: ...
+
+@final
+class NativeLlamaPipeline:
+    """A layer range with its own volume cache (seed 000 §2, one-for-one)."""
+
+    def __new__(
+        cls,
+        weights: ModelWeights,
+        layer_lo: int,
+        layer_hi: int,
+        max_entries: int = 4,
+        max_prefix_len: int = 512,
+        max_bytes: int | None = None,
+        policy: Literal["pisot", "lru"] = "pisot",
+    ) -> NativeLlamaPipeline: ...
+    @property
+    def layer_range(self) -> tuple[int, int]: ...
+    @property
+    def amplituhedron_enabled(self) -> bool: ...
+    def amplituhedron_enable(self, on: bool) -> None: ...
+    def amplituhedron_set_max_entries(self, n: int) -> None: ...
+    def amplituhedron_set_max_prefix_len(self, n: int) -> None: ...
+    def amplituhedron_set_max_bytes(self, n: int | None) -> None: ...
+    def amplituhedron_clear(self) -> None: ...
+    def amplituhedron_stats(self) -> dict[str, int]: ...
+    def amplituhedron_tail(self, prefix_hash: int) -> NDArray[np.float32] | None: ...
+    def amplituhedron_capture(
+        self,
+        session: RangeSession,
+        tokens: Sequence[int],
+        tail: NDArray[np.float32],
+        logits: NDArray[np.float32] | None = None,
+        salt: str | None = None,
+    ) -> int: ...
+    def amplituhedron_replay(
+        self, session: RangeSession, tokens: Sequence[int], salt: str | None = None
+    ) -> ReplayResult | None: ...
+    def amplituhedron_inject_fault(
+        self, tokens: Sequence[int], position: int, salt: str | None = None
+    ) -> bool: ...
+    def generate(
+        self,
+        session: RangeSession,
+        tokens: Sequence[int],
+        max_new_tokens: int,
+        sampler: Sampler,
+        stop_ids: Sequence[int] = ...,
+        use_cache: bool = True,
+        on_token: Callable[[int], object] | None = None,
+        on_prefill: Callable[[int, int], object] | None = None,
+    ) -> GenerationResult: ...

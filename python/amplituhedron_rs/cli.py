@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -58,14 +59,120 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     gen.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
     gen.add_argument("--no-cache", action="store_true", help="disable the volume cache")
-    gen.add_argument("--repeat", type=int, default=1, metavar="N",
-                     help="run the same prompt N times (the 2nd+ replays the volume)")
+    gen.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the same prompt N times (the 2nd+ replays the volume)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object per run")
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--mesh", metavar="FILE_OR_URL", help="drive a running mesh")
-    where.add_argument("--stations", type=int, metavar="K",
-                       help="start a local mesh of K stations for this call")
+    where.add_argument(
+        "--stations", type=int, metavar="K", help="start a local mesh of K stations for this call"
+    )
+    gen.add_argument(
+        "--token",
+        default=os.environ.get("AMPLITUHEDRON_TOKEN"),
+        help="bearer token of the stations (env AMPLITUHEDRON_TOKEN)",
+    )
+
+    station = sub.add_parser("station", help="run one station").add_subparsers(
+        dest="station_command", required=True
+    )
+    serve = station.add_parser("serve", help="serve a layer range over HTTP")
+    serve.add_argument("--layers", required=True, metavar="LO:HI", type=_layers)
+    serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
+    serve.add_argument("--model-index", metavar="JSON", help=argparse.SUPPRESS)
+    serve.add_argument(
+        "--token",
+        default=os.environ.get("AMPLITUHEDRON_TOKEN"),
+        help="bearer token required on capture/clear/configure (env AMPLITUHEDRON_TOKEN)",
+    )
+    serve.add_argument("--max-sessions", type=int, default=8)
+    serve.add_argument("--session-idle", type=float, default=300.0, metavar="SECONDS")
+    serve.add_argument("--max-entries", type=int, default=4)
+    serve.add_argument("--max-prefix-len", type=int, default=512)
+    serve.add_argument("--policy", choices=["pisot", "lru"], default="pisot")
+    serve.add_argument("--no-cache", action="store_true", help="start with the cache disabled")
+    serve.add_argument(
+        "--fault-injection",
+        action="store_true",
+        help="expose POST /debug/damage (tests and failure drills only)",
+    )
+
+    mesh = sub.add_parser("mesh", help="local meshes").add_subparsers(
+        dest="mesh_command", required=True
+    )
+    up = mesh.add_parser("up", help="start K stations on loopback until Ctrl-C")
+    up.add_argument("--stations", type=int, default=3, metavar="K")
+    up.add_argument("--port", type=int, default=8100, metavar="BASE")
+    up.add_argument("--mesh-file", default="mesh.json", metavar="PATH")
+    up.add_argument("--model", metavar="GGUF")
+    up.add_argument("--token", default=os.environ.get("AMPLITUHEDRON_TOKEN"))
     return parser
+
+
+def _layers(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--layers takes LO:HI, got {text!r}") from exc
+    if not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"--layers {text}: need 0 <= LO < HI")
+    return lo, hi
+
+
+def _cmd_station(a: argparse.Namespace) -> int:
+    from amplituhedron_rs.station import StationSettings, serve
+
+    lo, hi = a.layers
+    settings = StationSettings(
+        layer_lo=lo,
+        layer_hi=hi,
+        model_path=a.model,
+        token=a.token,
+        max_sessions=a.max_sessions,
+        session_idle_s=a.session_idle,
+        max_entries=a.max_entries,
+        max_prefix_len=a.max_prefix_len,
+        policy=a.policy,
+        cache_enabled=not a.no_cache,
+        fault_injection=a.fault_injection,
+    )
+    serve(settings, host=a.host, port=a.port, model_index=a.model_index)
+    return 0
+
+
+def _cmd_mesh_up(a: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from amplituhedron_rs.mesh import LocalMesh
+
+    mesh = LocalMesh(a.stations, base_port=a.port, model_path=a.model, token=a.token)
+    with err.status(f"starting {a.stations} stations…"):
+        spec = mesh.start()
+    spec.write(a.mesh_file)
+    for s in spec.stations:
+        err.print(f"  station {s.url}  layers {s.layer_lo}:{s.layer_hi}")
+    err.print(f"mesh file: {a.mesh_file} — stop with Ctrl-C")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            dead = [p for p in mesh.processes if p.poll() is not None]
+            if dead:
+                err.print(f"[red]a station exited (code {dead[0].returncode}); stopping[/red]")
+                return 1
+    finally:
+        mesh.close()
+        err.print("stations stopped")
+    return 0
 
 
 def _sampling_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -146,7 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if a.command == "generate":
             return _cmd_generate(a)
-    except (ValueError, OSError) as exc:
+        if a.command == "station":
+            return _cmd_station(a)
+        if a.command == "mesh":
+            return _cmd_mesh_up(a)
+    except (ValueError, OSError, RuntimeError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2
     parser.error(f"unknown command {a.command}")

@@ -138,16 +138,11 @@ class FaultRequest(BaseModel):
 class Station:
     """State of one station process: weights, pipeline (+ volume cache), sessions."""
 
-    def __init__(self, settings: StationSettings, weights: _core.ModelWeights | None = None) -> None:
+    def __init__(
+        self, settings: StationSettings, weights: _core.ModelWeights | None = None
+    ) -> None:
         self.settings = settings
-        if weights is None:
-            mf = read_model_file(settings.model_path)
-            weights = _core.ModelWeights(
-                str(mf.path),
-                dict(mf.config),
-                [(t.name, t.ggml_type, list(t.dims), t.offset) for t in mf.tensors],
-            )
-        self.weights = weights
+        self.weights = weights if weights is not None else load_weights(settings.model_path)
         s = settings
         if not 0 <= s.layer_lo < s.layer_hi <= weights.n_layers:
             raise ValueError(
@@ -294,7 +289,9 @@ def create_app(station: Station) -> FastAPI:
         buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     )
     requests = Counter(
-        "amplituhedron_requests", "Requests by endpoint and status", ["endpoint", "status"],
+        "amplituhedron_requests",
+        "Requests by endpoint and status",
+        ["endpoint", "status"],
         registry=registry,
     )
     live_sessions = Gauge("amplituhedron_live_sessions", "Open sessions", registry=registry)
@@ -361,6 +358,8 @@ def create_app(station: Station) -> FastAPI:
             "layer_hi": s.layer_hi,
             "n_layers": int(station.weights.n_layers),
             "fingerprint": str(station.weights.fingerprint),
+            "hidden": station.hidden,
+            "vocab": station.vocab,
             "sessions": len(station.sessions),
             "entry": station.is_entry,
             "exit": station.is_exit,
@@ -433,7 +432,8 @@ def create_app(station: Station) -> FastAPI:
         if floats.size != want:
             what = "tail residual + logits" if station.is_exit else "tail residual"
             raise StationError(
-                400, f"body must be the {what}: {want} f32 ({want * 4} bytes), got {len(body)} bytes"
+                400,
+                f"body must be the {what}: {want} f32 ({want * 4} bytes), got {len(body)} bytes",
             )
         tail = np.ascontiguousarray(floats[: station.hidden])
         logits = np.ascontiguousarray(floats[station.hidden :]) if station.is_exit else None
@@ -449,7 +449,10 @@ def create_app(station: Station) -> FastAPI:
     @app.post(
         "/amplituhedron/replay",
         responses={
-            200: {"description": "hit: tail residual (+ logits) as f32 LE", "content": {OCTETS: {}}},
+            200: {
+                "description": "hit: tail residual (+ logits) as f32 LE",
+                "content": {OCTETS: {}},
+            },
             204: {"description": "miss"},
         },
     )
@@ -459,8 +462,7 @@ def create_app(station: Station) -> FastAPI:
         if req.prefix_len != len(live.prompt):
             raise StationError(
                 422,
-                f"replay covers the whole prompt ({len(live.prompt)} tokens), "
-                f"not {req.prefix_len}",
+                f"replay covers the whole prompt ({len(live.prompt)} tokens), not {req.prefix_len}",
             )
         with live.lock, station.pipeline_lock:
             if live.session.clock != 0:
@@ -544,14 +546,10 @@ def create_app(station: Station) -> FastAPI:
         with live.lock:
             try:
                 if station.is_entry:
-                    h, lg = live.session.forward_tokens(
-                        [int(i) for i in ids], logits=logits, new_span=live.session.clock == 0
-                    )
+                    h, lg = live.session.forward_tokens([int(i) for i in ids], logits=logits)
                 else:
                     h, lg = live.session.forward_hidden(
-                        arr.reshape(rows, station.hidden),
-                        logits=logits,
-                        new_span=live.session.clock == 0,
+                        arr.reshape(rows, station.hidden), logits=logits
                     )
             except ValueError as exc:
                 raise StationError(422, str(exc)) from exc
@@ -610,22 +608,39 @@ def create_app(station: Station) -> FastAPI:
     return app
 
 
+def load_weights(model_path: str | None, model_index: str | None = None) -> _core.ModelWeights:
+    """Weights from a GGUF file, or from a model index written by the mesh launcher (which
+    parsed the header once for all its stations)."""
+    if model_index is not None:
+        import json
+
+        index = json.loads(Path(model_index).read_text())
+        return _core.ModelWeights(
+            index["path"], index["config"], [tuple(t) for t in index["tensors"]]
+        )
+    mf = read_model_file(model_path)
+    return _core.ModelWeights(
+        str(mf.path),
+        dict(mf.config),
+        [(t.name, t.ggml_type, list(t.dims), t.offset) for t in mf.tensors],
+    )
+
+
 async def _in_thread(fn: Any, *args: Any) -> Any:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-def serve(settings: StationSettings, host: str = "127.0.0.1", port: int = 8100) -> None:
-    """Runs one station until interrupted."""
+def serve(
+    settings: StationSettings,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    model_index: str | None = None,
+) -> None:
+    """Runs one station until interrupted (SIGINT/SIGTERM stop it cleanly)."""
     import uvicorn
 
-    station = Station(settings)
+    station = Station(settings, load_weights(settings.model_path, model_index))
     app = create_app(station)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
-
-
-def model_path_or_default(path: str | None) -> Path:
-    from amplituhedron_rs.gguf_file import bundled_model_path
-
-    return Path(path) if path else bundled_model_path()

@@ -99,7 +99,9 @@ class Tokenizer:
         """The vocabulary entry of one id (byte-level form)."""
         return self._tokens[token_id]
 
-    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> str:
         """The model's own chat template applied to ``messages``."""
         if not messages:
             raise ValueError("a chat needs at least one message")

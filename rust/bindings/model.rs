@@ -517,6 +517,20 @@ impl PyPipeline {
         })
     }
 
+    /// Fault injection (tests and failure drills): poisons position `position` of the cached
+    /// volume of `tokens` with NaN. Returns whether an entry was found.
+    #[pyo3(signature = (tokens, position, salt=None))]
+    fn amplituhedron_inject_fault(
+        &mut self,
+        tokens: Vec<u32>,
+        position: usize,
+        salt: Option<String>,
+    ) -> PyResult<bool> {
+        self.inner
+            .amplituhedron_inject_fault(&tokens, position, salt.as_deref())
+            .map_err(value_error)
+    }
+
     /// Single-process generation over the whole model (see `Model.generate`).
     #[pyo3(signature = (session, tokens, max_new_tokens, sampler, stop_ids=Vec::new(), use_cache=true, on_token=None, on_prefill=None))]
     #[allow(clippy::too_many_arguments)]

