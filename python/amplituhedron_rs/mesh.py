@@ -16,17 +16,23 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from amplituhedron_rs.gguf_file import read_model_file
 
 
 class MeshError(RuntimeError):
     """A mesh that cannot be used: bad file, unreachable or inconsistent stations."""
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    """GET ``url`` and parse JSON (start-up and discovery only; not a hot path)."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - http(s) URLs only
+        return json.loads(r.read())
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,8 @@ class MeshSpec:
             infos = []
             for url in (u.strip().rstrip("/") for u in where.split(",") if u.strip()):
                 try:
-                    health = httpx.get(f"{url}/healthz", timeout=10).json()
-                except (httpx.HTTPError, ValueError) as exc:
+                    health = get_json(f"{url}/healthz")
+                except (OSError, ValueError) as exc:
                     raise MeshError(f"station {url} does not answer /healthz: {exc}") from exc
                 infos.append(StationInfo(url, int(health["layer_lo"]), int(health["layer_hi"])))
             return cls(tuple(sorted(infos, key=lambda s: s.layer_lo)))
@@ -216,10 +222,9 @@ class LocalMesh:
                         + self.station_log(info)
                     )
                 try:
-                    r = httpx.get(f"{url}/healthz", timeout=2)
-                    if r.status_code == 200:
-                        del pending[url]
-                except httpx.HTTPError:
+                    get_json(f"{url}/healthz", timeout=2)
+                    del pending[url]
+                except (OSError, ValueError):
                     pass
             if pending and time.monotonic() > deadline:
                 raise MeshError(

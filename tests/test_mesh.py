@@ -1,0 +1,178 @@
+"""A real 3-station mesh on loopback (separate processes, real HTTP) against the
+single-process runtime: identical tokens and logits, the all-hit branch, unique prompts,
+a station killed mid-session, and the erasure path over the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from amplituhedron_rs import _core
+from amplituhedron_rs.coordinator import Coordinator, MeshGeneration
+from amplituhedron_rs.mesh import LocalMesh, MeshError, MeshSpec, split_layers
+from amplituhedron_rs.model import Model
+
+pytestmark = [pytest.mark.model, pytest.mark.mesh]
+
+TOKEN = "mesh-test-token"
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[MeshSpec]:
+    with LocalMesh(3, token=TOKEN, station_args=["--fault-injection"]) as spec:
+        yield spec
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def _generate(mesh: MeshSpec, ids: list[int], n: int, **kw: Any) -> MeshGeneration:
+    async with Coordinator(mesh, token=TOKEN) as c:
+        return await c.generate(ids, n, **kw)
+
+
+async def _clear(mesh: MeshSpec) -> None:
+    async with Coordinator(mesh, token=TOKEN) as c:
+        await c.clear()
+
+
+def forward_requests(mesh: MeshSpec) -> int:
+    """Prefill chunks that reached any station, from the stations' own /metrics."""
+    total = 0
+    for s in mesh.stations:
+        text = urllib.request.urlopen(f"{s.url}/metrics").read().decode()
+        for line in text.splitlines():
+            if line.startswith("amplituhedron_requests_total") and 'endpoint="/sessions/{session_id}/forward"' in line:
+                total += int(float(line.split()[-1]))
+    return total
+
+
+def test_split_layers_tiles_the_model() -> None:
+    assert split_layers(30, 3) == [(0, 10), (10, 20), (20, 30)]
+    assert split_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    with pytest.raises(MeshError):
+        split_layers(30, 31)
+    with pytest.raises(MeshError, match="tile"):
+        MeshSpec.from_json({"stations": [{"url": "http://a", "layer_lo": 1, "layer_hi": 30}]})
+
+
+def test_mesh_equals_single_process_cache_off_and_on(
+    mesh: MeshSpec, model: Model, prompts: dict[str, Any]
+) -> None:
+    ids = prompts["chat"]["token_ids"]
+    single = model.generate(ids, 16, use_cache=False, stop_at_eos=False)
+    run(_clear(mesh))
+    cold = run(_generate(mesh, ids, 16, use_cache=False))
+    first = run(_generate(mesh, ids, 16))
+    warm = run(_generate(mesh, ids, 16))
+    assert cold.output_ids == first.output_ids == warm.output_ids == single.output_ids
+    assert [v.replay for v in first.stations] == ["miss"] * 3
+    assert [v.replay for v in warm.stations] == ["hit"] * 3 and warm.cache_hit
+
+
+def test_mesh_logits_are_bit_identical(mesh: MeshSpec, model: Model, prompts: dict[str, Any]) -> None:
+    """Drive the stations by hand: the exit station's logits equal the single process's."""
+    import httpx
+
+    ids = prompts["rust"]["token_ids"]
+    sid = "logits-probe"
+    with httpx.Client(timeout=60) as c:
+        for s in mesh.stations:
+            c.post(f"{s.url}/sessions", json={"prompt_tokens": ids, "session_id": sid}).raise_for_status()
+        body = np.asarray(ids, dtype="<u4").tobytes()
+        for i, s in enumerate(mesh.stations):
+            last = i == len(mesh.stations) - 1
+            r = c.post(
+                f"{s.url}/sessions/{sid}/forward",
+                content=body,
+                params={"logits": "all" if last else "none", "hidden": "none" if last else "all"},
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            r.raise_for_status()
+            body = r.content
+        logits = np.frombuffer(body, dtype="<f4").reshape(len(ids), -1)
+        for s in mesh.stations:
+            c.delete(f"{s.url}/sessions/{sid}")
+    np.testing.assert_array_equal(logits, model.logits_all(ids))
+
+
+def test_second_session_takes_the_all_hit_branch_without_prefill(
+    mesh: MeshSpec, prompts: dict[str, Any]
+) -> None:
+    ids = prompts["json"]["token_ids"]
+    run(_clear(mesh))
+    first = run(_generate(mesh, ids, 4))
+    before = forward_requests(mesh)
+    second = run(_generate(mesh, ids, 4))
+    assert not first.cache_hit and second.cache_hit
+    assert second.prefill_ms == 0.0 and all(v.prefill_requests == 0 for v in second.stations)
+    assert forward_requests(mesh) == before, "a prefill request reached a station"
+    assert second.output_ids == first.output_ids
+
+    async def stats() -> list[dict[str, Any]]:
+        async with Coordinator(mesh) as c:
+            return await c.stats()
+
+    assert all(s["hits"] >= 1 for s in run(stats()))
+
+
+def test_unique_prompts_never_hit(mesh: MeshSpec) -> None:
+    run(_clear(mesh))
+    for k in range(4):
+        g = run(_generate(mesh, [100 + k, 200 + k, 300 + k, 400], 2))
+        assert not g.cache_hit and all(v.replay == "miss" for v in g.stations)
+
+
+def test_erasure_over_the_wire(mesh: MeshSpec, model: Model, prompts: dict[str, Any]) -> None:
+    import httpx
+
+    ids = prompts["sentence"]["token_ids"]
+    run(_clear(mesh))
+    reference = run(_generate(mesh, ids, 6))
+    # Damage the trailing position of the middle station's volume.
+    r = httpx.post(
+        f"{mesh.stations[1].url}/debug/damage",
+        json={"prompt_tokens": ids, "position": len(ids) - 1},
+    )
+    assert r.status_code == 200 and r.json() == {"damaged": True}
+    g = run(_generate(mesh, ids, 6))
+    assert [v.replay for v in g.stations][1] == "partial"
+    assert g.replayed_tokens == len(ids) - 1 and not g.cache_hit
+    assert g.output_ids == reference.output_ids
+
+
+def test_a_station_killed_mid_session_fails_clearly() -> None:
+    # A dedicated mesh: this test kills one of its stations.
+    mesh = LocalMesh(3)
+    spec = mesh.start()
+    try:
+        killed: list[int] = []
+
+        def kill_after_two(token: int) -> None:
+            killed.append(token)
+            if len(killed) == 2:
+                mesh.kill_station(1)
+
+        with pytest.raises(MeshError, match=re.escape(spec.stations[1].url)) as err:
+            run(_generate(spec, [12615, 36411, 418, 582, 3822], 8, on_token=kill_after_two))
+        assert "decode step" in str(err.value)
+        assert len(killed) == 2  # no token was emitted after the failure
+    finally:
+        mesh.close()
+
+
+def test_sampled_generation_matches_single_process(
+    mesh: MeshSpec, model: Model, prompts: dict[str, Any]
+) -> None:
+    ids = prompts["sentence"]["token_ids"]
+    kw = {"greedy": False, "temperature": 0.8, "top_k": 30, "top_p": 0.9, "seed": 42}
+    single = model.generate(ids, 10, use_cache=False, stop_at_eos=False, **kw)
+    g = run(_generate(mesh, ids, 10, sampler=_core.Sampler(**kw)))
+    assert g.output_ids == single.output_ids
