@@ -10,5 +10,14 @@ from amplituhedron_rs._core import __version__
 # --- oracle kernel ---
 # --- ring buffer and attention ---
 # --- model runtime ---
+# --- quantized kernels ---
+# isort: split
+from amplituhedron_rs._core import quant_dequantize, quant_embed, quant_kernels, quant_matmul
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "quant_dequantize",
+    "quant_embed",
+    "quant_kernels",
+    "quant_matmul",
+]

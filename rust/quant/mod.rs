@@ -31,6 +31,9 @@ pub use activation::{QuantScratch, QuantizedInput};
 pub use format::{quantize_weights, GgmlType, QK};
 pub use kernel::Kernel;
 
+/// The supported ggml types and their ids, for error messages.
+pub(crate) const SUPPORTED_TYPES: &str = "F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=8";
+
 /// Errors of the quantized formats and kernels. Every check happens before any output is
 /// written, so a failed call leaves its output buffer untouched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,10 +123,9 @@ pub enum QuantError {
 impl std::fmt::Display for QuantError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            QuantError::UnsupportedType { id } => write!(
-                f,
-                "unsupported ggml type id {id} (supported: F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=8)"
-            ),
+            QuantError::UnsupportedType { id } => {
+                write!(f, "unsupported ggml type id {id} (supported: {SUPPORTED_TYPES})")
+            }
             QuantError::EmptyShape { rows, cols } => {
                 write!(f, "empty shape ({rows}, {cols}): rows and columns must be positive")
             }
