@@ -313,6 +313,20 @@ fn prefill_gemm(c: &mut Criterion) {
             })
         });
     }
+    // Activation quantization alone (once per matmul input; shared by q/k/v and gate/up).
+    for cols in [HIDDEN, FFN] {
+        let x = rng.floats(n * cols);
+        let mut scratch = QuantScratch::new();
+        g.throughput(Throughput::Elements((n * cols) as u64));
+        g.bench_function(
+            BenchmarkId::from_parameter(format!("quantize_{n}x{cols}/2t")),
+            |b| {
+                timed(b, &pool, &format!("quantize/{cols}"), || {
+                    black_box(QuantizedInput::quantize(&x, n, cols, &mut scratch).unwrap());
+                })
+            },
+        );
+    }
     // One whole layer (7 distinct matrices, inputs quantized as the model does).
     let model = Model {
         layers: vec![LAYER
@@ -477,6 +491,11 @@ fn summary(_c: &mut Criterion) {
             macs / f / 1e9
         );
     }
+    println!(
+        "  (each includes quantizing its input: {n}x{HIDDEN} takes {:.3} ms, {n}x{FFN} {:.3} ms)",
+        median(&format!("quantize/{HIDDEN}")) * 1e3,
+        median(&format!("quantize/{FFN}")) * 1e3
+    );
     let layer_macs: usize = LAYER.iter().map(|&(_, r, c)| r * c).sum();
     let (m, f) = both("prefill/layer");
     println!(

@@ -6,7 +6,7 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::ActBlocks;
+use super::activation::{block_scale, quantize_block, ActBlocks, ROUNDING_MAGIC};
 use super::format::{GgmlType, QK};
 use super::kernel::{BlockFormat, OutPtr, Q40, Q41, Q80};
 use super::scalar;
@@ -296,5 +296,68 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+}
+
+/// AVX2 version of `activation::quantize_blocks` (same operations, same bits).
+///
+/// # Safety
+/// The CPU supports AVX2; lengths as for `avx512::quantize_blocks`.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn quantize_blocks(
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    let abs_mask = _mm256_set1_epi32(0x7fff_ffff);
+    let magic = _mm256_set1_ps(ROUNDING_MAGIC);
+    let magic_bits = _mm256_set1_epi32(ROUNDING_MAGIC.to_bits() as i32);
+    // Undoes the lane interleaving of the two saturating packs (exact: |r| ≤ 127).
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let hmax = |v: __m256i| {
+        let v = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        _mm_cvtsi128_si32(v) as u32
+    };
+    let hsum = |v: __m256i| {
+        let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        _mm_cvtsi128_si32(v)
+    };
+    for b in 0..scale.len() {
+        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
+        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
+            let bits = |i: usize| _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask);
+            let amax = _mm256_max_epu32(
+                _mm256_max_epu32(bits(0), bits(1)),
+                _mm256_max_epu32(bits(2), bits(3)),
+            );
+            let Some((d, id)) = block_scale(hmax(amax)) else {
+                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                continue;
+            };
+            let id = _mm256_set1_ps(id);
+            let r: [__m256i; 4] = std::array::from_fn(|i| {
+                let m = _mm256_add_ps(_mm256_mul_ps(v[i], id), magic);
+                _mm256_sub_epi32(_mm256_castps_si256(m), magic_bits)
+            });
+            let packed = _mm256_packs_epi16(
+                _mm256_packs_epi32(r[0], r[1]),
+                _mm256_packs_epi32(r[2], r[3]),
+            );
+            let packed = _mm256_permutevar8x32_epi32(packed, order);
+            _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, packed);
+            let sum = hsum(_mm256_add_epi32(
+                _mm256_add_epi32(r[0], r[1]),
+                _mm256_add_epi32(r[2], r[3]),
+            ));
+            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+        }
     }
 }
