@@ -555,6 +555,30 @@ fn embed_gathers_dequantized_rows() {
 }
 
 #[test]
+fn from_gguf_reads_ggml_dims() {
+    let data = vec![0u8; 6 * 20];
+    let m = QMatrix::from_gguf(3, &[32, 6], &data).unwrap();
+    assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::Q4_1, 6, 32));
+    let m = QMatrix::from_gguf(3, &[32, 2, 3], &data).unwrap();
+    assert_eq!((m.rows(), m.cols()), (6, 32));
+    let norm = vec![0u8; 4 * 576];
+    let m = QMatrix::from_gguf(0, &[576], &norm).unwrap();
+    assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::F32, 1, 576));
+    assert_eq!(
+        QMatrix::from_gguf(12, &[256, 6], &data).unwrap_err(),
+        QuantError::UnsupportedType { id: 12 }
+    );
+    assert!(matches!(
+        QMatrix::from_gguf(3, &[], &data),
+        Err(QuantError::EmptyShape { .. })
+    ));
+    assert_eq!(
+        QMatrix::from_gguf(3, &[32, u64::MAX, 2], &data).unwrap_err(),
+        QuantError::ShapeOverflow
+    );
+}
+
+#[test]
 fn bad_shapes_are_clear_errors() {
     let data = vec![0u8; 2 * 20];
     assert_eq!(
