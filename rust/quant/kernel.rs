@@ -177,8 +177,9 @@ const ROW_UNIT: usize = 16;
 const TOKEN_UNIT: usize = 8;
 /// Tasks per rayon thread, for load balance.
 const TASKS_PER_THREAD: usize = 2;
-/// Below this many weight bytes × tokens a matmul runs on the calling thread: handing out
-/// work to the pool costs a few microseconds, as long as streaming ~64 KiB.
+/// Below this many weight bytes × tokens a matmul runs on the calling thread: handing work
+/// to another thread costs a few microseconds, about what one thread needs to stream this
+/// much (k/v projections of a decode step stay on one thread).
 const PARALLEL_MIN_WORK: usize = 96 * 1024;
 
 /// Checks shapes, then computes `out = input · wᵀ` with `kernel` on the current rayon pool.
