@@ -52,10 +52,6 @@ def random_matrix(qtype: int, rows: int, cols: int, seed: int) -> npt.NDArray[np
 
 
 def ggml_dequantize(qtype: int, data: npt.NDArray[np.uint8], cols: int) -> npt.NDArray[np.float32]:
-    if qtype == F32:
-        return data.view(np.float32).reshape(-1, cols)
-    if qtype == F16:
-        return data.view(np.float16).astype(np.float32).reshape(-1, cols)
     out = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(qtype))
     return np.asarray(out, dtype=np.float32).reshape(-1, cols)
 
