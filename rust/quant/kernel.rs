@@ -1,0 +1,382 @@
+//! Kernel selection and the work split: which ISA computes, and which thread computes
+//! which rectangle of the output. Neither choice can change a single output bit, because
+//! every output element is computed by exactly one kernel call with the canonical per-element
+//! arithmetic (see `scalar`).
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use super::activation::{ActBlocks, QuantizedInput};
+use super::format::{GgmlType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES};
+use super::{scalar, QMatrix, QuantError};
+
+/// Compile-time description of a quantized block layout, shared by every kernel.
+pub(crate) trait BlockFormat {
+    /// Bytes per 32-element block.
+    const BLOCK_BYTES: usize;
+    /// Offset of the codes inside a block.
+    const QS_OFFSET: usize;
+    /// Whether the block carries a min `m` (f16 at byte 2): value `q·d + m`.
+    const HAS_MIN: bool;
+    /// 4-bit codes (low nibbles = elements 0..15, high = 16..31) rather than 8-bit.
+    const NIBBLES: bool;
+    /// Zero point subtracted from unsigned codes: value `(q − ZERO)·d`.
+    const ZERO: i32;
+}
+
+/// `Q4_0` block layout.
+pub(crate) struct Q40;
+/// `Q4_1` block layout.
+pub(crate) struct Q41;
+/// `Q8_0` block layout.
+pub(crate) struct Q80;
+
+impl BlockFormat for Q40 {
+    const BLOCK_BYTES: usize = Q4_0_BLOCK_BYTES;
+    const QS_OFFSET: usize = 2;
+    const HAS_MIN: bool = false;
+    const NIBBLES: bool = true;
+    const ZERO: i32 = 8;
+}
+impl BlockFormat for Q41 {
+    const BLOCK_BYTES: usize = Q4_1_BLOCK_BYTES;
+    const QS_OFFSET: usize = 4;
+    const HAS_MIN: bool = true;
+    const NIBBLES: bool = true;
+    const ZERO: i32 = 0;
+}
+impl BlockFormat for Q80 {
+    const BLOCK_BYTES: usize = Q8_0_BLOCK_BYTES;
+    const QS_OFFSET: usize = 2;
+    const HAS_MIN: bool = false;
+    const NIBBLES: bool = false;
+    const ZERO: i32 = 0;
+}
+
+/// Raw output pointer shared by the tasks of one matmul; each task writes a disjoint
+/// rectangle of `(token, row)` elements of the `(n_tokens, rows)` output.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr {
+    ptr: *mut f32,
+    /// Row stride of the output (= rows of the weight matrix).
+    pub(crate) stride: usize,
+}
+
+// SAFETY: tasks write disjoint elements only (each rectangle has exactly one owner), and the
+// matmul's `&mut [f32]` borrow outlives every task (rayon joins them before returning).
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; no element is ever read or written by two tasks.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// Writes `out[t, r]`.
+    ///
+    /// # Safety
+    /// `t·stride + r` must be inside the output and owned by the calling task.
+    #[inline(always)]
+    pub(crate) unsafe fn write(self, t: usize, r: usize, v: f32) {
+        // SAFETY: forwarded to the caller.
+        unsafe { *self.ptr.add(t * self.stride + r) = v };
+    }
+
+    /// Pointer to `out[t, r]`.
+    ///
+    /// # Safety
+    /// As for [`OutPtr::write`], for every element the caller then writes through it.
+    #[inline(always)]
+    pub(crate) unsafe fn at(self, t: usize, r: usize) -> *mut f32 {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.ptr.add(t * self.stride + r) }
+    }
+}
+
+/// An implementation of the matmul kernels. All of them give bit-identical results.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Portable scalar code: the canonical reference.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C (8 rows per step, `vpmaddubsw`).
+    Avx2,
+    /// x86-64 AVX-512 F + BW without VNNI (16 rows per step, `vpmaddubsw`).
+    Avx512,
+    /// x86-64 AVX-512 F + BW + VNNI (16 rows per step, `vpdpbusd`).
+    Avx512Vnni,
+}
+
+impl Kernel {
+    /// Every kernel, slowest first.
+    pub const ALL: [Kernel; 4] = [
+        Kernel::Scalar,
+        Kernel::Avx2,
+        Kernel::Avx512,
+        Kernel::Avx512Vnni,
+    ];
+
+    /// Short name (`"scalar"`, `"avx2"`, `"avx512"`, `"avx512-vnni"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            Kernel::Avx2 => "avx2",
+            Kernel::Avx512 => "avx512",
+            Kernel::Avx512Vnni => "avx512-vnni",
+        }
+    }
+
+    /// Whether this CPU can run the kernel.
+    pub fn is_available(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => {
+                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => {
+                Kernel::Avx512.is_available() && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The kernels this CPU can run, slowest first.
+    pub fn available() -> Vec<Kernel> {
+        Self::ALL.into_iter().filter(|k| k.is_available()).collect()
+    }
+
+    /// The fastest available kernel (detected once, then cached).
+    pub fn detect() -> Kernel {
+        static BEST: OnceLock<Kernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            Self::ALL
+                .into_iter()
+                .rev()
+                .find(|k| k.is_available())
+                .unwrap_or(Kernel::Scalar)
+        })
+    }
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Row-split unit: a multiple of every kernel's row group (16 for AVX-512, 8 for AVX2).
+const ROW_UNIT: usize = 16;
+/// Token-split unit: the largest token tile of the kernels.
+const TOKEN_UNIT: usize = 8;
+/// Tasks per rayon thread, for load balance.
+const TASKS_PER_THREAD: usize = 2;
+/// Below this many weight bytes × tokens a matmul runs on the calling thread: handing work
+/// to another thread costs a few microseconds, about what one thread needs to stream this
+/// much (k/v projections of a decode step stay on one thread).
+const PARALLEL_MIN_WORK: usize = 96 * 1024;
+
+/// Checks shapes, then computes `out = input · wᵀ` with `kernel` on the current rayon pool.
+pub(crate) fn matmul_with(
+    kernel: Kernel,
+    w: &QMatrix<'_>,
+    input: &QuantizedInput<'_>,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    if !kernel.is_available() {
+        return Err(QuantError::KernelUnavailable { kernel });
+    }
+    if input.cols() != w.cols() {
+        return Err(QuantError::ColsMismatch {
+            weight_cols: w.cols(),
+            input_cols: input.cols(),
+        });
+    }
+    let n_tokens = input.n_tokens();
+    let expected = n_tokens * w.rows();
+    if out.len() != expected {
+        return Err(QuantError::OutputLength {
+            expected,
+            actual: out.len(),
+        });
+    }
+    // Quantized weights need the 8-bit blocks, which exist because cols matched and a
+    // quantized matrix has cols % 32 == 0.
+    let blocks = if w.dtype().is_quantized() {
+        Some(input.blocks().expect("cols is a multiple of 32"))
+    } else {
+        None
+    };
+    let out_ptr = OutPtr {
+        ptr: out.as_mut_ptr(),
+        stride: w.rows(),
+    };
+    let job = Job {
+        kernel,
+        w,
+        x: input.f32_rows(),
+        blocks,
+        out: out_ptr,
+    };
+
+    let threads = rayon::current_num_threads();
+    let work = w.data().len().saturating_mul(n_tokens);
+    if threads == 1 || work < PARALLEL_MIN_WORK {
+        // SAFETY: the whole output, owned by this call through `out`.
+        unsafe { job.run(0..w.rows(), 0..n_tokens) };
+        return Ok(());
+    }
+    // Split rows first (each thread then streams only its share of the weights), tokens
+    // only when there are too few row units for the pool.
+    let row_units = w.rows().div_ceil(ROW_UNIT);
+    let token_units = n_tokens.div_ceil(TOKEN_UNIT);
+    let target = threads * TASKS_PER_THREAD;
+    let row_chunks = row_units.min(target);
+    let token_chunks = target.div_ceil(row_chunks).min(token_units);
+    let span = |chunk: usize, chunks: usize, units: usize, unit: usize, len: usize| {
+        (chunk * units / chunks * unit).min(len)..((chunk + 1) * units / chunks * unit).min(len)
+    };
+    (0..row_chunks * token_chunks)
+        .into_par_iter()
+        .for_each(|task| {
+            let rows = span(
+                task / token_chunks,
+                row_chunks,
+                row_units,
+                ROW_UNIT,
+                w.rows(),
+            );
+            let tokens = span(
+                task % token_chunks,
+                token_chunks,
+                token_units,
+                TOKEN_UNIT,
+                n_tokens,
+            );
+            // SAFETY: the tasks' rectangles partition the output (`span` splits rows and
+            // tokens into disjoint ranges), and `out` is borrowed until they all finish.
+            unsafe { job.run(rows, tokens) };
+        });
+    Ok(())
+}
+
+/// One validated matmul: everything a task needs to compute its rectangle.
+pub(crate) struct Job<'a> {
+    pub(crate) kernel: Kernel,
+    pub(crate) w: &'a QMatrix<'a>,
+    pub(crate) x: &'a [f32],
+    pub(crate) blocks: Option<ActBlocks<'a>>,
+    pub(crate) out: OutPtr,
+}
+
+impl Job<'_> {
+    /// Computes `out[t, r]` for `r` in `rows`, `t` in `tokens`.
+    ///
+    /// # Safety
+    /// `rows × tokens` lies inside the output and no other thread accesses those elements
+    /// during the call.
+    unsafe fn run(&self, rows: Range<usize>, tokens: Range<usize>) {
+        if rows.is_empty() || tokens.is_empty() {
+            return;
+        }
+        let w = self.w;
+        let (data, row_bytes) = (w.data(), w.row_bytes());
+        // SAFETY: (all arms) the rectangle is in bounds and exclusively ours (caller), the
+        // weights and activations hold every row and token of the matmul (`matmul_with`
+        // checked the shapes), and the kernel's CPU features were checked by
+        // `Kernel::is_available` in `matmul_with`.
+        unsafe {
+            match (self.kernel, self.blocks) {
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512Vnni | Kernel::Avx512, Some(act)) => {
+                    let vnni = self.kernel == Kernel::Avx512Vnni;
+                    super::avx512::quant_rect(
+                        w.dtype(),
+                        vnni,
+                        data,
+                        row_bytes,
+                        &act,
+                        rows,
+                        tokens,
+                        self.out,
+                    )
+                }
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx2, Some(act)) => super::avx2::quant_rect(
+                    w.dtype(),
+                    data,
+                    row_bytes,
+                    &act,
+                    rows,
+                    tokens,
+                    self.out,
+                ),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512Vnni | Kernel::Avx512, None) => super::avx512::float_rect(
+                    w.dtype() == GgmlType::F16,
+                    data,
+                    row_bytes,
+                    self.x,
+                    w.cols(),
+                    rows,
+                    tokens,
+                    self.out,
+                ),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx2, None) => super::avx2::float_rect(
+                    w.dtype() == GgmlType::F16,
+                    data,
+                    row_bytes,
+                    self.x,
+                    w.cols(),
+                    rows,
+                    tokens,
+                    self.out,
+                ),
+                (_, Some(act)) => {
+                    scalar_quant_rect(w.dtype(), data, row_bytes, &act, rows, tokens, self.out)
+                }
+                (_, None) => scalar::float_rect(
+                    w.dtype() == GgmlType::F16,
+                    data,
+                    row_bytes,
+                    self.x,
+                    w.cols(),
+                    rows,
+                    tokens,
+                    self.out,
+                ),
+            }
+        }
+    }
+}
+
+/// Scalar rectangle for any quantized type.
+///
+/// # Safety
+/// As for [`scalar::quant_rect`].
+pub(crate) unsafe fn scalar_quant_rect(
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &ActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match dtype {
+            GgmlType::Q4_0 => scalar::quant_rect::<Q40>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q4_1 => scalar::quant_rect::<Q41>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q8_0 => scalar::quant_rect::<Q80>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::F32 | GgmlType::F16 => unreachable!("float weights take the f32 path"),
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! Quantized weight formats (ggml's block layouts) and fast, batch-invariant matmul kernels.
+//!
+//! A weight matrix is a borrowed view of ggml bytes ([`QMatrix`]): `rows` rows of `cols`
+//! elements, each row a sequence of blocks (a GGUF tensor with dims `[cols, rows]`). The
+//! input of a matmul is quantized once ([`QuantizedInput`]) into 8-bit blocks with f32
+//! scales and can then be multiplied by several matrices ([`matmul`]); the output is
+//! `(n_tokens, rows)` row-major.
+//!
+//! # Bit-exactness
+//! Every output element `out[t, r]` is computed with one canonical sequence of f32
+//! operations, defined by the scalar kernel: integer block dot products (exact), then per
+//! block `term = (dw·da)·isum (+ m·s)` and `acc = acc + term` in block order, starting from
+//! `0.0`; float weights use 16 lane accumulators and a fixed reduction tree. The SIMD kernels
+//! put *rows* in vector lanes, so each lane performs exactly that sequence. Consequently the
+//! result does not depend on the kernel (scalar, AVX2, AVX-512, AVX-512 VNNI), on how many
+//! tokens are computed together or where a token sits in the batch, nor on the rayon thread
+//! count: decode, chunked prefill and unchunked prefill agree bit for bit.
+//!
+//! # Accuracy
+//! Quantized weights are used exactly (the integer block dot products are exact); the only
+//! approximation is the 8-bit activation: each element moves by at most half a step
+//! `d_b = max|x_b| / 127` of its 32-block, so `|out − x·wᵀ| ≤ Σ_b (d_b/2)·Σ_{i∈b} |w_i|` plus
+//! f32 rounding (a few ulps of `Σ|w_i|·|x_i|` per block). llama.cpp makes the same trade;
+//! its block scales are f16, ours f32. Float (F32/F16) weights use the f32 input as is.
+//!
+//! # Speed
+//! Rows sit in vector lanes (16 for AVX-512, 8 for AVX2); weight codes are unpacked once per
+//! block and reused for a tile of up to 8 tokens (prefill GEMM); the next row group is
+//! prefetched; `matmul` splits rows (and tokens for large batches) over the current rayon
+//! pool. Run a forward pass inside `ThreadPool::install` so the calling thread takes part.
+
+mod activation;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod format;
+mod kernel;
+mod scalar;
+#[cfg(test)]
+mod tests;
+
+pub use activation::{QuantScratch, QuantizedInput};
+pub use format::{quantize_weights, GgmlType, QK};
+pub use kernel::Kernel;
+
+/// The supported ggml types and their ids, for error messages.
+pub(crate) const SUPPORTED_TYPES: &str = "F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=8";
+
+/// Errors of the quantized formats and kernels. Every check happens before any output is
+/// written, so a failed call leaves its output buffer untouched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuantError {
+    /// The ggml type id is not one this crate computes with.
+    UnsupportedType {
+        /// The rejected ggml type id.
+        id: u32,
+    },
+    /// A matrix or input with zero rows or zero columns.
+    EmptyShape {
+        /// Rows (or tokens) given.
+        rows: usize,
+        /// Columns given.
+        cols: usize,
+    },
+    /// `cols` is not a multiple of the type's block size.
+    ColsNotBlockMultiple {
+        /// The weight type.
+        dtype: GgmlType,
+        /// Columns given.
+        cols: usize,
+        /// Elements per block of `dtype`.
+        block_size: usize,
+    },
+    /// The weight bytes do not have the exact length `rows · row_bytes`.
+    DataLength {
+        /// The weight type.
+        dtype: GgmlType,
+        /// Rows given.
+        rows: usize,
+        /// Columns given.
+        cols: usize,
+        /// Bytes a `(rows, cols)` matrix of `dtype` has.
+        expected: usize,
+        /// Bytes given.
+        actual: usize,
+    },
+    /// A shape whose element or byte count overflows `usize`.
+    ShapeOverflow,
+    /// An f32 matrix whose length is not a multiple of its row length.
+    NotWholeRows {
+        /// Elements given.
+        len: usize,
+        /// Elements per row.
+        cols: usize,
+    },
+    /// Input length is not `n_tokens · cols`.
+    InputLength {
+        /// Tokens given.
+        n_tokens: usize,
+        /// Columns given.
+        cols: usize,
+        /// `n_tokens · cols`.
+        expected: usize,
+        /// Elements given.
+        actual: usize,
+    },
+    /// The input's row length differs from the weight matrix's.
+    ColsMismatch {
+        /// Columns of the weight matrix.
+        weight_cols: usize,
+        /// Columns of the input.
+        input_cols: usize,
+    },
+    /// The output buffer does not have `n_tokens · rows` elements.
+    OutputLength {
+        /// `n_tokens · rows`.
+        expected: usize,
+        /// Elements given.
+        actual: usize,
+    },
+    /// A row index (token id, for embeddings) beyond the matrix.
+    RowOutOfRange {
+        /// The index given.
+        row: usize,
+        /// Rows of the matrix.
+        rows: usize,
+    },
+    /// The requested kernel needs CPU features this machine lacks.
+    KernelUnavailable {
+        /// The requested kernel.
+        kernel: Kernel,
+    },
+}
+
+impl std::fmt::Display for QuantError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QuantError::UnsupportedType { id } => {
+                write!(f, "unsupported ggml type id {id} (supported: {SUPPORTED_TYPES})")
+            }
+            QuantError::EmptyShape { rows, cols } => {
+                write!(f, "empty shape ({rows}, {cols}): rows and columns must be positive")
+            }
+            QuantError::ColsNotBlockMultiple {
+                dtype,
+                cols,
+                block_size,
+            } => write!(
+                f,
+                "{dtype} rows have blocks of {block_size} elements, but cols = {cols} is not a multiple of {block_size}"
+            ),
+            QuantError::DataLength {
+                dtype,
+                rows,
+                cols,
+                expected,
+                actual,
+            } => write!(
+                f,
+                "a ({rows}, {cols}) {dtype} matrix has {expected} bytes, got {actual}"
+            ),
+            QuantError::ShapeOverflow => f.write_str("shape too large: size overflows usize"),
+            QuantError::NotWholeRows { len, cols } => write!(
+                f,
+                "{len} elements is not a whole number of rows of {cols} elements"
+            ),
+            QuantError::InputLength {
+                n_tokens,
+                cols,
+                expected,
+                actual,
+            } => write!(
+                f,
+                "input of {n_tokens} tokens × {cols} columns needs {expected} floats, got {actual}"
+            ),
+            QuantError::ColsMismatch {
+                weight_cols,
+                input_cols,
+            } => write!(
+                f,
+                "input rows have {input_cols} columns but the weight matrix has {weight_cols}"
+            ),
+            QuantError::OutputLength { expected, actual } => write!(
+                f,
+                "output needs n_tokens × rows = {expected} floats, got {actual}"
+            ),
+            QuantError::RowOutOfRange { row, rows } => {
+                write!(f, "row {row} out of range for a matrix of {rows} rows")
+            }
+            QuantError::KernelUnavailable { kernel } => {
+                write!(f, "kernel {kernel} needs CPU features this machine lacks")
+            }
+        }
+    }
+}
+
+impl std::error::Error for QuantError {}
+
+/// A validated, borrowed weight matrix in ggml byte layout: `rows` rows of `cols` elements,
+/// each row `cols / block_size` blocks of `dtype`.
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Views `data` as a `(rows, cols)` matrix of `dtype`.
+    ///
+    /// Errors if a dimension is zero, `cols` is not a multiple of the block size, or
+    /// `data.len()` is not exactly `rows · row_bytes`.
+    pub fn new(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, QuantError> {
+        if rows == 0 || cols == 0 {
+            return Err(QuantError::EmptyShape { rows, cols });
+        }
+        let row_bytes = dtype.row_bytes(cols)?;
+        let expected = rows
+            .checked_mul(row_bytes)
+            .ok_or(QuantError::ShapeOverflow)?;
+        if data.len() != expected {
+            return Err(QuantError::DataLength {
+                dtype,
+                rows,
+                cols,
+                expected,
+                actual: data.len(),
+            });
+        }
+        Ok(Self {
+            dtype,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
+    }
+
+    /// Views a GGUF tensor: ggml type id `type_id`, dims `[cols, rows, ...]` (ggml's `ne`,
+    /// innermost first; trailing dims multiply into rows), bytes `data`.
+    pub fn from_gguf(type_id: u32, dims: &[u64], data: &'a [u8]) -> Result<Self, QuantError> {
+        let dtype = GgmlType::from_id(type_id)?;
+        let as_usize = |v: u64| usize::try_from(v).map_err(|_| QuantError::ShapeOverflow);
+        let cols = as_usize(*dims.first().unwrap_or(&0))?;
+        let rows = dims[1.min(dims.len())..]
+            .iter()
+            .try_fold(1usize, |acc, &d| {
+                acc.checked_mul(as_usize(d)?)
+                    .ok_or(QuantError::ShapeOverflow)
+            })?;
+        Self::new(dtype, rows, cols, data)
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> GgmlType {
+        self.dtype
+    }
+
+    /// Number of rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Elements per row (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes per row.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The raw ggml bytes.
+    pub fn data(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// Dequantizes row `row` into `out` (`cols` floats), bit-exactly as ggml does.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), QuantError> {
+        if row >= self.rows {
+            return Err(QuantError::RowOutOfRange {
+                row,
+                rows: self.rows,
+            });
+        }
+        if out.len() != self.cols {
+            return Err(QuantError::OutputLength {
+                expected: self.cols,
+                actual: out.len(),
+            });
+        }
+        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
+        format::dequantize_row_into(self.dtype, bytes, out);
+        Ok(())
+    }
+
+    /// The whole matrix as row-major f32 (for tests and references; a model never needs it).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        for (bytes, o) in self
+            .data
+            .chunks_exact(self.row_bytes)
+            .zip(out.chunks_exact_mut(self.cols))
+        {
+            format::dequantize_row_into(self.dtype, bytes, o);
+        }
+        out
+    }
+
+    /// Embedding lookup: dequantizes row `ids[i]` into `out[i·cols .. (i+1)·cols]`.
+    ///
+    /// Errors (writing nothing) if an id is out of range or `out.len() != ids.len() · cols`.
+    pub fn embed(&self, ids: &[u32], out: &mut [f32]) -> Result<(), QuantError> {
+        let expected = ids
+            .len()
+            .checked_mul(self.cols)
+            .ok_or(QuantError::ShapeOverflow)?;
+        if out.len() != expected {
+            return Err(QuantError::OutputLength {
+                expected,
+                actual: out.len(),
+            });
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.rows) {
+            return Err(QuantError::RowOutOfRange {
+                row: bad as usize,
+                rows: self.rows,
+            });
+        }
+        for (&id, o) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
+            let r = id as usize;
+            format::dequantize_row_into(
+                self.dtype,
+                &self.data[r * self.row_bytes..(r + 1) * self.row_bytes],
+                o,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `out[t, r] = Σ_c input[t, c] · w[r, c]` for every token `t` and row `r`, with the fastest
+/// kernel this CPU has, split over the current rayon pool. `out` is `(n_tokens, rows)`
+/// row-major. Bit-identical to [`matmul_with_kernel`] with any other kernel and to computing
+/// any subset of the tokens separately.
+pub fn matmul(
+    w: &QMatrix<'_>,
+    input: &QuantizedInput<'_>,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    kernel::matmul_with(Kernel::detect(), w, input, out)
+}
+
+/// [`matmul`] with an explicit kernel (errors if this CPU cannot run it).
+pub fn matmul_with_kernel(
+    kernel: Kernel,
+    w: &QMatrix<'_>,
+    input: &QuantizedInput<'_>,
+    out: &mut [f32],
+) -> Result<(), QuantError> {
+    kernel::matmul_with(kernel, w, input, out)
+}
+
+/// Convenience: quantizes `x` (`(n_tokens, cols)` row-major) into `scratch`, then
+/// [`matmul`]. Use [`QuantizedInput::quantize`] directly to share one input between several
+/// matrices.
+pub fn matmul_f32(
+    w: &QMatrix<'_>,
+    x: &[f32],
+    n_tokens: usize,
+    out: &mut [f32],
+    scratch: &mut QuantScratch,
+) -> Result<(), QuantError> {
+    let input = QuantizedInput::quantize(x, n_tokens, w.cols(), scratch)?;
+    matmul(w, &input, out)
+}
