@@ -51,13 +51,16 @@ from amplituhedron_rs.oracles import LeanOracle, OracleResult, oracle_parity
 from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
 
 # --- model runtime ---
+# --- quantized kernels ---
+# isort: split
+from amplituhedron_rs._core import quant_dequantize, quant_embed, quant_kernels, quant_matmul
 
 __all__ = [
-    "ORACLE_CLINAMEN_SWERVE",
     "AmplituhedronCache",
     "AmplituhedronVolume",
     "LeanOracle",
     "MatVecMemo",
+    "ORACLE_CLINAMEN_SWERVE",
     "OracleResult",
     "RingBuffer",
     "SemanticSpan",
@@ -90,4 +93,8 @@ __all__ = [
     "oracle_y_of",
     "oracle_zero_minor_count",
     "prefix_hash",
+    "quant_dequantize",
+    "quant_embed",
+    "quant_kernels",
+    "quant_matmul",
 ]

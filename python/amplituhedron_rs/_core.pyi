@@ -447,3 +447,33 @@ class NativeLlamaPipeline:
         on_token: Callable[[int], object] | None = None,
         on_prefill: Callable[[int, int], object] | None = None,
     ) -> GenerationResult: ...
+
+# --- quantized kernels -------------------------------------------------------------------
+
+
+def quant_dequantize(
+    qtype: int, data: NDArray[np.uint8], rows: int, cols: int
+) -> NDArray[np.float32]:
+    """Dequantize a ``(rows, cols)`` matrix of ggml type id ``qtype`` from its raw bytes."""
+
+def quant_matmul(
+    qtype: int,
+    data: NDArray[np.uint8],
+    rows: int,
+    cols: int,
+    x: NDArray[np.float32],
+    kernel: str | None = None,
+) -> NDArray[np.float32]:
+    """``x (n, cols) @ W.T`` → ``(n, rows)``, activations quantized to 8 bits per 32-block.
+
+    ``kernel`` picks one of :func:`quant_kernels` (default: the fastest); all give
+    bit-identical results.
+    """
+
+def quant_embed(
+    qtype: int, data: NDArray[np.uint8], rows: int, cols: int, ids: NDArray[np.uint32]
+) -> NDArray[np.float32]:
+    """Rows ``ids`` of a ``(rows, cols)`` matrix, dequantized → ``(len(ids), cols)``."""
+
+def quant_kernels() -> list[str]:
+    """Matmul kernels this CPU can run, slowest first (the last is the default)."""

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 
 mod model;
 mod oracle;
+mod quant;
 mod ring;
 mod volume;
 
@@ -16,5 +17,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     oracle::register(m)?;
     ring::register(m)?;
     model::register(m)?;
+    quant::register(m)?;
     Ok(())
 }

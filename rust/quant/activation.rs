@@ -7,13 +7,13 @@
 //! offset); Q4_1 weights use `d, q, s` (for the `m` term). Scales stay f32 (ggml rounds them
 //! to f16), which costs nothing and is more accurate.
 //!
-//! A block with a non-finite element gets `d = NaN`, so every output it touches is NaN
-//! rather than a silently wrong finite number.
+//! A block with a non-finite element gets `d = NaN` (and zero codes), so every output it
+//! touches is NaN rather than a silently wrong finite number.
 
 use rayon::prelude::*;
 
 use super::format::QK;
-use super::QuantError;
+use super::{Kernel, QuantError};
 
 /// Reusable buffers behind [`QuantizedInput`]: sized on first use, then never reallocated
 /// for inputs of the same or smaller size.
@@ -131,19 +131,22 @@ impl<'a> QuantizedInput<'a> {
             scaled_sum,
             qsum,
         } = scratch;
+        let kernel = Kernel::detect();
         if expected >= PARALLEL_QUANTIZE_MIN_ELEMENTS {
-            x.par_chunks(QK)
-                .zip(qs.par_chunks_mut(QK))
-                .zip(scale.par_iter_mut())
-                .zip(scaled_sum.par_iter_mut().zip(qsum.par_iter_mut()))
-                .with_min_len(256)
-                .for_each(|(((xb, qb), d), (s, sum))| (*d, *s, *sum) = quantize_block(xb, qb));
+            const CHUNK: usize = 64;
+            x.par_chunks(CHUNK * QK)
+                .zip(qs.par_chunks_mut(CHUNK * QK))
+                .zip(scale.par_chunks_mut(CHUNK))
+                .zip(
+                    scaled_sum
+                        .par_chunks_mut(CHUNK)
+                        .zip(qsum.par_chunks_mut(CHUNK)),
+                )
+                .for_each(|(((x, qs), scale), (scaled_sum, qsum))| {
+                    quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum)
+                });
         } else {
-            x.chunks(QK)
-                .zip(qs.chunks_mut(QK))
-                .zip(scale.iter_mut())
-                .zip(scaled_sum.iter_mut().zip(qsum.iter_mut()))
-                .for_each(|(((xb, qb), d), (s, sum))| (*d, *s, *sum) = quantize_block(xb, qb));
+            quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum);
         }
         Ok(Self {
             x,
@@ -191,19 +194,85 @@ impl<'a> QuantizedInput<'a> {
     }
 }
 
-/// Quantizes one 32-element block into `q`; returns `(d, d·Σq, Σq)`.
+/// Quantizes whole blocks: `x` is `scale.len()` blocks of 32 floats, into the matching
+/// slices. The SIMD variants perform the same exact IEEE operations as [`quantize_block`],
+/// so every ISA gives identical bits.
+pub(crate) fn quantize_blocks(
+    kernel: Kernel,
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    assert!(
+        x.len() == scale.len() * QK
+            && qs.len() == x.len()
+            && scaled_sum.len() == scale.len()
+            && qsum.len() == scale.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if kernel.is_available() {
+        match kernel {
+            // SAFETY: `is_available` checked the CPU features; the lengths are checked above.
+            Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
+                return super::avx512::quantize_blocks(x, qs, scale, scaled_sum, qsum);
+            },
+            // SAFETY: as above.
+            Kernel::Avx2 => unsafe {
+                return super::avx2::quantize_blocks(x, qs, scale, scaled_sum, qsum);
+            },
+            Kernel::Scalar => {}
+        }
+    }
+    let _ = kernel;
+    for ((((xb, qb), d), s), sum) in x
+        .chunks_exact(QK)
+        .zip(qs.chunks_exact_mut(QK))
+        .zip(scale.iter_mut())
+        .zip(scaled_sum.iter_mut())
+        .zip(qsum.iter_mut())
+    {
+        (*d, *s, *sum) = quantize_block(xb, qb);
+    }
+}
+
+/// `1.5 · 2²³`: adding it to an f32 of magnitude below 2²² rounds that value to an integer
+/// (ties to even, the default rounding mode) held in the low mantissa bits.
+pub(crate) const ROUNDING_MAGIC: f32 = 12_582_912.0;
+
+/// The block scale from the largest `|x|` bit pattern: `(d, 1/d)`, or `(NaN, _)` for a block
+/// with a non-finite element (for non-negative floats the integer order of the bit patterns
+/// is the numeric order, and inf/NaN sort above every finite value).
 #[inline(always)]
-fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let all_finite = x.iter().all(|v| v.is_finite());
-    let d = if all_finite { amax / 127.0 } else { f32::NAN };
-    let id = if d != 0.0 && all_finite { 1.0 / d } else { 0.0 };
+pub(crate) fn block_scale(amax_bits: u32) -> Option<(f32, f32)> {
+    if amax_bits >= f32::INFINITY.to_bits() {
+        return None;
+    }
+    let d = f32::from_bits(amax_bits) / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    Some((d, id))
+}
+
+/// The canonical quantization of one 32-element block into `q`; returns `(d, d·Σq, Σq)`.
+/// Rounding is `x·(1/d)` to nearest, ties to even, by the magic-number addition (exact for
+/// |x·(1/d)| ≤ 127.5). A non-finite block gets `d = s = NaN` and zero codes.
+#[inline(always)]
+pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
+    let amax_bits = x
+        .iter()
+        .map(|v| v.to_bits() & 0x7fff_ffff)
+        .max()
+        .unwrap_or(0);
+    let Some((d, id)) = block_scale(amax_bits) else {
+        q.fill(0);
+        return (f32::NAN, f32::NAN, 0);
+    };
     let mut sum = 0i32;
     for (qv, &v) in q.iter_mut().zip(x) {
-        // |v · id| ≤ 127 (up to rounding of id), so the cast never saturates.
-        let r = (v * id).round_ties_even() as i8;
-        *qv = r;
-        sum += r as i32;
+        let r = (v * id + ROUNDING_MAGIC).to_bits() as i32 - ROUNDING_MAGIC.to_bits() as i32;
+        *qv = r as i8;
+        sum += r;
     }
     (d, d * sum as f32, sum)
 }

@@ -6,7 +6,7 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::ActBlocks;
+use super::activation::{block_scale, quantize_block, ActBlocks, ROUNDING_MAGIC};
 use super::format::{GgmlType, QK};
 use super::kernel::{BlockFormat, OutPtr, Q40, Q41, Q80};
 use super::scalar;
@@ -50,14 +50,7 @@ unsafe fn rect<F: BlockFormat>(
     out: OutPtr,
 ) {
     let nb = row_bytes / F::BLOCK_BYTES;
-    let gatherable = row_bytes
-        .checked_mul(GROUP)
-        .is_some_and(|v| v <= i32::MAX as usize);
-    let simd_end = if gatherable {
-        rows.start + rows.len() / GROUP * GROUP
-    } else {
-        rows.start
-    };
+    let simd_end = rows.start + rows.len() / GROUP * GROUP;
     for r in (rows.start..simd_end).step_by(GROUP) {
         let mut t = tokens.start;
         while t < tokens.end {
@@ -65,12 +58,19 @@ unsafe fn rect<F: BlockFormat>(
             // and inside `data` / `act`.
             unsafe {
                 let w = data.as_ptr().add(r * row_bytes);
+                // The first token tile of a group prefetches the next group's weights:
+                // the hardware prefetchers see 16 interleaved row streams too late.
+                let next = if t == tokens.start && r + 2 * GROUP <= simd_end {
+                    w.add(GROUP * row_bytes)
+                } else {
+                    std::ptr::null()
+                };
                 let o = out.at(t, r);
                 let s = out.stride;
                 t += match tokens.end - t {
-                    4.. => group::<F, 4>(w, row_bytes, nb, act, t, o, s),
-                    2.. => group::<F, 2>(w, row_bytes, nb, act, t, o, s),
-                    _ => group::<F, 1>(w, row_bytes, nb, act, t, o, s),
+                    4.. => group::<F, 4>(w, next, row_bytes, nb, act, t, o, s),
+                    2.. => group::<F, 2>(w, next, row_bytes, nb, act, t, o, s),
+                    _ => group::<F, 1>(w, next, row_bytes, nb, act, t, o, s),
                 };
             }
         }
@@ -86,6 +86,25 @@ unsafe fn rect<F: BlockFormat>(
 unsafe fn load2(p0: *const u8, p1: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 16 readable bytes at each pointer.
     unsafe { _mm256_loadu2_m128i(p1 as *const __m128i, p0 as *const __m128i) }
+}
+
+/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it.
+#[inline(always)]
+unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
+    let from = next.wrapping_add(b * span);
+    for off in (0..span).step_by(64).chain([span - 1]) {
+        // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
+        // defined even past the end of `data`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(off) as *const i8) };
+    }
+}
+
+/// Lane `4L + k` of the result is dword 0 of 128-bit lane `L` of `a[k]`.
+#[inline(always)]
+unsafe fn first_dwords(a: [__m256i; 4]) -> __m256i {
+    let t0 = _mm256_unpacklo_epi32(a[0], a[1]);
+    let t1 = _mm256_unpacklo_epi32(a[2], a[3]);
+    _mm256_unpacklo_epi64(t0, t1)
 }
 
 /// Lane `4L + k` of the result is the sum of the four i32 in 128-bit lane `L` of `p[k]`.
@@ -107,6 +126,7 @@ unsafe fn transpose_sum(p: [__m256i; 4]) -> __m256i {
 #[allow(clippy::too_many_arguments)]
 unsafe fn group<F: BlockFormat, const T: usize>(
     w: *const u8,
+    next: *const u8,
     row_bytes: usize,
     nb: usize,
     act: &ActBlocks<'_>,
@@ -118,17 +138,19 @@ unsafe fn group<F: BlockFormat, const T: usize>(
     let nibble_mask = _mm256_set1_epi8(0x0f);
     let low16 = _mm256_set1_epi32(0xffff);
     let ones16 = _mm256_set1_epi16(1);
-    let offsets = _mm256_mullo_epi32(
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        _mm256_set1_epi32(row_bytes as i32),
-    );
     let bpt = act.blocks_per_token;
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..nb {
         // SAFETY: as in `avx512::group`.
         unsafe {
             let blk = w.add(b * F::BLOCK_BYTES);
-            let dm = _mm256_i32gather_epi32::<1>(blk as *const i32, offsets);
+            if !next.is_null() {
+                prefetch_slice(next, b, GROUP * F::BLOCK_BYTES);
+            }
+            // d and m of the 8 rows: the first dword of each row's block (loads and shuffles
+            // rather than a gather, which is slow on many CPUs).
+            let head = |k: usize| load2(blk.add(k * row_bytes), blk.add((4 + k) * row_bytes));
+            let dm = first_dwords([head(0), head(1), head(2), head(3)]);
             // [d0..3 m0..3 | d4..7 m4..7] as u16, then [d0..7 | m0..7].
             let packed =
                 _mm256_packus_epi32(_mm256_and_si256(dm, low16), _mm256_srli_epi32::<16>(dm));
@@ -274,5 +296,68 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+}
+
+/// AVX2 version of `activation::quantize_blocks` (same operations, same bits).
+///
+/// # Safety
+/// The CPU supports AVX2; lengths as for `avx512::quantize_blocks`.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn quantize_blocks(
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    let abs_mask = _mm256_set1_epi32(0x7fff_ffff);
+    let magic = _mm256_set1_ps(ROUNDING_MAGIC);
+    let magic_bits = _mm256_set1_epi32(ROUNDING_MAGIC.to_bits() as i32);
+    // Undoes the lane interleaving of the two saturating packs (exact: |r| ≤ 127).
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let hmax = |v: __m256i| {
+        let v = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        _mm_cvtsi128_si32(v) as u32
+    };
+    let hsum = |v: __m256i| {
+        let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        _mm_cvtsi128_si32(v)
+    };
+    for b in 0..scale.len() {
+        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
+        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
+            let bits = |i: usize| _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask);
+            let amax = _mm256_max_epu32(
+                _mm256_max_epu32(bits(0), bits(1)),
+                _mm256_max_epu32(bits(2), bits(3)),
+            );
+            let Some((d, id)) = block_scale(hmax(amax)) else {
+                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                continue;
+            };
+            let id = _mm256_set1_ps(id);
+            let r: [__m256i; 4] = std::array::from_fn(|i| {
+                let m = _mm256_add_ps(_mm256_mul_ps(v[i], id), magic);
+                _mm256_sub_epi32(_mm256_castps_si256(m), magic_bits)
+            });
+            let packed = _mm256_packs_epi16(
+                _mm256_packs_epi32(r[0], r[1]),
+                _mm256_packs_epi32(r[2], r[3]),
+            );
+            let packed = _mm256_permutevar8x32_epi32(packed, order);
+            _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, packed);
+            let sum = hsum(_mm256_add_epi32(
+                _mm256_add_epi32(r[0], r[1]),
+                _mm256_add_epi32(r[2], r[3]),
+            ));
+            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+        }
     }
 }

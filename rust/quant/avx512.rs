@@ -6,7 +6,7 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::ActBlocks;
+use super::activation::{block_scale, quantize_block, ActBlocks, ROUNDING_MAGIC};
 use super::format::{GgmlType, QK};
 use super::kernel::{BlockFormat, OutPtr, Q40, Q41, Q80};
 use super::scalar;
@@ -83,15 +83,7 @@ unsafe fn rect_body<F: BlockFormat, const VNNI: bool>(
     out: OutPtr,
 ) {
     let nb = row_bytes / F::BLOCK_BYTES;
-    // Gather offsets are i32 byte offsets of up to 15 rows.
-    let gatherable = row_bytes
-        .checked_mul(GROUP)
-        .is_some_and(|v| v <= i32::MAX as usize);
-    let simd_end = if gatherable {
-        rows.start + rows.len() / GROUP * GROUP
-    } else {
-        rows.start
-    };
+    let simd_end = rows.start + rows.len() / GROUP * GROUP;
     for r in (rows.start..simd_end).step_by(GROUP) {
         let mut t = tokens.start;
         while t < tokens.end {
@@ -99,13 +91,20 @@ unsafe fn rect_body<F: BlockFormat, const VNNI: bool>(
             // and inside `data` / `act`.
             unsafe {
                 let w = data.as_ptr().add(r * row_bytes);
+                // The first token tile of a group prefetches the next group's weights:
+                // the hardware prefetchers see 16 interleaved row streams too late.
+                let next = if t == tokens.start && r + 2 * GROUP <= simd_end {
+                    w.add(GROUP * row_bytes)
+                } else {
+                    std::ptr::null()
+                };
                 let o = out.at(t, r);
                 let s = out.stride;
                 t += match tokens.end - t {
-                    8.. => group::<F, 8, VNNI>(w, row_bytes, nb, act, t, o, s),
-                    4.. => group::<F, 4, VNNI>(w, row_bytes, nb, act, t, o, s),
-                    2.. => group::<F, 2, VNNI>(w, row_bytes, nb, act, t, o, s),
-                    _ => group::<F, 1, VNNI>(w, row_bytes, nb, act, t, o, s),
+                    8.. => group::<F, 8, VNNI>(w, next, row_bytes, nb, act, t, o, s),
+                    4.. => group::<F, 4, VNNI>(w, next, row_bytes, nb, act, t, o, s),
+                    2.. => group::<F, 2, VNNI>(w, next, row_bytes, nb, act, t, o, s),
+                    _ => group::<F, 1, VNNI>(w, next, row_bytes, nb, act, t, o, s),
                 };
             }
         }
@@ -126,6 +125,26 @@ unsafe fn load4(p0: *const u8, p1: *const u8, p2: *const u8, p3: *const u8) -> _
         let v = _mm512_inserti32x4::<2>(v, _mm_loadu_si128(p2 as *const __m128i));
         _mm512_inserti32x4::<3>(v, _mm_loadu_si128(p3 as *const __m128i))
     }
+}
+
+/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it.
+#[inline(always)]
+unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
+    let from = next.wrapping_add(b * span);
+    for off in (0..span).step_by(64).chain([span - 1]) {
+        // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
+        // defined even past the end of `data`.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(off) as *const i8) };
+    }
+}
+
+/// Lane `4L + k` of the result is dword 0 of 128-bit lane `L` of `a[k]` (the layout
+/// `transpose_sum` produces).
+#[inline(always)]
+unsafe fn first_dwords(a: [__m512i; 4]) -> __m512i {
+    let t0 = _mm512_unpacklo_epi32(a[0], a[1]);
+    let t1 = _mm512_unpacklo_epi32(a[2], a[3]);
+    _mm512_unpacklo_epi64(t0, t1)
 }
 
 /// Sums the four i32 of every 128-bit lane of four vectors: lane `4L + k` of the result is
@@ -152,6 +171,7 @@ unsafe fn transpose_sum(p: [__m512i; 4]) -> __m512i {
 #[allow(clippy::too_many_arguments)]
 unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
     w: *const u8,
+    next: *const u8,
     row_bytes: usize,
     nb: usize,
     act: &ActBlocks<'_>,
@@ -161,21 +181,7 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
 ) -> usize {
     let zero = _mm512_setzero_si512();
     let nibble_mask = _mm512_set1_epi8(0x0f);
-    let sign_flip = _mm512_set1_epi8(i8::MIN);
     let ones16 = _mm512_set1_epi16(1);
-    let offsets = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(row_bytes as i32),
-    );
-    // Zero point subtracted from the code dot product: Q4_0's 8, or the 128 that VNNI's
-    // unsigned operand adds to Q8_0's signed codes (`q ^ 0x80 = q + 128`).
-    let zero_point = if F::NIBBLES {
-        F::ZERO
-    } else if VNNI {
-        128
-    } else {
-        0
-    };
     let bpt = act.blocks_per_token;
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..nb {
@@ -183,9 +189,18 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
         // below n_tokens · blocks_per_token (caller).
         unsafe {
             let blk = w.add(b * F::BLOCK_BYTES);
-            // d (low half) and m (high half, Q4_1) of the 16 rows; 4 bytes from the block
-            // start stay inside the block for every format.
-            let dm = _mm512_i32gather_epi32::<1>(offsets, blk as *const _);
+            if !next.is_null() {
+                prefetch_slice(next, b, GROUP * F::BLOCK_BYTES);
+            }
+            // d (low half) and m (high half, Q4_1) of the 16 rows: the first dword of each
+            // row's block.
+            // (Loads and three shuffles: a gather is several times slower on Zen 4 and on
+            // Intel parts with the gather-data-sampling microcode fix.)
+            let head = |k: usize| {
+                let row = |l: usize| blk.add((4 * l + k) * row_bytes);
+                load4(row(0), row(1), row(2), row(3))
+            };
+            let dm = first_dwords([head(0), head(1), head(2), head(3)]);
             let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
             let m = if F::HAS_MIN {
                 _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)))
@@ -213,16 +228,13 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
                         row(k, 2).add(16),
                         row(k, 3).add(16),
                     );
-                    if VNNI {
-                        low[k] = _mm512_xor_si512(vl, sign_flip);
-                        high[k] = _mm512_xor_si512(vh, sign_flip);
-                    } else {
-                        // u8 × s8 needs an unsigned operand: |w| times a with w's sign.
-                        low[k] = _mm512_abs_epi8(vl);
-                        high[k] = _mm512_abs_epi8(vh);
-                        low_neg[k] = _mm512_movepi8_mask(vl);
-                        high_neg[k] = _mm512_movepi8_mask(vh);
-                    }
+                    // u8 × s8 needs an unsigned operand: |w| times a with w's sign. (The
+                    // alternative, w ^ 0x80 = w + 128 and a correction of 128·Σa, computes
+                    // faster from cache but streams from memory markedly slower on Zen 4.)
+                    low[k] = _mm512_abs_epi8(vl);
+                    high[k] = _mm512_abs_epi8(vh);
+                    low_neg[k] = _mm512_movepi8_mask(vl);
+                    high_neg[k] = _mm512_movepi8_mask(vh);
                 }
             }
             for (t, acc_t) in acc.iter_mut().enumerate() {
@@ -232,7 +244,7 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
                 let a_high = _mm512_broadcast_i32x4(_mm_loadu_si128(a.add(1)));
                 let mut partial = [zero; 4];
                 for k in 0..4 {
-                    partial[k] = if VNNI {
+                    partial[k] = if F::NIBBLES && VNNI {
                         let p = _mm512_dpbusd_epi32(zero, low[k], a_low);
                         _mm512_dpbusd_epi32(p, high[k], a_high)
                     } else if F::NIBBLES {
@@ -242,6 +254,11 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
                             _mm512_maddubs_epi16(high[k], a_high),
                         );
                         _mm512_madd_epi16(p, ones16)
+                    } else if VNNI {
+                        let al = _mm512_mask_sub_epi8(a_low, low_neg[k], zero, a_low);
+                        let ah = _mm512_mask_sub_epi8(a_high, high_neg[k], zero, a_high);
+                        let p = _mm512_dpbusd_epi32(zero, low[k], al);
+                        _mm512_dpbusd_epi32(p, high[k], ah)
                     } else {
                         let al = _mm512_mask_sub_epi8(a_low, low_neg[k], zero, a_low);
                         let ah = _mm512_mask_sub_epi8(a_high, high_neg[k], zero, a_high);
@@ -252,8 +269,8 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
                     };
                 }
                 let mut isum = transpose_sum(partial);
-                if zero_point != 0 {
-                    let offset = zero_point * *act.qsum.get_unchecked(i);
+                if F::ZERO != 0 {
+                    let offset = F::ZERO * *act.qsum.get_unchecked(i);
                     isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset));
                 }
                 let da = _mm512_set1_ps(*act.scale.get_unchecked(i));
@@ -344,5 +361,52 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    }
+}
+
+/// AVX-512 version of `activation::quantize_blocks` (same operations, same bits).
+///
+/// # Safety
+/// The CPU supports AVX-512 F + BW; `x` and `qs` hold `32 · scale.len()` elements and the
+/// other slices `scale.len()`.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn quantize_blocks(
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+    let magic = _mm512_set1_ps(ROUNDING_MAGIC);
+    let magic_bits = _mm512_set1_epi32(ROUNDING_MAGIC.to_bits() as i32);
+    for b in 0..scale.len() {
+        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
+        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        unsafe {
+            let v0 = _mm512_loadu_ps(xb.as_ptr());
+            let v1 = _mm512_loadu_ps(xb.as_ptr().add(16));
+            let amax = _mm512_max_epu32(
+                _mm512_and_si512(_mm512_castps_si512(v0), abs_mask),
+                _mm512_and_si512(_mm512_castps_si512(v1), abs_mask),
+            );
+            let Some((d, id)) = block_scale(_mm512_reduce_max_epu32(amax)) else {
+                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                continue;
+            };
+            let id = _mm512_set1_ps(id);
+            let round = |v: __m512| {
+                let m = _mm512_add_ps(_mm512_mul_ps(v, id), magic);
+                _mm512_sub_epi32(_mm512_castps_si512(m), magic_bits)
+            };
+            let (r0, r1) = (round(v0), round(v1));
+            _mm_storeu_si128(qb.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(r0));
+            _mm_storeu_si128(
+                qb.as_mut_ptr().add(16) as *mut __m128i,
+                _mm512_cvtepi32_epi8(r1),
+            );
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
+            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+        }
     }
 }

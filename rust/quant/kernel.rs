@@ -176,9 +176,10 @@ const ROW_UNIT: usize = 16;
 /// Token-split unit: the largest token tile of the kernels.
 const TOKEN_UNIT: usize = 8;
 /// Tasks per rayon thread, for load balance.
-const TASKS_PER_THREAD: usize = 4;
-/// Below this many weight bytes × tokens a matmul runs on the calling thread: handing out
-/// work to the pool costs a few microseconds, as long as streaming ~64 KiB.
+const TASKS_PER_THREAD: usize = 2;
+/// Below this many weight bytes × tokens a matmul runs on the calling thread: handing work
+/// to another thread costs a few microseconds, about what one thread needs to stream this
+/// much (k/v projections of a decode step stay on one thread).
 const PARALLEL_MIN_WORK: usize = 96 * 1024;
 
 /// Checks shapes, then computes `out = input · wᵀ` with `kernel` on the current rayon pool.
@@ -227,7 +228,8 @@ pub(crate) fn matmul_with(
     let threads = rayon::current_num_threads();
     let work = w.data().len().saturating_mul(n_tokens);
     if threads == 1 || work < PARALLEL_MIN_WORK {
-        job.run(0..w.rows(), 0..n_tokens);
+        // SAFETY: the whole output, owned by this call through `out`.
+        unsafe { job.run(0..w.rows(), 0..n_tokens) };
         return Ok(());
     }
     // Split rows first (each thread then streams only its share of the weights), tokens
@@ -257,7 +259,9 @@ pub(crate) fn matmul_with(
                 TOKEN_UNIT,
                 n_tokens,
             );
-            job.run(rows, tokens);
+            // SAFETY: the tasks' rectangles partition the output (`span` splits rows and
+            // tokens into disjoint ranges), and `out` is borrowed until they all finish.
+            unsafe { job.run(rows, tokens) };
         });
     Ok(())
 }
@@ -271,22 +275,22 @@ pub(crate) struct Job<'a> {
     pub(crate) out: OutPtr,
 }
 
-// SAFETY: `Job` is shared read-only between tasks; its only non-Sync part is `OutPtr`,
-// whose disjoint-write discipline is documented there.
-unsafe impl Sync for Job<'_> {}
-
 impl Job<'_> {
     /// Computes `out[t, r]` for `r` in `rows`, `t` in `tokens`.
-    fn run(&self, rows: Range<usize>, tokens: Range<usize>) {
+    ///
+    /// # Safety
+    /// `rows × tokens` lies inside the output and no other thread accesses those elements
+    /// during the call.
+    unsafe fn run(&self, rows: Range<usize>, tokens: Range<usize>) {
         if rows.is_empty() || tokens.is_empty() {
             return;
         }
         let w = self.w;
         let (data, row_bytes) = (w.data(), w.row_bytes());
-        // SAFETY (all arms): the job's output has `n_tokens × rows` elements (checked in
-        // `matmul_with`), this call owns the rectangle `rows × tokens` exclusively (the
-        // split hands out disjoint rectangles), and the kernel's CPU features were checked
-        // by `Kernel::is_available` in `matmul_with`.
+        // SAFETY: (all arms) the rectangle is in bounds and exclusively ours (caller), the
+        // weights and activations hold every row and token of the matmul (`matmul_with`
+        // checked the shapes), and the kernel's CPU features were checked by
+        // `Kernel::is_available` in `matmul_with`.
         unsafe {
             match (self.kernel, self.blocks) {
                 #[cfg(target_arch = "x86_64")]

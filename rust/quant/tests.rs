@@ -195,6 +195,68 @@ fn activation_quantization_is_within_half_a_step() {
     assert_eq!(input.dequantized().unwrap(), zeros);
 }
 
+#[test]
+fn activation_quantization_is_identical_under_every_isa() {
+    let mut rng = Rng(11);
+    let blocks = 300;
+    let mut x = rng.floats(blocks * 32, 50.0);
+    // Edge cases: an all-zero block, a tiny-scale block, non-finite blocks, exact ties.
+    x[32..64].fill(0.0);
+    x[64..96].iter_mut().for_each(|v| *v *= 1e-30);
+    x[96] = f32::NAN;
+    x[130] = f32::NEG_INFINITY;
+    x[192..224].fill(f32::NAN);
+    for (i, v) in x[160..192].iter_mut().enumerate() {
+        *v = i as f32 - 15.5;
+    }
+    let run = |kernel: Kernel| {
+        let (mut qs, mut d, mut s, mut sum) = (
+            vec![0i8; x.len()],
+            vec![0.0f32; blocks],
+            vec![0.0f32; blocks],
+            vec![0i32; blocks],
+        );
+        activation::quantize_blocks(kernel, &x, &mut qs, &mut d, &mut s, &mut sum);
+        (qs, bits(&d), bits(&s), sum)
+    };
+    let reference = run(Kernel::Scalar);
+    for kernel in Kernel::available() {
+        assert!(run(kernel) == reference, "{kernel}");
+    }
+}
+
+#[test]
+fn activation_rounding_is_ties_to_even() {
+    // max |x| = 127 makes d = 1 and 1/d = 1, so q is x rounded.
+    let mut x = vec![0.0f32; 32];
+    let cases = [
+        (127.0, 127),
+        (-127.0, -127),
+        (0.5, 0),
+        (1.5, 2),
+        (2.5, 2),
+        (-0.5, 0),
+        (-1.5, -2),
+        (-2.5, -2),
+        (3.499_999_8, 3),
+        (-126.5, -126),
+        (0.0, 0),
+    ];
+    for (i, &(v, _)) in cases.iter().enumerate() {
+        x[i] = v;
+    }
+    let mut scratch = QuantScratch::new();
+    let input = QuantizedInput::quantize(&x, 1, 32, &mut scratch).unwrap();
+    let blocks = input.blocks().unwrap();
+    assert_eq!(blocks.scale[0], 1.0);
+    for (i, &(v, q)) in cases.iter().enumerate() {
+        assert_eq!(blocks.qs[i], q, "round({v})");
+    }
+    let sum: i32 = cases.iter().map(|&(_, q)| q as i32).sum();
+    assert_eq!(blocks.qsum[0], sum);
+    assert_eq!(blocks.scaled_sum[0], sum as f32);
+}
+
 /// Max |out − reference| allowed for one output element: the activation quantization error
 /// `Σ_b (d_b / 2)·Σ_{i∈b} |w_i|` (each element is off by at most half a step `d_b`), plus
 /// f32 rounding of `nb + 4` dependent operations on terms bounded by `Σ |w_i|·(|x_i| + d_b)`.
@@ -490,6 +552,30 @@ fn embed_gathers_dequantized_rows() {
         })
     );
     assert!(w.dequantize_row(50, &mut out[..cols]).is_err());
+}
+
+#[test]
+fn from_gguf_reads_ggml_dims() {
+    let data = vec![0u8; 6 * 20];
+    let m = QMatrix::from_gguf(3, &[32, 6], &data).unwrap();
+    assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::Q4_1, 6, 32));
+    let m = QMatrix::from_gguf(3, &[32, 2, 3], &data).unwrap();
+    assert_eq!((m.rows(), m.cols()), (6, 32));
+    let norm = vec![0u8; 4 * 576];
+    let m = QMatrix::from_gguf(0, &[576], &norm).unwrap();
+    assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::F32, 1, 576));
+    assert_eq!(
+        QMatrix::from_gguf(12, &[256, 6], &data).unwrap_err(),
+        QuantError::UnsupportedType { id: 12 }
+    );
+    assert!(matches!(
+        QMatrix::from_gguf(3, &[], &data),
+        Err(QuantError::EmptyShape { .. })
+    ));
+    assert_eq!(
+        QMatrix::from_gguf(3, &[32, u64::MAX, 2], &data).unwrap_err(),
+        QuantError::ShapeOverflow
+    );
 }
 
 #[test]

