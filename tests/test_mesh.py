@@ -49,7 +49,10 @@ def forward_requests(mesh: MeshSpec) -> int:
     for s in mesh.stations:
         text = urllib.request.urlopen(f"{s.url}/metrics").read().decode()
         for line in text.splitlines():
-            if line.startswith("amplituhedron_requests_total") and 'endpoint="/sessions/{session_id}/forward"' in line:
+            if (
+                line.startswith("amplituhedron_requests_total")
+                and 'endpoint="/sessions/{session_id}/forward"' in line
+            ):
                 total += int(float(line.split()[-1]))
     return total
 
@@ -77,7 +80,9 @@ def test_mesh_equals_single_process_cache_off_and_on(
     assert [v.replay for v in warm.stations] == ["hit"] * 3 and warm.cache_hit
 
 
-def test_mesh_logits_are_bit_identical(mesh: MeshSpec, model: Model, prompts: dict[str, Any]) -> None:
+def test_mesh_logits_are_bit_identical(
+    mesh: MeshSpec, model: Model, prompts: dict[str, Any]
+) -> None:
     """Drive the stations by hand: the exit station's logits equal the single process's."""
     import httpx
 
@@ -85,7 +90,9 @@ def test_mesh_logits_are_bit_identical(mesh: MeshSpec, model: Model, prompts: di
     sid = "logits-probe"
     with httpx.Client(timeout=60) as c:
         for s in mesh.stations:
-            c.post(f"{s.url}/sessions", json={"prompt_tokens": ids, "session_id": sid}).raise_for_status()
+            c.post(
+                f"{s.url}/sessions", json={"prompt_tokens": ids, "session_id": sid}
+            ).raise_for_status()
         body = np.asarray(ids, dtype="<u4").tobytes()
         for i, s in enumerate(mesh.stations):
             last = i == len(mesh.stations) - 1
@@ -172,7 +179,13 @@ def test_sampled_generation_matches_single_process(
     mesh: MeshSpec, model: Model, prompts: dict[str, Any]
 ) -> None:
     ids = prompts["sentence"]["token_ids"]
-    kw = {"greedy": False, "temperature": 0.8, "top_k": 30, "top_p": 0.9, "seed": 42}
+    kw: dict[str, Any] = {
+        "greedy": False,
+        "temperature": 0.8,
+        "top_k": 30,
+        "top_p": 0.9,
+        "seed": 42,
+    }
     single = model.generate(ids, 10, use_cache=False, stop_at_eos=False, **kw)
     g = run(_generate(mesh, ids, 10, sampler=_core.Sampler(**kw)))
     assert g.output_ids == single.output_ids

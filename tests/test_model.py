@@ -7,10 +7,11 @@ probe + rollback = no probe, split ranges = one range.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -153,9 +154,9 @@ def test_split_ranges_equal_one_process(
     ids = prompts["json"]["token_ids"]
     hidden: np.ndarray[Any, np.dtype[np.float32]] | None = None
     logits = None
-    for lo, hi in zip(cuts, cuts[1:], strict=False):
+    for lo, hi in itertools.pairwise(cuts):
         s = model.new_session(lo, hi)
-        want = "all" if hi == model.n_layers else "none"
+        want: Literal["all", "none"] = "all" if hi == model.n_layers else "none"
         if lo == 0:
             hidden, logits = s.forward_tokens(ids, logits=want)
         else:

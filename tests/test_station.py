@@ -6,7 +6,7 @@ schemathesis run of the OpenAPI description (no 5xx)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -50,19 +50,31 @@ def open_session(c: httpx.Client, url: str, sid: str, prompt: list[int] = PROMPT
 def prefill(c: httpx.Client, spec: MeshSpec, sid: str) -> list[bytes]:
     """Runs PROMPT through both stations; returns each station's output body."""
     entry, exit_ = spec.stations
-    r1 = c.post(f"{entry.url}/sessions/{sid}/forward", content=np.asarray(PROMPT, "<u4").tobytes(),
-                headers=OCTETS)
+    r1 = c.post(
+        f"{entry.url}/sessions/{sid}/forward",
+        content=np.asarray(PROMPT, "<u4").tobytes(),
+        headers=OCTETS,
+    )
     assert r1.status_code == 200, r1.text
-    r2 = c.post(f"{exit_.url}/sessions/{sid}/forward", content=r1.content,
-                params={"logits": "last", "hidden": "last"}, headers=OCTETS)
+    r2 = c.post(
+        f"{exit_.url}/sessions/{sid}/forward",
+        content=r1.content,
+        params={"logits": "last", "hidden": "last"},
+        headers=OCTETS,
+    )
     assert r2.status_code == 200, r2.text
     return [r1.content, r2.content]
 
 
 def volume_body(spec: MeshSpec, sid: str, **override: Any) -> dict[str, Any]:
     s = spec.stations[0]
-    body = {"session_id": sid, "prefix_hash": str(_core.prefix_hash(PROMPT)),
-            "prefix_len": len(PROMPT), "layer_lo": s.layer_lo, "layer_hi": s.layer_hi}
+    body = {
+        "session_id": sid,
+        "prefix_hash": str(_core.prefix_hash(PROMPT)),
+        "prefix_len": len(PROMPT),
+        "layer_lo": s.layer_lo,
+        "layer_hi": s.layer_hi,
+    }
     body.update(override)
     return body
 
@@ -83,22 +95,33 @@ def test_health_and_metrics(pair: MeshSpec, client: httpx.Client) -> None:
     h = client.get(f"{pair.stations[1].url}/healthz").json()
     assert (h["layer_lo"], h["layer_hi"], h["exit"], h["entry"]) == (15, 30, True, False)
     text = client.get(f"{pair.stations[0].url}/metrics").text
-    for metric in ("amplituhedron_volume_hits", "amplituhedron_volume_bytes",
-                   "amplituhedron_live_sessions", "amplituhedron_request_seconds_bucket"):
+    for metric in (
+        "amplituhedron_volume_hits",
+        "amplituhedron_volume_bytes",
+        "amplituhedron_live_sessions",
+        "amplituhedron_request_seconds_bucket",
+    ):
         assert metric in text
 
 
 def test_control_endpoints_need_the_bearer_token(pair: MeshSpec, client: httpx.Client) -> None:
     url = pair.stations[0].url
-    for path, body in [("/amplituhedron/configure", {"max_entries": 3}),
-                       ("/amplituhedron/clear", None), ("/memo/clear", None)]:
-        expect_refusal(client, url, lambda p=path, b=body: client.post(url + p, json=b), 401,
-                       "bearer")
+    for path, body in [
+        ("/amplituhedron/configure", {"max_entries": 3}),
+        ("/amplituhedron/clear", None),
+        ("/memo/clear", None),
+    ]:
         expect_refusal(
-            client, url,
-            lambda p=path, b=body: client.post(url + p, json=b,
-                                               headers={"Authorization": "Bearer nope"}),
-            401, "wrong bearer token",
+            client, url, lambda p=path, b=body: client.post(url + p, json=b), 401, "bearer"
+        )
+        expect_refusal(
+            client,
+            url,
+            lambda p=path, b=body: client.post(
+                url + p, json=b, headers={"Authorization": "Bearer nope"}
+            ),
+            401,
+            "wrong bearer token",
         )
     r = client.post(f"{url}/amplituhedron/configure", json={"max_entries": 3}, headers=AUTH)
     assert r.status_code == 200 and "stats" in r.json()
@@ -108,17 +131,38 @@ def test_control_endpoints_need_the_bearer_token(pair: MeshSpec, client: httpx.C
 def test_configure_rejects_bad_values(pair: MeshSpec, client: httpx.Client) -> None:
     url = pair.stations[0].url
     post = client.post
-    expect_refusal(client, url, lambda: post(f"{url}/amplituhedron/configure", content=b"{not json",
-                                             headers={**AUTH, "Content-Type": "application/json"}),
-                   422, "json")
-    expect_refusal(client, url, lambda: post(f"{url}/amplituhedron/configure",
-                                             json={"max_entries": -1}, headers=AUTH), 422,
-                   "greater than or equal")
-    expect_refusal(client, url, lambda: post(f"{url}/amplituhedron/configure",
-                                             json={"max_entries": 0}, headers=AUTH), 422,
-                   "greater than or equal to 1")
-    expect_refusal(client, url, lambda: post(f"{url}/amplituhedron/configure",
-                                             json={"bogus": 1}, headers=AUTH), 422, "extra")
+    expect_refusal(
+        client,
+        url,
+        lambda: post(
+            f"{url}/amplituhedron/configure",
+            content=b"{not json",
+            headers={**AUTH, "Content-Type": "application/json"},
+        ),
+        422,
+        "json",
+    )
+    expect_refusal(
+        client,
+        url,
+        lambda: post(f"{url}/amplituhedron/configure", json={"max_entries": -1}, headers=AUTH),
+        422,
+        "greater than or equal",
+    )
+    expect_refusal(
+        client,
+        url,
+        lambda: post(f"{url}/amplituhedron/configure", json={"max_entries": 0}, headers=AUTH),
+        422,
+        "greater than or equal to 1",
+    )
+    expect_refusal(
+        client,
+        url,
+        lambda: post(f"{url}/amplituhedron/configure", json={"bogus": 1}, headers=AUTH),
+        422,
+        "extra",
+    )
 
 
 def test_replay_and_capture_reject_bad_input(pair: MeshSpec, client: httpx.Client) -> None:
@@ -130,29 +174,48 @@ def test_replay_and_capture_reject_bad_input(pair: MeshSpec, client: httpx.Clien
     post = client.post
     replay = f"{url}/amplituhedron/replay"
     cases = [
-        (lambda: post(replay, content=b"{", headers={"Content-Type": "application/json"}), 422,
-         "json"),
+        (
+            lambda: post(replay, content=b"{", headers={"Content-Type": "application/json"}),
+            422,
+            "json",
+        ),
         (lambda: post(replay, json=volume_body(pair, sid, prefix_hash="abc")), 422, "pattern"),
-        (lambda: post(replay, json=volume_body(pair, sid, prefix_hash="18446744073709551616")),
-         422, "u64"),
+        (
+            lambda: post(replay, json=volume_body(pair, sid, prefix_hash="18446744073709551616")),
+            422,
+            "u64",
+        ),
         (lambda: post(replay, json=volume_body(pair, sid, prefix_hash="-5")), 422, "pattern"),
-        (lambda: post(replay, json=volume_body(pair, sid, layer_lo=15, layer_hi=30)), 409,
-         "owns layers 0:15"),
-        (lambda: post(replay, json=volume_body(pair, sid, prefix_hash="12345")), 409,
-         "not the hash"),
-        (lambda: post(replay, json=volume_body(pair, sid, prefix_len=len(PROMPT) + 1)), 422,
-         "exceeds"),
+        (
+            lambda: post(replay, json=volume_body(pair, sid, layer_lo=15, layer_hi=30)),
+            409,
+            "owns layers 0:15",
+        ),
+        (
+            lambda: post(replay, json=volume_body(pair, sid, prefix_hash="12345")),
+            409,
+            "not the hash",
+        ),
+        (
+            lambda: post(replay, json=volume_body(pair, sid, prefix_len=len(PROMPT) + 1)),
+            422,
+            "exceeds",
+        ),
         (lambda: post(replay, json=volume_body(pair, "no-such-session")), 404, "no session"),
     ]
     for request, status, needle in cases:
         expect_refusal(client, url, request, status, needle)
     outputs = prefill(client, pair, sid)
-    tail = outputs[0][-576 * 4:]
+    tail = outputs[0][-576 * 4 :]
     capture = f"{url}/amplituhedron/capture"
 
     def cap(body: bytes, **override: Any) -> httpx.Response:
-        return post(capture, params=volume_body(pair, sid, **override), content=body,
-                    headers={**AUTH, **OCTETS})
+        return post(
+            capture,
+            params=volume_body(pair, sid, **override),
+            content=body,
+            headers={**AUTH, **OCTETS},
+        )
 
     nan_tail = np.frombuffer(tail, "<f4").copy()
     nan_tail[3] = np.nan
@@ -163,8 +226,11 @@ def test_replay_and_capture_reject_bad_input(pair: MeshSpec, client: httpx.Clien
         (lambda: cap(tail, prefix_hash="x1"), 422, "pattern"),
         (lambda: cap(tail, layer_lo=15, layer_hi=30), 409, "owns layers"),
         (lambda: cap(tail, session_id="nope"), 404, "no session"),
-        (lambda: post(capture, params=volume_body(pair, sid), content=tail, headers=OCTETS), 401,
-         "bearer"),
+        (
+            lambda: post(capture, params=volume_body(pair, sid), content=tail, headers=OCTETS),
+            401,
+            "bearer",
+        ),
     ]:
         expect_refusal(client, url, request, status, needle)
     # The well-formed capture works, then replay into a fresh session hits.
@@ -183,9 +249,13 @@ def test_sessions_and_compute_reject_bad_input(pair: MeshSpec, client: httpx.Cli
         (lambda: post(f"{entry.url}/sessions", json={"prompt_tokens": []}), 422, "at least 1"),
         (lambda: post(f"{entry.url}/sessions", json={"prompt_tokens": [-1]}), 422, "greater"),
         (lambda: post(f"{entry.url}/sessions", json={"prompt_tokens": [2**32]}), 422, "less"),
-        (lambda: post(f"{entry.url}/sessions", content=b"[", headers={"Content-Type":
-                                                                        "application/json"}),
-         422, "json"),
+        (
+            lambda: post(
+                f"{entry.url}/sessions", content=b"[", headers={"Content-Type": "application/json"}
+            ),
+            422,
+            "json",
+        ),
     ]:
         expect_refusal(client, entry.url, request, status, needle)
     sid = "bad-compute"
@@ -195,25 +265,73 @@ def test_sessions_and_compute_reject_bad_input(pair: MeshSpec, client: httpx.Cli
     hidden_nan = np.zeros((2, 576), "<f4")
     hidden_nan[1, 5] = np.inf
     for url, request, status, needle in [
-        (entry.url, lambda: post(entry.url + fwd, content=b"\x01\x02\x03", headers=OCTETS), 400,
-         "u32"),
-        (entry.url, lambda: post(entry.url + fwd, content=np.asarray([49152], "<u4").tobytes(),
-                                 headers=OCTETS), 422, "vocabulary"),
-        (entry.url, lambda: post(entry.url + fwd, content=np.asarray([1], "<u4").tobytes(),
-                                 params={"logits": "last"}, headers=OCTETS), 400, "exit"),
-        (entry.url, lambda: post(entry.url + f"/sessions/{sid}/decode",
-                                 content=np.asarray([1, 2], "<u4").tobytes(), headers=OCTETS),
-         400, "exactly one row"),
-        (exit_.url, lambda: post(exit_.url + fwd, content=hidden_nan.tobytes(), headers=OCTETS),
-         400, "not finite"),
-        (exit_.url, lambda: post(exit_.url + fwd, content=b"\0" * (575 * 4), headers=OCTETS), 400,
-         "576"),
-        (exit_.url, lambda: post(exit_.url + fwd, content=b"\0" * (65 * 1024 * 1024),
-                                 headers=OCTETS), 413, "limit"),
-        (exit_.url, lambda: post(exit_.url + "/sessions/none/forward", content=b"\0" * 2304,
-                                 headers=OCTETS), 404, "no session"),
-        (entry.url, lambda: post(entry.url + f"/sessions/{sid}/rollback", json={"clock": 5}),
-         409, "after the current clock"),
+        (
+            entry.url,
+            lambda: post(entry.url + fwd, content=b"\x01\x02\x03", headers=OCTETS),
+            400,
+            "u32",
+        ),
+        (
+            entry.url,
+            lambda: post(
+                entry.url + fwd, content=np.asarray([49152], "<u4").tobytes(), headers=OCTETS
+            ),
+            422,
+            "vocabulary",
+        ),
+        (
+            entry.url,
+            lambda: post(
+                entry.url + fwd,
+                content=np.asarray([1], "<u4").tobytes(),
+                params={"logits": "last"},
+                headers=OCTETS,
+            ),
+            400,
+            "exit",
+        ),
+        (
+            entry.url,
+            lambda: post(
+                entry.url + f"/sessions/{sid}/decode",
+                content=np.asarray([1, 2], "<u4").tobytes(),
+                headers=OCTETS,
+            ),
+            400,
+            "exactly one row",
+        ),
+        (
+            exit_.url,
+            lambda: post(exit_.url + fwd, content=hidden_nan.tobytes(), headers=OCTETS),
+            400,
+            "not finite",
+        ),
+        (
+            exit_.url,
+            lambda: post(exit_.url + fwd, content=b"\0" * (575 * 4), headers=OCTETS),
+            400,
+            "576",
+        ),
+        (
+            exit_.url,
+            lambda: post(exit_.url + fwd, content=b"\0" * (65 * 1024 * 1024), headers=OCTETS),
+            413,
+            "limit",
+        ),
+        (
+            exit_.url,
+            lambda: post(
+                exit_.url + "/sessions/none/forward", content=b"\0" * 2304, headers=OCTETS
+            ),
+            404,
+            "no session",
+        ),
+        (
+            entry.url,
+            lambda: post(entry.url + f"/sessions/{sid}/rollback", json={"clock": 5}),
+            409,
+            "after the current clock",
+        ),
         (entry.url, lambda: client.delete(entry.url + "/sessions/none"), 404, "no session"),
     ]:
         expect_refusal(client, url, request, status, needle)
@@ -225,9 +343,13 @@ def test_a_full_station_answers_503(pair: MeshSpec, client: httpx.Client) -> Non
     extra = [f"fill-{i}" for i in range(4 - len(opened))]
     for sid in extra:
         open_session(client, url, sid)
-    expect_refusal(client, url, lambda: client.post(f"{url}/sessions",
-                                                    json={"prompt_tokens": [1]}), 503,
-                   "station full")
+    expect_refusal(
+        client,
+        url,
+        lambda: client.post(f"{url}/sessions", json={"prompt_tokens": [1]}),
+        503,
+        "station full",
+    )
     for sid in extra + opened:
         assert client.delete(f"{url}/sessions/{sid}").status_code == 200
 
@@ -236,13 +358,14 @@ def test_openapi_fuzz_finds_no_server_error(pair: MeshSpec) -> None:
     """schemathesis generates requests for every operation of the exit station's OpenAPI
     description (valid and invalid by the schema); none may produce a 5xx."""
     schema = schemathesis.openapi.from_url(f"{pair.stations[1].url}/openapi.json")
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [cast(Any, result).ok() for result in schema.get_all_operations()]
     assert len(operations) >= 14
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck),
-                  database=None)
+        @settings(
+            max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
         def no_server_error(case: Any) -> None:
             response = case.call(headers=AUTH, timeout=30)
             if response.status_code == 503:  # the documented back-pressure answer

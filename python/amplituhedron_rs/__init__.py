@@ -56,11 +56,11 @@ from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
 from amplituhedron_rs._core import quant_dequantize, quant_embed, quant_kernels, quant_matmul
 
 __all__ = [
+    "ORACLE_CLINAMEN_SWERVE",
     "AmplituhedronCache",
     "AmplituhedronVolume",
     "LeanOracle",
     "MatVecMemo",
-    "ORACLE_CLINAMEN_SWERVE",
     "OracleResult",
     "RingBuffer",
     "SemanticSpan",

@@ -304,9 +304,12 @@ class ModelWeights:
         path: str,
         config: dict[str, Any],
         tensors: Sequence[tuple[str, int, Sequence[int], int]],
+        precision: Literal["refined", "fast"] = "refined",
     ) -> ModelWeights: ...
     @property
     def fingerprint(self) -> int: ...
+    @property
+    def precision(self) -> Literal["refined", "fast"]: ...
     @property
     def n_layers(self) -> int: ...
     @property
@@ -449,7 +452,6 @@ class NativeLlamaPipeline:
     ) -> GenerationResult: ...
 
 # --- quantized kernels -------------------------------------------------------------------
-
 
 def quant_dequantize(
     qtype: int, data: NDArray[np.uint8], rows: int, cols: int

@@ -12,9 +12,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from amplituhedron_rs.model import Generation, Model
 
 err = Console(stderr=True)
 
@@ -23,7 +26,9 @@ def _ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers: {exc}")
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids takes comma-separated integers: {exc}"
+        ) from exc
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids is empty")
     return ids
@@ -59,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     gen.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
     gen.add_argument("--no-cache", action="store_true", help="disable the volume cache")
+    gen.add_argument(
+        "--precision",
+        choices=["refined", "fast"],
+        default="refined",
+        help="activations: two 8-bit passes (near-f32 logits) or one (llama.cpp)",
+    )
     gen.add_argument(
         "--repeat",
         type=int,
@@ -142,6 +153,7 @@ def _cmd_station(a: argparse.Namespace) -> int:
         policy=a.policy,
         cache_enabled=not a.no_cache,
         fault_injection=a.fault_injection,
+        precision=a.precision,
     )
     serve(settings, host=a.host, port=a.port, model_index=a.model_index)
     return 0
@@ -189,8 +201,6 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
-
     from amplituhedron_rs.model import CacheOptions, load_model
 
     if a.mesh or a.stations:
@@ -198,7 +208,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
         return cli_generate_over_mesh(a)
     with err.status("loading model…"):
-        model = load_model(a.model, cache=CacheOptions(enabled=not a.no_cache))
+        model = load_model(
+            a.model, cache=CacheOptions(enabled=not a.no_cache), precision=a.precision
+        )
     if a.prompt_ids is not None:
         ids = a.prompt_ids
     elif a.chat or a.system:
@@ -206,38 +218,11 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     else:
         ids = model.tokenize(a.prompt)
     kwargs = _sampling_kwargs(a)
-    out = Console()
     for _ in range(max(1, a.repeat)):
-        progress = Progress(
-            TextColumn("prefill"), BarColumn(), TaskProgressColumn(), console=err, transient=True
-        )
-        task = progress.add_task("prefill", total=len(ids))
-
-        def on_prefill(done: int, total: int) -> None:
-            # Only worth a bar when the prompt spans several chunks.
-            if total > model.session_options.max_chunk and not progress.live.is_started:
-                progress.start()
-            progress.update(task, completed=done, total=total)
-
-        def stream(piece: str) -> None:
-            if not a.json:
-                out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
-
-        try:
-            g = model.generate(
-                ids,
-                a.max_new_tokens,
-                use_cache=not a.no_cache,
-                stream=stream,
-                on_prefill=on_prefill,
-                **kwargs,
-            )
-        finally:
-            progress.stop()
+        g = _generate_once(model, ids, a, kwargs)
         if a.json:
             print(json.dumps(g.to_json()))
         else:
-            out.print()
             verdict = "hit (prefill skipped)" if g.cache_hit else "miss"
             err.print(
                 f"[dim]{len(ids)} prompt tokens, {len(g.output_ids)} generated · "
@@ -245,6 +230,44 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                 f" ({g.decode_ms / max(1, len(g.output_ids)):.1f} ms/token)[/dim]"
             )
     return 0
+
+
+def _generate_once(
+    model: Model, ids: list[int], a: argparse.Namespace, kwargs: dict[str, Any]
+) -> Generation:
+    """One generation with a prefill progress bar (long prompts) and streamed text."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+    out = Console()
+    progress = Progress(
+        TextColumn("prefill"), BarColumn(), TaskProgressColumn(), console=err, transient=True
+    )
+    task = progress.add_task("prefill", total=len(ids))
+
+    def on_prefill(done: int, total: int) -> None:
+        # Only worth a bar when the prompt spans several chunks.
+        if total > model.session_options.max_chunk and not progress.live.is_started:
+            progress.start()
+        progress.update(task, completed=done, total=total)
+
+    def stream(piece: str) -> None:
+        if not a.json:
+            out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+
+    try:
+        g = model.generate(
+            ids,
+            a.max_new_tokens,
+            use_cache=not a.no_cache,
+            stream=stream,
+            on_prefill=on_prefill,
+            **kwargs,
+        )
+    finally:
+        progress.stop()
+    if not a.json:
+        out.print()
+    return g
 
 
 def main(argv: Sequence[str] | None = None) -> int:

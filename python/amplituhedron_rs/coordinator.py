@@ -178,14 +178,16 @@ class Coordinator:
         try:
             async with self.client.request(method, station.url + path, **kwargs) as r:
                 reply = Reply(r.status, CIMultiDict(r.headers), await r.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise MeshError(f"station {station.url} failed during {phase}: {exc!r}") from exc
         if reply.status not in ok:
             try:
                 detail = reply.json().get("detail", reply.content.decode(errors="replace"))
             except ValueError:
                 detail = reply.content.decode(errors="replace")
-            raise MeshError(f"station {station.url} answered {reply.status} during {phase}: {detail}")
+            raise MeshError(
+                f"station {station.url} answered {reply.status} during {phase}: {detail}"
+            )
         return reply
 
     # ---------------------------------------------------------------------------------
@@ -513,7 +515,7 @@ def cli_generate_over_mesh(a: Any) -> int:
     from amplituhedron_rs.cli import _sampling_kwargs
     from amplituhedron_rs.gguf_file import read_model_file
     from amplituhedron_rs.mesh import LocalMesh
-    from amplituhedron_rs.tokenizer import StreamDecoder, Tokenizer
+    from amplituhedron_rs.tokenizer import Tokenizer
 
     err = Console(stderr=True)
     out = Console()
@@ -540,20 +542,7 @@ def cli_generate_over_mesh(a: Any) -> int:
                 if a.no_cache:
                     await c.configure(enabled=False)
                 for _ in range(max(1, a.repeat)):
-                    decoder = StreamDecoder(tok)
-
-                    def on_token(t: int) -> None:
-                        if not a.json:
-                            out.print(decoder.push(t), end="", markup=False, highlight=False)
-
-                    g = await c.generate(
-                        ids,
-                        a.max_new_tokens,
-                        sampler=_core.Sampler(**kw),
-                        use_cache=not a.no_cache,
-                        stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
-                        on_token=on_token,
-                    )
+                    g = await _generate_streamed(c, tok, ids, a, kw)
                     if a.json:
                         d = g.to_json()
                         d["text"] = tok.decode(g.output_ids, skip_special=True)
@@ -574,3 +563,28 @@ def cli_generate_over_mesh(a: Any) -> int:
         if local is not None:
             local.close()
     return 0
+
+
+async def _generate_streamed(
+    c: Coordinator, tok: Any, ids: list[int], a: Any, sampling: dict[str, Any]
+) -> MeshGeneration:
+    """One mesh generation, streaming text to the terminal unless ``--json``."""
+    from rich.console import Console
+
+    from amplituhedron_rs.tokenizer import StreamDecoder
+
+    out = Console()
+    decoder = StreamDecoder(tok)
+
+    def on_token(t: int) -> None:
+        if not a.json:
+            out.print(decoder.push(t), end="", markup=False, highlight=False)
+
+    return await c.generate(
+        ids,
+        a.max_new_tokens,
+        sampler=_core.Sampler(**sampling),
+        use_cache=not a.no_cache,
+        stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
+        on_token=on_token,
+    )

@@ -31,7 +31,7 @@ class MeshError(RuntimeError):
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
     """GET ``url`` and parse JSON (start-up and discovery only; not a hot path)."""
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - http(s) URLs only
+    with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
 
 

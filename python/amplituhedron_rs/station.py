@@ -27,9 +27,10 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response
@@ -79,6 +80,7 @@ class StationSettings:
     recall: int = 128
     max_chunk: int = 256
     fault_injection: bool = False
+    precision: Literal["refined", "fast"] = "refined"
 
 
 @dataclass
@@ -142,7 +144,9 @@ class Station:
         self, settings: StationSettings, weights: _core.ModelWeights | None = None
     ) -> None:
         self.settings = settings
-        self.weights = weights if weights is not None else load_weights(settings.model_path)
+        if weights is None:
+            weights = load_weights(settings.model_path, precision=settings.precision)
+        self.weights = weights
         s = settings
         if not 0 <= s.layer_lo < s.layer_hi <= weights.n_layers:
             raise ValueError(
@@ -350,7 +354,7 @@ def create_app(station: Station) -> FastAPI:
                 g.add_metric([], stats.get(key, 0))
                 yield g
 
-    registry.register(CacheCollector())  # type: ignore[arg-type]
+    registry.register(CacheCollector())
 
     app.add_middleware(ObserveMiddleware, station=station, latency=latency, requests=requests)
 
@@ -546,7 +550,11 @@ def create_app(station: Station) -> FastAPI:
             return {"clock": int(live.session.clock)}
 
     def forward_sync(
-        session_id: str, body: bytes, logits: str, hidden: str, one_row: bool
+        session_id: str,
+        body: bytes,
+        logits: Literal["none", "last", "all"],
+        hidden: str,
+        one_row: bool,
     ) -> Response:
         live = station.get_session(session_id)
         if station.is_entry:
@@ -635,7 +643,11 @@ def create_app(station: Station) -> FastAPI:
     return app
 
 
-def load_weights(model_path: str | None, model_index: str | None = None) -> _core.ModelWeights:
+def load_weights(
+    model_path: str | None,
+    model_index: str | None = None,
+    precision: Literal["refined", "fast"] = "refined",
+) -> _core.ModelWeights:
     """Weights from a GGUF file, or from a model index written by the mesh launcher (which
     parsed the header once for all its stations)."""
     if model_index is not None:
@@ -643,17 +655,21 @@ def load_weights(model_path: str | None, model_index: str | None = None) -> _cor
 
         index = json.loads(Path(model_index).read_text())
         return _core.ModelWeights(
-            index["path"], index["config"], [tuple(t) for t in index["tensors"]]
+            index["path"], index["config"], [tuple(t) for t in index["tensors"]], precision
         )
     mf = read_model_file(model_path)
     return _core.ModelWeights(
         str(mf.path),
         dict(mf.config),
         [(t.name, t.ggml_type, list(t.dims), t.offset) for t in mf.tensors],
+        precision,
     )
 
 
-async def _in_thread(fn: Any, *args: Any) -> Any:
+_T = TypeVar("_T")
+
+
+async def _in_thread(fn: Callable[..., _T], *args: Any) -> _T:
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(fn, *args)
@@ -668,6 +684,6 @@ def serve(
     """Runs one station until interrupted (SIGINT/SIGTERM stop it cleanly)."""
     import uvicorn
 
-    station = Station(settings, load_weights(settings.model_path, model_index))
+    station = Station(settings, load_weights(settings.model_path, model_index, settings.precision))
     app = create_app(station)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -41,7 +41,7 @@ class Tokenizer:
             )
         tokens = model_file.tokens
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in model_file.merges]
+        merges = [(a, b) for a, _, b in (m.partition(" ") for m in model_file.merges)]
         bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
         tok = HFTokenizer(bpe)
         pre = model_file.metadata.get("pre") or "default"

@@ -13,8 +13,8 @@ use pyo3::types::PyDict;
 use crate::eviction::EvictionPolicy;
 use crate::model::{
     ChunkInput, GenerationStats, LlamaConfig, LlamaWeights, LogitsWanted, ModelError,
-    NativeLlamaPipeline, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig,
-    TensorInfo,
+    NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
+    SessionConfig, TensorInfo,
 };
 use crate::ring::SpanType;
 use crate::volume::CacheConfig;
@@ -59,12 +59,19 @@ pub struct PyModelWeights {
 impl PyModelWeights {
     /// Maps `path` and validates `tensors` (name, ggml type id, dims, absolute offset).
     #[new]
+    #[pyo3(signature = (path, config, tensors, precision="refined"))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         config: &Bound<'_, PyDict>,
         tensors: Vec<(String, u32, Vec<u64>, u64)>,
+        precision: &str,
     ) -> PyResult<Self> {
+        let precision = Precision::from_name(precision).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "precision must be 'refined' or 'fast', got {precision:?}"
+            ))
+        })?;
         fn get<'py, T: for<'a> FromPyObject<'a, 'py>>(
             d: &Bound<'py, PyDict>,
             key: &str,
@@ -95,7 +102,7 @@ impl PyModelWeights {
             })
             .collect();
         let weights = py
-            .detach(|| LlamaWeights::from_file(&path, config, &table))
+            .detach(|| LlamaWeights::from_file(&path, config, &table, precision))
             .map_err(value_error)?;
         Ok(PyModelWeights {
             inner: Arc::new(weights),
@@ -106,6 +113,12 @@ impl PyModelWeights {
     #[getter]
     fn fingerprint(&self) -> u64 {
         self.inner.fingerprint()
+    }
+
+    /// Activation precision: "refined" (two 8-bit passes) or "fast" (one).
+    #[getter]
+    fn precision(&self) -> &'static str {
+        self.inner.precision().name()
     }
 
     /// Number of transformer blocks.
@@ -552,7 +565,7 @@ impl PyPipeline {
         // The first Python exception raised by a callback (or a pending signal) cancels the
         // generation and is re-raised here.
         let (result, callback_error) = py.detach(|| {
-            let callback_error: std::cell::RefCell<Option<PyErr>> = std::cell::RefCell::new(None);
+            let callback_error: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
             let mut token_cb = |t: u32| -> bool {
                 Python::attach(|py| {
                     let r = py.check_signals().and_then(|_| match &on_token {
@@ -562,7 +575,10 @@ impl PyPipeline {
                     match r {
                         Ok(()) => true,
                         Err(e) => {
-                            callback_error.borrow_mut().get_or_insert(e);
+                            callback_error
+                                .lock()
+                                .expect("callback error slot")
+                                .get_or_insert(e);
                             false
                         }
                     }
@@ -577,7 +593,10 @@ impl PyPipeline {
                     match r {
                         Ok(()) => true,
                         Err(e) => {
-                            callback_error.borrow_mut().get_or_insert(e);
+                            callback_error
+                                .lock()
+                                .expect("callback error slot")
+                                .get_or_insert(e);
                             false
                         }
                     }
@@ -593,7 +612,10 @@ impl PyPipeline {
                 &mut token_cb,
                 &mut prefill_cb,
             );
-            (result, callback_error.into_inner())
+            (
+                result,
+                callback_error.into_inner().expect("callback error slot"),
+            )
         });
         if let Some(e) = callback_error {
             return Err(e);

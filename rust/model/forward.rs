@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use super::ops::{add_in_place, rms_norm, rope_angles, rope_apply, swiglu};
-use super::{LlamaWeights, ModelError};
+use super::{LlamaWeights, ModelError, Precision};
 use crate::attention::{attend_chunk, AttnScratch};
-use crate::quant::{matmul, matmul_f32, QuantScratch, QuantizedInput};
+use crate::quant::{fold_refined, matmul, QMatrix, QuantScratch, QuantizedInput};
 use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
 
 /// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
@@ -82,7 +82,7 @@ struct Workspace {
     sin_w: Vec<f32>,
     cos_f: Vec<f32>,
     sin_f: Vec<f32>,
-    quant: QuantScratch,
+    mm: MatmulScratch,
     attn_scratch: AttnScratch,
 }
 
@@ -135,7 +135,8 @@ impl RangeSession {
         let n = ring.config().max_chunk;
         let half = c.head_dim() / 2;
         let zeros = |len: usize| vec![0.0f32; len];
-        let attn_scratch = AttnScratch::for_ring(&ring, c.n_heads);
+        let attn_scratch =
+            super::runtime_pool().install(|| AttnScratch::for_ring(&ring, c.n_heads));
         let ws = Workspace {
             x: zeros(n * c.hidden),
             h: zeros(n * c.hidden),
@@ -151,7 +152,11 @@ impl RangeSession {
             sin_w: zeros(n * half),
             cos_f: zeros(n * half),
             sin_f: zeros(n * half),
-            quant: QuantScratch::with_capacity(n, c.ffn.max(c.hidden)),
+            mm: MatmulScratch {
+                quant: QuantScratch::with_capacity(2 * n, c.ffn.max(c.hidden)),
+                stacked: Vec::with_capacity(2 * n * c.ffn.max(c.hidden)),
+                full: Vec::with_capacity(2 * n * c.ffn.max(c.hidden)),
+            },
             attn_scratch,
         };
         Ok(RangeSession {
@@ -322,6 +327,18 @@ impl RangeSession {
         hidden_out: &mut Vec<f32>,
         logits_out: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        super::runtime_pool()
+            .install(|| self.forward_in_pool(input, span, logits, hidden_out, logits_out))
+    }
+
+    fn forward_in_pool(
+        &mut self,
+        input: ChunkInput<'_>,
+        span: SpanType,
+        logits: LogitsWanted,
+        hidden_out: &mut Vec<f32>,
+        logits_out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let hidden = self.weights.config().hidden;
         self.validate_input(&input, logits)?;
         let n = input.rows(hidden);
@@ -453,6 +470,7 @@ impl RangeSession {
         let half = hd / 2;
         let ws = &mut self.ws;
         let quant_err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
+        let precision = weights.precision();
         match input {
             ChunkInput::Tokens(ids) => weights
                 .embedding()?
@@ -494,11 +512,10 @@ impl RangeSession {
                 &mut ws.h[..n * hidden],
             );
             {
-                let input = QuantizedInput::quantize(&ws.h[..n * hidden], n, hidden, &mut ws.quant)
-                    .map_err(quant_err)?;
-                matmul(&lw.wq, &input, &mut ws.q[..n * hidden]).map_err(quant_err)?;
-                matmul(&lw.wk, &input, &mut ws.k[..n * kv_dim]).map_err(quant_err)?;
-                matmul(&lw.wv, &input, &mut ws.v[..n * kv_dim]).map_err(quant_err)?;
+                let mut p = Projector::new(&ws.h[..n * hidden], n, precision, &mut ws.mm)?;
+                p.apply(&lw.wq, &mut ws.q[..n * hidden])?;
+                p.apply(&lw.wk, &mut ws.k[..n * kv_dim])?;
+                p.apply(&lw.wv, &mut ws.v[..n * kv_dim])?;
             }
             add_bias(&mut ws.q[..n * hidden], lw.bq);
             add_bias(&mut ws.k[..n * kv_dim], lw.bk);
@@ -532,14 +549,8 @@ impl RangeSession {
             self.ring
                 .write_pending(ring_layer, &ws.k[..n * kv_dim], &ws.v[..n * kv_dim])
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
-            matmul_f32(
-                &lw.wo,
-                &ws.attn[..n * hidden],
-                n,
-                &mut ws.proj[..n * hidden],
-                &mut ws.quant,
-            )
-            .map_err(quant_err)?;
+            Projector::new(&ws.attn[..n * hidden], n, precision, &mut ws.mm)?
+                .apply(&lw.wo, &mut ws.proj[..n * hidden])?;
             add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
             rms_norm(
                 &ws.x[..n * hidden],
@@ -548,20 +559,13 @@ impl RangeSession {
                 &mut ws.h[..n * hidden],
             );
             {
-                let input = QuantizedInput::quantize(&ws.h[..n * hidden], n, hidden, &mut ws.quant)
-                    .map_err(quant_err)?;
-                matmul(&lw.w_gate, &input, &mut ws.gate[..n * ffn]).map_err(quant_err)?;
-                matmul(&lw.w_up, &input, &mut ws.up[..n * ffn]).map_err(quant_err)?;
+                let mut p = Projector::new(&ws.h[..n * hidden], n, precision, &mut ws.mm)?;
+                p.apply(&lw.w_gate, &mut ws.gate[..n * ffn])?;
+                p.apply(&lw.w_up, &mut ws.up[..n * ffn])?;
             }
             swiglu(&mut ws.gate[..n * ffn], &ws.up[..n * ffn]);
-            matmul_f32(
-                &lw.w_down,
-                &ws.gate[..n * ffn],
-                n,
-                &mut ws.proj[..n * hidden],
-                &mut ws.quant,
-            )
-            .map_err(quant_err)?;
+            Projector::new(&ws.gate[..n * ffn], n, precision, &mut ws.mm)?
+                .apply(&lw.w_down, &mut ws.proj[..n * hidden])?;
             add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
         }
         let rows = match logits {
@@ -580,16 +584,77 @@ impl RangeSession {
             );
             let at = logits_out.len();
             logits_out.resize(at + count * c.vocab, 0.0);
-            matmul_f32(
-                &head,
-                &ws.h[..count * hidden],
-                count,
-                &mut logits_out[at..],
-                &mut ws.quant,
-            )
-            .map_err(quant_err)?;
+            // In blocks of rows, so the refined product's scratch stays small.
+            for (i, out) in logits_out[at..]
+                .chunks_mut(LOGIT_ROWS * c.vocab)
+                .enumerate()
+            {
+                let r = out.len() / c.vocab;
+                let x = &ws.h[i * LOGIT_ROWS * hidden..(i * LOGIT_ROWS + r) * hidden];
+                Projector::new(x, r, precision, &mut ws.mm)?.apply(&head, out)?;
+            }
         }
         Ok(())
+    }
+}
+
+/// Rows of logits computed per LM-head call (bounds the refined product's scratch).
+const LOGIT_ROWS: usize = 16;
+
+/// Scratch of the projections: quantization buffers and the refined product's rows.
+#[derive(Default)]
+struct MatmulScratch {
+    quant: QuantScratch,
+    stacked: Vec<f32>,
+    full: Vec<f32>,
+}
+
+/// One quantized input applied to several matrices (q/k/v share one, gate/up share one).
+struct Projector<'a> {
+    input: QuantizedInput<'a>,
+    refined: bool,
+    full: &'a mut Vec<f32>,
+}
+
+impl<'a> Projector<'a> {
+    /// Quantizes `x` (`n` rows) once, at the weights' precision.
+    fn new(
+        x: &'a [f32],
+        n: usize,
+        precision: Precision,
+        scratch: &'a mut MatmulScratch,
+    ) -> Result<Self, ModelError> {
+        let cols = x.len() / n;
+        let refined = precision == Precision::Refined;
+        let MatmulScratch {
+            quant,
+            stacked,
+            full,
+        } = scratch;
+        let input = if refined {
+            QuantizedInput::quantize_refined(x, n, cols, stacked, quant)
+        } else {
+            QuantizedInput::quantize(x, n, cols, quant)
+        }
+        .map_err(|e| ModelError::Weights(e.to_string()))?;
+        Ok(Projector {
+            input,
+            refined,
+            full,
+        })
+    }
+
+    /// `out = W·x` (`n × rows`).
+    fn apply(&mut self, w: &QMatrix<'_>, out: &mut [f32]) -> Result<(), ModelError> {
+        let err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
+        if self.refined {
+            self.full.resize(2 * out.len(), 0.0);
+            matmul(w, &self.input, self.full).map_err(err)?;
+            fold_refined(self.full, out);
+            Ok(())
+        } else {
+            matmul(w, &self.input, out).map_err(err)
+        }
     }
 }
 

@@ -20,6 +20,7 @@ mod sampling;
 mod weights;
 
 use std::fmt;
+use std::sync::OnceLock;
 
 pub use config::LlamaConfig;
 pub use forward::{ChunkInput, LogitsWanted, RangeSession, SessionConfig, SPAN_TOKENS};
@@ -31,6 +32,55 @@ pub use weights::{LayerView, LlamaWeights, TensorInfo};
 pub(crate) mod testing;
 #[cfg(test)]
 mod tests;
+
+/// How activations are quantized before the exact integer kernels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Two 8-bit passes (value + residual): ~14-bit activations, logits within a few
+    /// hundredths of an f32 implementation, at twice the arithmetic but the same weight
+    /// traffic. The default.
+    #[default]
+    Refined,
+    /// One 8-bit pass, as llama.cpp does: fastest prefill, llama.cpp-level accuracy.
+    Fast,
+}
+
+impl Precision {
+    /// `"refined"` or `"fast"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Refined => "refined",
+            Precision::Fast => "fast",
+        }
+    }
+
+    /// Parses `"refined"` / `"fast"`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "refined" => Some(Precision::Refined),
+            "fast" => Some(Precision::Fast),
+            _ => None,
+        }
+    }
+}
+
+/// The runtime's worker pool (one thread per core).
+///
+/// Every forward pass runs inside [`rayon::ThreadPool::install`], so the ~200 parallel
+/// matmuls and attention calls of a decode step are joins among the pool's own workers
+/// instead of cross-thread injections from the caller's thread, each of which would cost a
+/// wake-up and a context switch.
+pub fn runtime_pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("amplituhedron-{i}"))
+            .build()
+            .expect("the runtime thread pool starts")
+    })
+}
 
 /// Everything that can go wrong loading or running a model.
 #[derive(Clone, Debug, PartialEq)]

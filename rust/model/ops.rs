@@ -23,13 +23,15 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 fn sum_of_squares(row: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
     let mut chunks = row.chunks_exact(LANES);
+    // Plain multiply-add (not `mul_add`, a libm call on baseline x86-64): the order is what
+    // makes it deterministic, and it vectorises.
     for c in &mut chunks {
         for (a, &v) in acc.iter_mut().zip(c) {
-            *a = v.mul_add(v, *a);
+            *a += v * v;
         }
     }
     for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
-        *a = v.mul_add(v, *a);
+        *a += v * v;
     }
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }

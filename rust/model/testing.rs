@@ -3,9 +3,8 @@
 
 use std::sync::Arc;
 
-use half::f16;
-
-use super::{LlamaConfig, LlamaWeights, TensorInfo};
+use super::{LlamaConfig, LlamaWeights, Precision, TensorInfo};
+use crate::quant::{quantize_weights, GgmlType};
 
 /// Deterministic pseudo-random floats in [-1, 1).
 struct Lcg(u64);
@@ -17,35 +16,6 @@ impl Lcg {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
-/// Q4_1 blocks of `values` (a multiple of 32): `{d: f16, m: f16, qs[16]}`, value = q·d + m.
-fn quantize_q4_1(values: &[f32], out: &mut Vec<u8>) {
-    for block in values.chunks_exact(32) {
-        let min = block.iter().copied().fold(f32::INFINITY, f32::min);
-        let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let d = (max - min) / 15.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-        out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
-        for j in 0..16 {
-            let q = |x: f32| (((x - min) * inv).round() as i32).clamp(0, 15) as u8;
-            out.push(q(block[j]) | (q(block[j + 16]) << 4));
-        }
-    }
-}
-
-/// Q8_0 blocks of `values`: `{d: f16, qs: [i8; 32]}`, value = q·d.
-fn quantize_q8_0(values: &[f32], out: &mut Vec<u8>) {
-    for block in values.chunks_exact(32) {
-        let amax = block.iter().fold(0.0f32, |a, &x| a.max(x.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-        for &x in block {
-            out.push(((x * inv).round() as i32).clamp(-127, 127) as i8 as u8);
-        }
     }
 }
 
@@ -66,6 +36,11 @@ pub(crate) fn tiny_config() -> LlamaConfig {
 
 /// Builds the tiny model's weights from `seed`.
 pub(crate) fn tiny_weights(seed: u64) -> Arc<LlamaWeights> {
+    tiny_weights_with(seed, Precision::Refined)
+}
+
+/// The tiny model at a given activation precision.
+pub(crate) fn tiny_weights_with(seed: u64, precision: Precision) -> Arc<LlamaWeights> {
     let c = tiny_config();
     let mut rng = Lcg(seed);
     let mut bytes: Vec<u8> = Vec::new();
@@ -83,8 +58,10 @@ pub(crate) fn tiny_weights(seed: u64) -> Arc<LlamaWeights> {
                     bytes.extend_from_slice(&(1.0 + v).to_le_bytes());
                 }
             }
-            3 => quantize_q4_1(&values, &mut bytes),
-            8 => quantize_q8_0(&values, &mut bytes),
+            3 | 8 => {
+                let dtype = GgmlType::from_id(ggml_type).expect("a ggml type");
+                bytes.extend(quantize_weights(dtype, &values, cols).expect("whole blocks"));
+            }
             _ => unreachable!(),
         }
         let dims = if rows == 1 {
@@ -113,5 +90,7 @@ pub(crate) fn tiny_weights(seed: u64) -> Arc<LlamaWeights> {
         push(format!("blk.{i}.ffn_up.weight"), 3, h, f, 0.3);
         push(format!("blk.{i}.ffn_down.weight"), 3, f, h, 0.2);
     }
-    Arc::new(LlamaWeights::from_bytes(bytes, c, &table).expect("tiny model is well formed"))
+    Arc::new(
+        LlamaWeights::from_bytes(bytes, c, &table, precision).expect("tiny model is well formed"),
+    )
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::testing::{tiny_config, tiny_weights};
+use super::testing::{tiny_config, tiny_weights, tiny_weights_with};
 use super::*;
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, VolumeKey};
@@ -40,8 +40,25 @@ fn all_logits(s: &mut RangeSession, tokens: &[u32]) -> Vec<f32> {
 }
 
 #[test]
-fn chunked_prefill_equals_unchunked_bit_for_bit() {
-    let w = tiny_weights(1);
+fn chunked_prefill_equals_unchunked_at_both_precisions() {
+    for precision in [Precision::Refined, Precision::Fast] {
+        chunked_prefill_equals_unchunked(&tiny_weights_with(1, precision));
+    }
+}
+
+#[test]
+fn precision_is_part_of_the_fingerprint_and_refined_is_closer_to_f32() {
+    let refined = tiny_weights_with(12, Precision::Refined);
+    let fast = tiny_weights_with(12, Precision::Fast);
+    assert_ne!(refined.fingerprint(), fast.fingerprint());
+    let tokens = prompt(24, 12);
+    let a = all_logits(&mut session(&refined, 0, 3, 256), &tokens);
+    let b = all_logits(&mut session(&fast, 0, 3, 256), &tokens);
+    assert_ne!(a, b);
+    assert!(a.iter().chain(&b).all(|v| v.is_finite()));
+}
+
+fn chunked_prefill_equals_unchunked(w: &Arc<LlamaWeights>) {
     let tokens = prompt(90, 1);
     let reference = all_logits(&mut session(&w, 0, 3, 256), &tokens);
     for chunk in [1, 7, 64] {

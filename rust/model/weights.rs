@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use super::{LlamaConfig, ModelError};
+use super::{LlamaConfig, ModelError, Precision};
 use crate::quant::{GgmlType, QMatrix};
 
 /// One entry of the tensor table.
@@ -80,6 +80,7 @@ pub struct LlamaWeights {
     /// `None` when the LM head is tied to `token_embd` (SmolLM2).
     output: Option<TensorEntry>,
     layers: Vec<LayerTensors>,
+    precision: Precision,
     fingerprint: u64,
 }
 
@@ -105,6 +106,7 @@ impl LlamaWeights {
         path: &Path,
         config: LlamaConfig,
         table: &[TensorInfo],
+        precision: Precision,
     ) -> Result<Self, ModelError> {
         let file = File::open(path)
             .map_err(|e| ModelError::Io(format!("cannot open {}: {e}", path.display())))?;
@@ -112,7 +114,7 @@ impl LlamaWeights {
         // truncated underneath a running server is outside what any inference engine guards.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| ModelError::Io(format!("cannot map {}: {e}", path.display())))?;
-        Self::from_storage(Storage::Mapped(map), config, table)
+        Self::from_storage(Storage::Mapped(map), config, table, precision)
     }
 
     /// Builds weights from bytes in memory (synthetic models in tests, or a copied file).
@@ -120,14 +122,16 @@ impl LlamaWeights {
         bytes: Vec<u8>,
         config: LlamaConfig,
         table: &[TensorInfo],
+        precision: Precision,
     ) -> Result<Self, ModelError> {
-        Self::from_storage(Storage::Owned(bytes), config, table)
+        Self::from_storage(Storage::Owned(bytes), config, table, precision)
     }
 
     fn from_storage(
         storage: Storage,
         config: LlamaConfig,
         table: &[TensorInfo],
+        precision: Precision,
     ) -> Result<Self, ModelError> {
         config.validate()?;
         let total = storage.bytes().len();
@@ -197,7 +201,7 @@ impl LlamaWeights {
                 bv: optional_vector(&n("attn_v.bias"), kv)?,
             });
         }
-        let fingerprint = fingerprint(&config, table, storage.bytes());
+        let fingerprint = fingerprint(&config, precision, table, storage.bytes());
         let weights = LlamaWeights {
             config,
             storage: Arc::new(storage),
@@ -205,6 +209,7 @@ impl LlamaWeights {
             output_norm,
             output,
             layers,
+            precision,
             fingerprint,
         };
         // Construct every matrix view once so a malformed tensor fails here, not mid-forward.
@@ -221,7 +226,13 @@ impl LlamaWeights {
         &self.config
     }
 
-    /// Content hash of the model (config + every tensor's name, type, shape and bytes):
+    /// How activations are quantized for the integer kernels.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Content hash of the model (config, precision, every tensor's name, type, shape and
+    /// bytes):
     /// the `model_fingerprint` of every volume key, so new weights never hit old volumes.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
@@ -327,12 +338,19 @@ fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelE
 }
 
 /// BLAKE3 over the canonical config and every tensor (sorted by name), truncated to u64.
-fn fingerprint(config: &LlamaConfig, table: &[TensorInfo], bytes: &[u8]) -> u64 {
+fn fingerprint(
+    config: &LlamaConfig,
+    precision: Precision,
+    table: &[TensorInfo],
+    bytes: &[u8],
+) -> u64 {
     let mut sorted: Vec<&TensorInfo> = table.iter().collect();
     sorted.sort_by(|a, b| a.name.cmp(&b.name));
     let mut h = blake3::Hasher::new();
     h.update(b"amplituhedron-rs model fingerprint v1\0");
     h.update(config.canonical().as_bytes());
+    // The precision changes every KV value, so volumes of one must never serve the other.
+    h.update(precision.name().as_bytes());
     for t in sorted {
         h.update(t.name.as_bytes());
         h.update(&[0]);

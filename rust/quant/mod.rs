@@ -40,7 +40,7 @@ mod scalar;
 #[cfg(test)]
 mod tests;
 
-pub use activation::{QuantScratch, QuantizedInput};
+pub use activation::{fold_refined, QuantScratch, QuantizedInput};
 pub use format::{quantize_weights, GgmlType, QK};
 pub use kernel::Kernel;
 
