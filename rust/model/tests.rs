@@ -60,16 +60,16 @@ fn precision_is_part_of_the_fingerprint_and_refined_is_closer_to_f32() {
 
 fn chunked_prefill_equals_unchunked(w: &Arc<LlamaWeights>) {
     let tokens = prompt(90, 1);
-    let reference = all_logits(&mut session(&w, 0, 3, 256), &tokens);
+    let reference = all_logits(&mut session(w, 0, 3, 256), &tokens);
     for chunk in [1, 7, 64] {
         assert_eq!(
-            all_logits(&mut session(&w, 0, 3, chunk), &tokens),
+            all_logits(&mut session(w, 0, 3, chunk), &tokens),
             reference,
             "chunk {chunk}"
         );
     }
     // Feeding the prompt in uneven caller pieces changes nothing either.
-    let mut s = session(&w, 0, 3, 256);
+    let mut s = session(w, 0, 3, 256);
     let (mut h, mut l, mut got) = (Vec::new(), Vec::new(), Vec::new());
     for piece in tokens.chunks(13) {
         s.forward(
