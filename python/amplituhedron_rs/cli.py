@@ -110,10 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", choices=["pisot", "lru"], default="pisot")
     serve.add_argument("--no-cache", action="store_true", help="start with the cache disabled")
     serve.add_argument(
+        "--precision",
+        choices=["refined", "fast"],
+        default="refined",
+        help="activation precision (every station of a mesh must use the same)",
+    )
+    serve.add_argument(
         "--fault-injection",
         action="store_true",
         help="expose POST /debug/damage (tests and failure drills only)",
     )
+
+    from amplituhedron_rs import bench_mesh, bench_model
+
+    bm = sub.add_parser("bench-model", help="the runtime vs llama.cpp on the same GGUF")
+    bench_model.add_arguments(bm)
+    bmesh = sub.add_parser("bench-mesh", help="per-hop overhead, cold vs warm over K stations")
+    bench_mesh.add_arguments(bmesh)
 
     mesh = sub.add_parser("mesh", help="local meshes").add_subparsers(
         dest="mesh_command", required=True
@@ -280,6 +293,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_station(a)
         if a.command == "mesh":
             return _cmd_mesh_up(a)
+        if a.command == "bench-model":
+            from amplituhedron_rs import bench_model
+
+            return bench_model.main(a)
+        if a.command == "bench-mesh":
+            from amplituhedron_rs import bench_mesh
+
+            return bench_mesh.main(a)
     except (ValueError, OSError, RuntimeError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 2

@@ -386,6 +386,13 @@ impl NativeLlamaPipeline {
                 "the prompt is empty: a volume needs at least one token".into(),
             ));
         }
+        let vocab = self.weights.config().vocab;
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            // Checked before the cache is consulted, so a bad prompt changes no counter.
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
         session.reset();
         let started = Instant::now();
         let mut hidden = Vec::new();

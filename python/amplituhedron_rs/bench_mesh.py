@@ -1,0 +1,116 @@
+"""``amplituhedron bench-mesh``: what the HTTP mesh costs and what the volume cache saves.
+
+For each mesh size K (default 1, 2, 3, 5 stations on loopback), one run measures a cold
+session (cache miss: pipelined prefill + capture), a warm session (all stations replay, no
+prefill) and the decode rate, next to the single-process runtime measured in the same run.
+The per-hop overhead is ``(mesh decode ms/token − single-process ms/token) / K``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from typing import Any
+
+from amplituhedron_rs.coordinator import Coordinator
+from amplituhedron_rs.mesh import LocalMesh
+from amplituhedron_rs.model import load_model
+from amplituhedron_rs.textsource import text_of_tokens
+
+
+async def _mesh_sessions(
+    c: Coordinator, prompt: list[int], new_tokens: int, repeats: int
+) -> dict[str, Any]:
+    await c.clear()
+    cold = await c.generate(prompt, new_tokens)
+    warm = [await c.generate(prompt, new_tokens) for _ in range(repeats)]
+    assert all(w.cache_hit for w in warm), "a warm session missed the cache"
+    decode = [w.decode_ms / max(1, new_tokens - 1) for w in warm]
+    return {
+        "cold": cold.to_json(),
+        "warm": [w.to_json() for w in warm],
+        "cold_latency_ms": cold.latency_ms,
+        "warm_latency_ms": statistics.median(w.latency_ms for w in warm),
+        "decode_ms_per_token": statistics.median(decode),
+        "same_tokens": all(w.output_ids == cold.output_ids for w in warm),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    err = Console(stderr=True)
+    with err.status("loading model…"):
+        model = load_model(args.model)
+    prompt = text_of_tokens(model.tokenize, args.prompt_tokens)
+    model.generate(prompt[:16], 4, use_cache=False)
+    single = [
+        model.generate(prompt, args.new_tokens, use_cache=False, stop_at_eos=False)
+        for _ in range(args.repeats)
+    ]
+    single_decode = statistics.median(g.decode_ms / max(1, args.new_tokens - 1) for g in single)
+    single_prefill = statistics.median(g.prefill_ms for g in single)
+    model.clear_cache()
+    report: dict[str, Any] = {
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.new_tokens,
+        "single_process": {"decode_ms_per_token": single_decode, "prefill_ms": single_prefill},
+        "meshes": {},
+    }
+    del model  # free the single-process weights' pages before the stations map theirs
+    table = Table(title=f"{len(prompt)}-token prompt, {args.new_tokens} new tokens")
+    for col in (
+        "stations",
+        "cold latency",
+        "warm latency",
+        "warm/cold",
+        "decode ms/token",
+        "per-hop overhead",
+    ):
+        table.add_column(col, justify="right")
+    table.add_row(
+        "1 process", f"{single_prefill:.0f} ms prefill", "—", "—", f"{single_decode:.2f}", "—"
+    )
+    for k in args.stations:
+        with err.status(f"{k} stations…"), LocalMesh(k, model_path=args.model) as spec:
+
+            async def measure() -> dict[str, Any]:
+                async with Coordinator(spec, chunk=args.chunk) as c:
+                    return await _mesh_sessions(c, prompt, args.new_tokens, args.repeats)
+
+            r = asyncio.run(measure())
+        r["per_hop_overhead_ms"] = (r["decode_ms_per_token"] - single_decode) / k
+        report["meshes"][str(k)] = r
+        table.add_row(
+            str(k),
+            f"{r['cold_latency_ms']:.0f} ms",
+            f"{r['warm_latency_ms']:.0f} ms",
+            f"{r['warm_latency_ms'] / r['cold_latency_ms']:.2f}",
+            f"{r['decode_ms_per_token']:.2f}",
+            f"{r['per_hop_overhead_ms']:.2f} ms",
+        )
+    err.print(table)
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="GGUF")
+    p.add_argument("--stations", type=int, nargs="+", default=[1, 2, 3, 5], metavar="K")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk rows per request")
+    p.add_argument("--json", metavar="PATH")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
