@@ -148,15 +148,16 @@ class StreamDecoder:
     text no longer ends in the replacement character.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special
         self._ids: list[int] = []
         self._emitted = 0
 
     def push(self, token_id: int) -> str:
         """Adds one id; returns the text that became complete (possibly empty)."""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
+        text = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
         if text.endswith("\ufffd"):
             return ""
         piece = text[self._emitted :]
