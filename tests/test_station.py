@@ -374,3 +374,31 @@ def test_openapi_fuzz_finds_no_server_error(pair: MeshSpec) -> None:
             assert response.status_code < 500, (case.method, case.path, response.text[:300])
 
         no_server_error()
+
+
+def test_idle_sessions_expire(model: Any) -> None:
+    """A station built in-process on the loaded weights, with a 0.5 s idle limit."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from amplituhedron_rs.station import Station, StationSettings, create_app
+
+    station = Station(
+        StationSettings(layer_lo=0, layer_hi=30, session_idle_s=0.5, max_sessions=2),
+        weights=model.weights,
+    )
+    with TestClient(create_app(station)) as c:
+        assert (
+            c.post("/sessions", json={"prompt_tokens": [1, 2], "session_id": "a"}).status_code
+            == 201
+        )
+        assert (
+            c.post("/sessions", json={"prompt_tokens": [1, 2], "session_id": "b"}).status_code
+            == 201
+        )
+        deadline = time.monotonic() + 10
+        while c.get("/sessions").json()["sessions"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.get("/sessions").json()["sessions"] == []
+        assert c.post("/sessions/a/forward", content=b"\0\0\0\0").status_code == 404

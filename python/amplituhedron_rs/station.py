@@ -23,11 +23,13 @@ Bad input gets a 4xx whose ``detail`` says what is wrong, and changes nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -319,10 +321,26 @@ class ObserveMiddleware:
 def create_app(station: Station) -> FastAPI:
     """The ASGI app of one station."""
     s = station.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Idle sessions expire even on a station that opens no new ones.
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(min(10.0, max(0.5, s.session_idle_s / 4)))
+                station.sweep_idle()
+
+        task = asyncio.create_task(sweep())
+        try:
+            yield
+        finally:
+            task.cancel()
+
     app = FastAPI(
         title="amplituhedron station",
         version=_core.__version__,
         description=f"Layers {s.layer_lo}:{s.layer_hi} of the model, their KV rings and volumes.",
+        lifespan=lifespan,
     )
     registry = CollectorRegistry()
     latency = Histogram(
