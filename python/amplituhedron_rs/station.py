@@ -29,7 +29,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -87,13 +87,28 @@ class StationSettings:
 
 @dataclass
 class LiveSession:
-    """A session's ring buffer plus what the station needs to serve it."""
+    """A session's ring buffer plus what the station needs to serve it.
+
+    The lock travels with the ring when a closed session's ring is pooled for reuse, so a
+    request that still holds the old wrapper serialises with the ring's next owner and then
+    sees ``closed``.
+    """
 
     session: _core.RangeSession
     prompt: list[int]
     salt: str | None
+    n_sys: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    closed: bool = False
+
+    @contextlib.contextmanager
+    def use(self, sid: str) -> Iterator[_core.RangeSession]:
+        """Exclusive use of the ring; 404 if the session closed meanwhile."""
+        with self.lock:
+            if self.closed:
+                raise StationError(404, f"session {sid!r} was closed")
+            yield self.session
 
 
 # --- request bodies -----------------------------------------------------------------------
@@ -170,6 +185,9 @@ class Station:
         self.vocab = int(weights.vocab)
         self.sessions: dict[str, LiveSession] = {}
         self.sessions_lock = threading.Lock()
+        # Rings of closed sessions, reset and kept for reuse (by n_sys): a fresh ring's pages
+        # are faulted in on first write, which costs more than replaying a volume into it.
+        self.pool: dict[int, list[tuple[_core.RangeSession, threading.Lock]]] = {}
         # The pipeline (volume cache) is shared by all sessions; Rust borrows it mutably.
         self.pipeline_lock = threading.Lock()
         self.memo = _core.MatVecMemo()
@@ -182,13 +200,25 @@ class Station:
         now = time.monotonic()
         with self.sessions_lock:
             stale = [
-                sid
+                (sid, s)
                 for sid, s in self.sessions.items()
                 if now - s.last_used > self.settings.session_idle_s and not s.lock.locked()
             ]
-            for sid in stale:
+            for sid, _ in stale:
                 del self.sessions[sid]
+        for _, live in stale:
+            self._retire(live)
         return len(stale)
+
+    def _retire(self, live: LiveSession) -> None:
+        """Marks a removed session closed and pools its ring (bounded) for reuse."""
+        with live.lock:
+            live.closed = True
+            live.session.reset()
+            with self.sessions_lock:
+                pooled = sum(len(v) for v in self.pool.values())
+                if pooled + len(self.sessions) < self.settings.max_sessions:
+                    self.pool.setdefault(live.n_sys, []).append((live.session, live.lock))
 
     def open_session(self, req: OpenSessionRequest) -> tuple[str, LiveSession]:
         self.sweep_idle()
@@ -206,19 +236,24 @@ class Station:
                 raise StationError(
                     422, f"n_sys {req.n_sys} exceeds the {len(req.prompt_tokens)}-token prompt"
                 )
-            try:
-                rs = _core.RangeSession(
-                    self.weights,
-                    self.settings.layer_lo,
-                    self.settings.layer_hi,
-                    slots=self.settings.slots,
-                    recall=self.settings.recall,
-                    n_sys=req.n_sys,
-                    max_chunk=self.settings.max_chunk,
-                )
-            except ValueError as exc:
-                raise StationError(422, str(exc)) from exc
-            live = LiveSession(rs, list(req.prompt_tokens), req.salt)
+            reusable = self.pool.get(req.n_sys)
+            if reusable:
+                rs, lock = reusable.pop()
+            else:
+                try:
+                    rs = _core.RangeSession(
+                        self.weights,
+                        self.settings.layer_lo,
+                        self.settings.layer_hi,
+                        slots=self.settings.slots,
+                        recall=self.settings.recall,
+                        n_sys=req.n_sys,
+                        max_chunk=self.settings.max_chunk,
+                    )
+                except ValueError as exc:
+                    raise StationError(422, str(exc)) from exc
+                lock = threading.Lock()
+            live = LiveSession(rs, list(req.prompt_tokens), req.salt, req.n_sys, lock)
             self.sessions[sid] = live
         return sid, live
 
@@ -235,6 +270,7 @@ class Station:
             live = self.sessions.pop(sid, None)
         if live is None:
             raise StationError(404, f"no session {sid!r}")
+        self._retire(live)
 
     # -- checks shared by the volume endpoints --
     def check_volume_request(self, req: VolumeRequest, live: LiveSession) -> int:
@@ -484,10 +520,10 @@ def create_app(station: Station) -> FastAPI:
             )
         tail = np.ascontiguousarray(floats[: station.hidden])
         logits = np.ascontiguousarray(floats[station.hidden :]) if station.is_exit else None
-        with live.lock, station.pipeline_lock:
+        with live.use(req.session_id) as session, station.pipeline_lock:
             try:
                 nbytes = station.pipeline.amplituhedron_capture(
-                    live.session, live.prompt[: req.prefix_len], tail, logits, live.salt
+                    session, live.prompt[: req.prefix_len], tail, logits, live.salt
                 )
             except ValueError as exc:
                 raise StationError(409, str(exc)) from exc
@@ -511,11 +547,11 @@ def create_app(station: Station) -> FastAPI:
                 422,
                 f"replay covers the whole prompt ({len(live.prompt)} tokens), not {req.prefix_len}",
             )
-        with live.lock, station.pipeline_lock:
-            if live.session.clock != 0:
+        with live.use(req.session_id) as session, station.pipeline_lock:
+            if session.clock != 0:
                 raise StationError(409, f"session {req.session_id!r} is not fresh")
             try:
-                r = station.pipeline.amplituhedron_replay(live.session, live.prompt, live.salt)
+                r = station.pipeline.amplituhedron_replay(session, live.prompt, live.salt)
             except ValueError as exc:
                 raise StationError(409, str(exc)) from exc
         if r is None:
@@ -560,12 +596,12 @@ def create_app(station: Station) -> FastAPI:
     @app.post("/sessions/{session_id}/rollback")
     def rollback(session_id: str, req: RollbackRequest) -> dict[str, int]:
         live = station.get_session(session_id)
-        with live.lock:
+        with live.use(session_id) as session:
             try:
-                live.session.rollback(req.clock)
+                session.rollback(req.clock)
             except ValueError as exc:
                 raise StationError(409, str(exc)) from exc
-            return {"clock": int(live.session.clock)}
+            return {"clock": int(session.clock)}
 
     def forward_sync(
         session_id: str,
@@ -594,17 +630,15 @@ def create_app(station: Station) -> FastAPI:
             raise StationError(400, f"a decode step is exactly one row, got {rows}")
         if logits != "none" and not station.is_exit:
             raise StationError(400, "only the exit station returns logits")
-        with live.lock:
+        with live.use(session_id) as session:
             try:
                 if station.is_entry:
-                    h, lg = live.session.forward_tokens([int(i) for i in ids], logits=logits)
+                    h, lg = session.forward_tokens(ids.tolist(), logits=logits)
                 else:
-                    h, lg = live.session.forward_hidden(
-                        arr.reshape(rows, station.hidden), logits=logits
-                    )
+                    h, lg = session.forward_hidden(arr.reshape(rows, station.hidden), logits=logits)
             except ValueError as exc:
                 raise StationError(422, str(exc)) from exc
-            clock = int(live.session.clock)
+            clock = int(session.clock)
         station.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
