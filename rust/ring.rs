@@ -855,6 +855,39 @@ impl DynamicRingBuffer {
         self.plan.window_lo[i].saturating_sub(self.plan.clock0) as usize
     }
 
+    /// Like [`write_pending`](Self::write_pending), but the pending rows are positions
+    /// `offset..offset + n` of a volume-layout slab `(n_layers, kv_heads, total, head_dim)`:
+    /// a replayed volume is written straight into its slots, with no transposing copy.
+    pub fn write_pending_slab(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        vals: &[f32],
+        total: usize,
+        offset: usize,
+    ) -> Result<(), RingError> {
+        self.check_write(layer)?;
+        let expected = self.cfg.n_layers * self.row * total;
+        check_lengths(expected, keys.len(), vals.len())?;
+        if offset + self.plan.n > total {
+            return Err(RingError::ShapeMismatch {
+                what: "slab positions",
+                expected: offset + self.plan.n,
+                got: total,
+            });
+        }
+        self.write_rows(
+            layer,
+            RowSource::Slab {
+                keys,
+                vals,
+                total,
+                offset,
+            },
+        );
+        Ok(())
+    }
+
     /// Writes the pending chunk's K/V rows (`n × kv_heads × head_dim` each) for one layer,
     /// journaling the rows they overwrite.
     pub fn write_pending(

@@ -247,7 +247,6 @@ impl RangeSession {
             )));
         }
         let saved = self.ring.clock();
-        let kv_dim = kvh * hd;
         let mut from = 0;
         while from < kv_len {
             let (n, new_span) = self.next_piece(kv_len - from, span);
@@ -255,21 +254,9 @@ impl RangeSession {
                 .begin_append(n, span, new_span)
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
             for layer in 0..layers {
-                // Volume layout (layer, head, pos, dim) → ring rows (pos, head, dim).
-                for (dst, src) in [(&mut self.ws.k, keys), (&mut self.ws.v, vals)] {
-                    for p in 0..n {
-                        for h in 0..kvh {
-                            let at = ((layer * kvh + h) * stride + from + p) * hd;
-                            dst[p * kv_dim + h * hd..p * kv_dim + (h + 1) * hd]
-                                .copy_from_slice(&src[at..at + hd]);
-                        }
-                    }
-                }
-                let written = self.ring.write_pending(
-                    layer,
-                    &self.ws.k[..n * kv_dim],
-                    &self.ws.v[..n * kv_dim],
-                );
+                let written = self
+                    .ring
+                    .write_pending_slab(layer, keys, vals, stride, from);
                 if let Err(e) = written {
                     self.ring.abort_append();
                     let _ = self.ring.rollback_clock(saved);
