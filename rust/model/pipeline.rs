@@ -347,33 +347,6 @@ impl NativeLlamaPipeline {
         on_token: &mut (dyn FnMut(u32) -> bool + Send),
         on_prefill: &mut (dyn FnMut(usize, usize) -> bool + Send),
     ) -> Result<GenerationStats, ModelError> {
-        // The whole loop runs on a pool worker: every forward inside is then a cheap join.
-        super::runtime_pool().install(|| {
-            self.generate_in_pool(
-                session,
-                prompt,
-                max_new_tokens,
-                sampler,
-                stop_ids,
-                use_cache,
-                on_token,
-                on_prefill,
-            )
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn generate_in_pool(
-        &mut self,
-        session: &mut RangeSession,
-        prompt: &[u32],
-        max_new_tokens: usize,
-        sampler: &mut Sampler,
-        stop_ids: &[u32],
-        use_cache: bool,
-        on_token: &mut (dyn FnMut(u32) -> bool + Send),
-        on_prefill: &mut (dyn FnMut(usize, usize) -> bool + Send),
-    ) -> Result<GenerationStats, ModelError> {
         self.check_session(session)?;
         if !(session.is_entry() && session.is_exit()) {
             return Err(ModelError::Input(
