@@ -280,6 +280,7 @@ async def measure_mesh(
     before = await c.stats()
     unique = await sessions("unique prompts", lambda i: prompts.unique[i], n, True)
     after = await c.stats()
+    await c.clear()  # leave a running mesh enabled and empty, not full of bench prompts
     return {
         "warmup": warmup,
         "cold": regime_json("disabled", cold),
@@ -450,6 +451,14 @@ def run_bench(cfg: BenchConfig, console: Console) -> dict[str, Any]:
         in_process = measure_in_process(cfg, prompts, live)
 
     cold, warm = mesh["cold"], mesh["warm"]
+    reference = cold["sessions"][0]["output_ids"]
+    for peer in (in_process["single_process"], in_process["llamacpp"]):
+        if peer.get("installed"):
+            peer["same_tokens_as_mesh"] = all(
+                s["output_ids"] == reference
+                for regime in (peer["cold"], peer["warm"])
+                for s in regime["sessions"]
+            )
     unique = unique_regime(mesh, cold)
     eviction = in_process["eviction"]
     lum = eviction["traces"]["luminary"]

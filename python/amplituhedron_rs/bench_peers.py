@@ -14,6 +14,9 @@ summed session latency, as for the mesh.
 
 from __future__ import annotations
 
+import ctypes
+import importlib
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,11 +84,7 @@ def measure_single_process(
 
 def llamacpp_available() -> bool:
     """Whether ``llama_cpp`` imports."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def measure_llamacpp(
@@ -99,9 +98,13 @@ def measure_llamacpp(
 ) -> dict[str, Any]:
     """llama.cpp cold vs its sequence-state restore; ``{"installed": False, …}`` if absent."""
     try:
-        import llama_cpp
+        # Typed as Any: the bindings are only partly annotated, and mypy must pass with or
+        # without them installed.
+        llama_cpp: Any = importlib.import_module("llama_cpp")
     except ImportError:
         return {"installed": False, "hint": LLAMACPP_HINT}
+    except OSError as exc:  # installed, but its shared library does not load
+        return {"installed": False, "hint": f"llama_cpp does not load ({exc}); {LLAMACPP_HINT}"}
     prompt = [int(t) for t in prompt]
     n = len(prompt)
     llm = llama_cpp.Llama(
@@ -118,18 +121,26 @@ def measure_llamacpp(
         llm.reset()
         _clear_llama_memory(llama_cpp, ctx)
 
+    vocab = int(llm.n_vocab())
+
+    def last_logits() -> np.ndarray[Any, Any]:
+        # Read from the context: llama-cpp-python >= 0.3 no longer copies logits into
+        # `llm.scores` unless logits_all=True (its rows stay zero).
+        ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(vocab,)).copy()
+
     def decode(first_logits: np.ndarray[Any, Any]) -> list[int]:
         token = int(np.argmax(first_logits))
         out = [token]
         while len(out) < new_tokens:
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(last_logits()))
             out.append(token)
         return out
 
     def prefill() -> np.ndarray[Any, Any]:
         llm.eval(prompt)
-        return np.array(llm.scores[n - 1], copy=True)
+        return last_logits()
 
     def session(kind: str, i: int, body: Callable[[], list[int]]) -> dict[str, Any]:
         fresh()
@@ -146,7 +157,7 @@ def measure_llamacpp(
     def first() -> list[int]:
         logits = prefill()
         size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buf = (llama_cpp.c_uint8 * size)()
+        buf = (ctypes.c_uint8 * size)()
         saved["nbytes"] = int(llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0))
         saved["state"], saved["logits"] = buf, logits
         return decode(logits)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from amplituhedron_rs.model import Generation, Model
@@ -314,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return bench_mesh.main(a)
     except (ValueError, OSError, RuntimeError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        # Escaped: messages quote things like "pkg[extra]" that rich would read as markup.
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     parser.error(f"unknown command {a.command}")
     return 2
