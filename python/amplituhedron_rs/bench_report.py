@@ -217,7 +217,7 @@ def write_plot(report: Mapping[str, Any], path: Path) -> None:
 
     labels, values, colours = [], [], []
     for system, cold_tps, warm_tps, _ in peer_rows(report):
-        short = system.split(",")[0]
+        short = system.split(",")[0].replace("single process", "1 process")
         if cold_tps == "not installed":
             labels.append(f"{short}\n(not installed)")
             values.append(0.0)
@@ -243,6 +243,7 @@ def write_plot(report: Mapping[str, Any], path: Path) -> None:
         bars = ax3.bar(pos, rates, width, color=colour, label="Pisot-guard" if j == 0 else "LRU")
         for b, r in zip(bars, rates, strict=True):
             ax3.annotate(f"{r:.1f}", (b.get_x() + b.get_width() / 2, r), ha="center", va="bottom")
+    ax3.set_ylim(0, 125)  # room for the legend above the bars
     ax3.set_xticks(range(len(names)))
     ax3.set_xticklabels([TRACE_TITLES.get(n, n) for n in names], fontsize=8)
     ax3.set_ylabel("hit rate (%)")
@@ -251,7 +252,7 @@ def write_plot(report: Mapping[str, Any], path: Path) -> None:
         f"Eviction: {spec['prefixes']} prefixes, {spec['max_entries']} entries, "
         f"{spec['accesses']}×{len(spec['seeds'])} accesses"
     )
-    ax3.legend(fontsize=8)
+    ax3.legend(fontsize=8, ncol=2, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -267,6 +268,11 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(esc(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _mean_tokens(regime: Mapping[str, Any]) -> str:
+    sessions = regime["sessions"]
+    return f"{sum(s['prompt_tokens'] for s in sessions) / len(sessions):.0f}"
 
 
 def markdown(report: Mapping[str, Any], path: Path, plot: Path | str | None = None) -> str:
@@ -333,7 +339,9 @@ def markdown(report: Mapping[str, Any], path: Path, plot: Path | str | None = No
         f"- Output tokens identical in every session of both regimes: "
         f"**{'yes' if be['identical'] else 'no — ' + ', '.join(be['mismatches'])}** "
         f"(“{report['output_text']}”).",
-        f"- Unique prompts: {unique['distinct_prompts']} distinct prompts, false hits "
+        f"- Unique prompts: {unique['distinct_prompts']} distinct prompts of "
+        f"{_mean_tokens(unique)} tokens on average (the shared one: {pr['prompt_tokens']}), "
+        f"false hits "
         f"{unique['false_hits']['replies']} (replies) / {unique['false_hits']['stats']} "
         f"(station counters); the cache costs {unique['latency_overhead_ms']:+.0f} ms per "
         f"session at the median (×{unique['latency_ratio']:.2f} vs disabled) and holds "
