@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from amplituhedron_rs.model import Generation, Model
@@ -121,12 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="expose POST /debug/damage (tests and failure drills only)",
     )
 
-    from amplituhedron_rs import bench_mesh, bench_model
+    from amplituhedron_rs import bench, bench_mesh, bench_model
 
     bm = sub.add_parser("bench-model", help="the runtime vs llama.cpp on the same GGUF")
     bench_model.add_arguments(bm)
     bmesh = sub.add_parser("bench-mesh", help="per-hop overhead, cold vs warm over K stations")
     bench_mesh.add_arguments(bmesh)
+    fals = sub.add_parser(
+        "bench",
+        help="the falsifiability bench: seed 001's P1–P5 and F1–F5, measured over a mesh",
+        description="Measures seed 001's predictions P1–P5 and triggers F1–F5 on SmolLM2 over "
+        "a local mesh (or --mesh): cache disabled vs enabled, unique prompts, Pisot-guard vs "
+        "LRU eviction, the Lean oracle parity suite, and peers side by side.",
+    )
+    bench.add_arguments(fals)
 
     mesh = sub.add_parser("mesh", help="local meshes").add_subparsers(
         dest="mesh_command", required=True
@@ -297,12 +306,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             from amplituhedron_rs import bench_model
 
             return bench_model.main(a)
+        if a.command == "bench":
+            from amplituhedron_rs import bench
+
+            return bench.main(a)
         if a.command == "bench-mesh":
             from amplituhedron_rs import bench_mesh
 
             return bench_mesh.main(a)
     except (ValueError, OSError, RuntimeError) as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        # Escaped: messages quote things like "pkg[extra]" that rich would read as markup.
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     parser.error(f"unknown command {a.command}")
     return 2
