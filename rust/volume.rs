@@ -1252,22 +1252,41 @@ impl AmplituhedronCache {
         }
     }
 
-    // ---- internals (the identity is explicit so tests can force a lookup-hash collision)
+    /// Whether a capture of `key` — an entry of `entry_bytes` bytes — would store nothing
+    /// (disabled, already present, too long, too large), decided before the caller gathers
+    /// the slab from its live KV. A decline is counted exactly as [`capture`](Self::capture)
+    /// counts it. `None`: gather the slab and capture.
+    pub fn decline(&mut self, key: &VolumeKey<'_>, entry_bytes: usize) -> Option<CaptureOutcome> {
+        let id = PrefixIdentity::of(key);
+        let (skip, intact) = self.skip_outcome(key, &id, entry_bytes);
+        if let Some(outcome) = skip {
+            self.count_skip(outcome, intact);
+        }
+        skip
+    }
 
-    fn capture_identified(
-        &mut self,
+    /// The entry size `capture` would report for these lengths (floats of both slabs, tail,
+    /// logits, and the prefix's token ids).
+    pub fn entry_bytes(
+        slab_floats: usize,
+        tail_len: usize,
+        logits_len: usize,
+        prefix_len: usize,
+    ) -> usize {
+        entry_bytes(slab_floats, tail_len, logits_len, prefix_len)
+    }
+
+    /// The outcome of a capture that stores nothing, if it is one, and the index of an intact
+    /// entry with the same content. An erased (trimmed) entry is not "the same content": a
+    /// fresh capture replaces it.
+    fn skip_outcome(
+        &self,
         key: &VolumeKey<'_>,
-        id: PrefixIdentity,
-        data: IncomingVolume<'_>,
-    ) -> Result<CaptureOutcome, VolumeError> {
-        data.validate_shape(key)?;
-        let bytes = data.entry_bytes();
+        id: &PrefixIdentity,
+        bytes: usize,
+    ) -> (Option<CaptureOutcome>, Option<usize>) {
         let prefix_len = key.tokens.len();
-
-        // Outcomes that store nothing are decided before copying, but the slabs are still
-        // checked, so bad input is an error whatever the cache's state.
-        // An erased (trimmed) entry is not "the same content": a fresh capture replaces it.
-        let present = self.entries.iter().position(|e| e.volume.matches(key, &id));
+        let present = self.entries.iter().position(|e| e.volume.matches(key, id));
         let intact = present.filter(|&i| !self.entries[i].volume.is_erased());
         let skip = if !self.enabled {
             Some(CaptureOutcome::Disabled)
@@ -1286,22 +1305,45 @@ impl AmplituhedronCache {
                 .filter(|&max| bytes > max)
                 .map(|max| CaptureOutcome::SkippedTooLarge { bytes, max })
         };
+        (skip, intact)
+    }
+
+    /// Counts a capture that stored nothing (a disabled cache counts nothing).
+    fn count_skip(&mut self, outcome: CaptureOutcome, intact: Option<usize>) {
+        if !self.enabled {
+            return;
+        }
+        self.tick += 1;
+        match outcome {
+            CaptureOutcome::AlreadyPresent { .. } => {
+                if let Some(i) = intact {
+                    self.entries[i].last_used = self.tick;
+                }
+            }
+            CaptureOutcome::SkippedTooLong { .. } => self.stats.skipped_too_long += 1,
+            CaptureOutcome::SkippedTooLarge { .. } => self.stats.skipped_too_large += 1,
+            _ => {}
+        }
+    }
+
+    // ---- internals (the identity is explicit so tests can force a lookup-hash collision)
+
+    fn capture_identified(
+        &mut self,
+        key: &VolumeKey<'_>,
+        id: PrefixIdentity,
+        data: IncomingVolume<'_>,
+    ) -> Result<CaptureOutcome, VolumeError> {
+        data.validate_shape(key)?;
+        let bytes = data.entry_bytes();
+        let prefix_len = key.tokens.len();
+
+        // Outcomes that store nothing are decided before copying, but the slabs are still
+        // checked, so bad input is an error whatever the cache's state.
+        let (skip, intact) = self.skip_outcome(key, &id, bytes);
         if let Some(outcome) = skip {
             data.check_slabs(key.layer_lo)?;
-            if !self.enabled {
-                return Ok(outcome);
-            }
-            self.tick += 1;
-            match outcome {
-                CaptureOutcome::AlreadyPresent { .. } => {
-                    if let Some(i) = intact {
-                        self.entries[i].last_used = self.tick;
-                    }
-                }
-                CaptureOutcome::SkippedTooLong { .. } => self.stats.skipped_too_long += 1,
-                CaptureOutcome::SkippedTooLarge { .. } => self.stats.skipped_too_large += 1,
-                _ => {}
-            }
+            self.count_skip(outcome, intact);
             return Ok(outcome);
         }
 
@@ -1319,8 +1361,9 @@ impl AmplituhedronCache {
 
         // Valid: from here on state changes.
         self.tick += 1;
-        if let Some(i) = present {
-            self.remove_at(i); // the erased entry this capture restores
+        // The erased (trimmed) entry this capture restores, if any.
+        if let Some(i) = self.entries.iter().position(|e| e.volume.matches(key, &id)) {
+            self.remove_at(i);
         }
         let cleared = self.clear_drift(key, &id);
         self.evict_to_fit(1, bytes);

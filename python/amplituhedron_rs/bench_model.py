@@ -14,8 +14,6 @@ full-context run of the same stream.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import importlib
 import json
 import statistics
 import sys
@@ -91,62 +89,34 @@ def measure_llamacpp(
     model_path: str, prompt: list[int], *, runs: int, decode_tokens: int, threads: int
 ) -> dict[str, Any] | None:
     """The same measurements on llama.cpp (llama-cpp-python), or None if not installed."""
-    try:
-        llama_cpp: Any = importlib.import_module("llama_cpp")
-    except ImportError:
+    from amplituhedron_rs.bench_peers import LlamaCpp
+
+    peer = LlamaCpp.load(model_path, threads=threads)
+    if isinstance(peer, str):
         return None
-    llm = llama_cpp.Llama(
-        model_path=model_path,
-        n_ctx=2048,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-    ctx = llm.ctx
     out = {k: Timing() for k in ("prefill", "decode_per_token", "state_get", "state_set")}
     state_bytes = 0
     for _ in range(runs):
-        llm.reset()
-        _clear_llama_memory(llama_cpp, ctx)
+        peer.fresh()
         t0 = time.perf_counter()
-        llm.eval(prompt)
+        logits = peer.prefill(prompt)
         out["prefill"].samples.append(_ms(t0))
-        size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
         t0 = time.perf_counter()
-        got = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
+        state = peer.save_state()
         out["state_get"].samples.append(_ms(t0))
-        state_bytes = int(got)
-        llm.reset()
-        _clear_llama_memory(llama_cpp, ctx)
+        state_bytes = state[1]
+        peer.fresh()
         t0 = time.perf_counter()
-        llama_cpp.llama_state_seq_set_data(ctx, buf, got, 0)
+        peer.restore_state(state, prompt)
         out["state_set"].samples.append(_ms(t0))
-        # Decode: one token at a time after the prompt (argmax), like ours.
-        llm.reset()
-        _clear_llama_memory(llama_cpp, ctx)
-        llm.eval(prompt)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # Decode one token at a time after the prompt (greedy), like ours.
         t0 = time.perf_counter()
-        for _ in range(decode_tokens - 1):
-            llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        peer.greedy(logits, decode_tokens)
         out["decode_per_token"].samples.append(_ms(t0) / max(1, decode_tokens - 1))
-    result: dict[str, Any] = {k: v for k, v in out.items()}
+    result: dict[str, Any] = dict(out)
     result["state_bytes"] = state_bytes
-    result["version"] = getattr(llama_cpp, "__version__", "?")
+    result["version"] = peer.version
     return result
-
-
-def _clear_llama_memory(llama_cpp: Any, ctx: Any) -> None:
-    """Empties llama.cpp's KV cache across its API generations."""
-    if hasattr(llama_cpp, "llama_get_memory"):
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-    elif hasattr(llama_cpp, "llama_kv_self_clear"):
-        llama_cpp.llama_kv_self_clear(ctx)
-    else:  # pragma: no cover - very old bindings
-        llama_cpp.llama_kv_cache_clear(ctx)
 
 
 def stream_loss(

@@ -10,7 +10,7 @@ use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
     AmplituhedronCache, CacheConfig, CacheStats, CaptureOutcome, DamageOutcome, OwnedVolumeData,
-    VolumeData, VolumeKey,
+    VolumeKey,
 };
 
 /// What a replay did to the session.
@@ -245,18 +245,17 @@ impl NativeLlamaPipeline {
         let kv_shape = [layers, c.n_kv_heads, n, c.head_dim()];
         let key = self.key(tokens, salt);
         let volume_err = |e: crate::volume::VolumeError| ModelError::Volume(e.to_string());
-        if n > self.cache.config().max_prefix_len || !self.cache.is_enabled() {
-            // Reported by the cache (counted, not stored) without gathering the slab.
-            let empty = VolumeData {
-                kv_shape,
-                tail,
-                kv_keys: &[],
-                kv_vals: &[],
-                logits,
-            };
-            return self.cache.capture(&key, empty).map_err(volume_err);
-        }
         let slab = layers * c.n_kv_heads * n * c.head_dim();
+        let entry_bytes = AmplituhedronCache::entry_bytes(
+            2 * slab,
+            tail.len(),
+            logits.map_or(0, <[f32]>::len),
+            n,
+        );
+        // Disabled, too long, too large or already cached: reported without gathering a slab.
+        if let Some(outcome) = self.cache.decline(&key, entry_bytes) {
+            return Ok(outcome);
+        }
         let mut kv_keys = vec![0.0f32; slab];
         let mut kv_vals = vec![0.0f32; slab];
         session

@@ -422,3 +422,49 @@ fn sampled_generation_is_reproducible_and_cache_invariant() {
     assert!(warm.cache_hit);
     assert_eq!(cold.output_ids, warm.output_ids);
 }
+
+#[test]
+fn captures_the_cache_declines_are_reported_not_errors() {
+    let w = tiny_weights(13);
+    let tokens = prompt(12, 13);
+    let mut s = session(&w, 0, 3, 16);
+    let (mut h, mut l) = (Vec::new(), Vec::new());
+    s.forward(
+        ChunkInput::Tokens(&tokens),
+        SpanType::User,
+        LogitsWanted::Last,
+        &mut h,
+        &mut l,
+    )
+    .unwrap();
+    let tail = h[h.len() - 64..].to_vec();
+    let mut p = pipeline(&w, 0, 3);
+    p.amplituhedron_set_max_prefix_len(4).unwrap();
+    let too_long = p
+        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .unwrap();
+    assert!(matches!(
+        too_long,
+        crate::volume::CaptureOutcome::SkippedTooLong { .. }
+    ));
+    assert_eq!(p.amplituhedron_stats().skipped_too_long, 1);
+    p.amplituhedron_set_max_prefix_len(512).unwrap();
+    p.amplituhedron_enable(false);
+    let off = p
+        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .unwrap();
+    assert_eq!(off, crate::volume::CaptureOutcome::Disabled);
+    p.amplituhedron_enable(true);
+    let stored = p
+        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .unwrap();
+    assert!(stored.cached_bytes() > 0);
+    let again = p
+        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .unwrap();
+    assert!(matches!(
+        again,
+        crate::volume::CaptureOutcome::AlreadyPresent { .. }
+    ));
+    assert_eq!(p.amplituhedron_stats().entries, 1);
+}
