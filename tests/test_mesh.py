@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from amplituhedron_rs import _core
 from amplituhedron_rs.coordinator import Coordinator, MeshGeneration
 from amplituhedron_rs.mesh import LocalMesh, MeshError, MeshSpec, split_layers
 from amplituhedron_rs.model import Model
@@ -187,5 +186,5 @@ def test_sampled_generation_matches_single_process(
         "seed": 42,
     }
     single = model.generate(ids, 10, use_cache=False, stop_at_eos=False, **kw)
-    g = run(_generate(mesh, ids, 10, sampler=_core.Sampler(**kw)))
+    g = run(_generate(mesh, ids, 10, **kw))
     assert g.output_ids == single.output_ids

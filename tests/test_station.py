@@ -333,6 +333,28 @@ def test_sessions_and_compute_reject_bad_input(pair: MeshSpec, client: httpx.Cli
             "after the current clock",
         ),
         (entry.url, lambda: client.delete(entry.url + "/sessions/none"), 404, "no session"),
+        (entry.url, lambda: post(entry.url + f"/sessions/{sid}/sample"), 400, "exit station"),
+        (exit_.url, lambda: post(exit_.url + f"/sessions/{sid}/sample"), 409, "no logits"),
+        (
+            entry.url,
+            lambda: post(
+                entry.url + fwd,
+                content=np.asarray([1], "<u4").tobytes(),
+                params={"sample": "true"},
+                headers=OCTETS,
+            ),
+            400,
+            "exit",
+        ),
+        (
+            exit_.url,
+            lambda: post(
+                exit_.url + "/sessions",
+                json={"prompt_tokens": [1], "sampling": {"greedy": False, "temperature": 0}},
+            ),
+            422,
+            "greater than 0",
+        ),
     ]:
         expect_refusal(client, url, request, status, needle)
 

@@ -196,33 +196,46 @@ class Coordinator:
         prompt: Sequence[int],
         max_new_tokens: int = 16,
         *,
-        sampler: _core.Sampler | None = None,
+        greedy: bool | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
         use_cache: bool = True,
         stop_ids: Sequence[int] = (),
         on_token: Callable[[int], None] | None = None,
     ) -> MeshGeneration:
-        """Generates ``max_new_tokens`` after ``prompt`` across the mesh."""
+        """Generates ``max_new_tokens`` after ``prompt`` across the mesh.
+
+        Greedy unless a temperature/top-k/top-p is given (as ``Model.generate``). The exit
+        station samples with the session's seeded sampler — the single-process runtime's own
+        Rust sampler — so the tokens match it, and no logits cross the wire per token.
+        """
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty: a volume needs at least one token")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampler = sampler or _core.Sampler()
+        if greedy is None:
+            greedy = temperature == 1.0 and top_k == 0 and top_p == 1.0
+        sampling: dict[str, Any] = {
+            "greedy": greedy,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+        }
+        _core.Sampler(**sampling)  # bad parameters are refused before any station is touched
         started = time.perf_counter()
         prefix_hash = int(_core.prefix_hash(prompt))  # hashed once
         sid = uuid.uuid4().hex
         verdicts = [
             StationVerdict(s.info.url, s.info.layer_lo, s.info.layer_hi) for s in self._stations
         ]
+        opening = {"prompt_tokens": prompt, "session_id": sid, "sampling": sampling}
         await asyncio.gather(
             *(
-                self._call(
-                    "session open",
-                    s.info,
-                    "POST",
-                    "/sessions",
-                    json={"prompt_tokens": prompt, "session_id": sid},
-                )
+                self._call("session open", s.info, "POST", "/sessions", json=opening)
                 for s in self._stations
             )
         )
@@ -233,7 +246,6 @@ class Coordinator:
                 prompt,
                 prefix_hash,
                 max_new_tokens,
-                sampler,
                 use_cache,
                 stop_ids,
                 on_token,
@@ -251,7 +263,6 @@ class Coordinator:
         prompt: list[int],
         prefix_hash: int,
         max_new_tokens: int,
-        sampler: _core.Sampler,
         use_cache: bool,
         stop_ids: Sequence[int],
         on_token: Callable[[int], None] | None,
@@ -260,30 +271,31 @@ class Coordinator:
         opened: float,
     ) -> MeshGeneration:
         n = len(prompt)
-        logits: np.ndarray[Any, np.dtype[np.float32]] | None = None
-        resume_at = 0
+        cache_hit, resume_at = False, 0
         if use_cache:
-            logits, resume_at = await self._replay(sid, prompt, prefix_hash, verdicts)
+            cache_hit, resume_at = await self._replay(sid, prompt, prefix_hash, verdicts)
         replayed = time.perf_counter()
-        cache_hit = logits is not None
         tails: list[bytes] = []
         prefill_ms = 0.0
+        token: int | None = None
         if not cache_hit and resume_at < n:
-            logits, tails = await self._prefill(sid, prompt, resume_at, verdicts)
+            token, tails = await self._prefill(sid, prompt, resume_at, verdicts)
             prefill_ms = (time.perf_counter() - replayed) * 1e3
-        assert logits is not None
-        if use_cache and not cache_hit:
+        capture = None
+        if use_cache and not cache_hit and tails:
             # Off the latency path: runs while decoding, awaited before the session closes.
             capture = asyncio.ensure_future(
-                self._capture(sid, prompt, prefix_hash, tails, logits, verdicts)
+                self._capture(sid, prompt, prefix_hash, tails, verdicts)
             )
-        else:
-            capture = None
         output: list[int] = []
         stop_reason = "length"
         decode_start = time.perf_counter()
+        if max_new_tokens > 0 and token is None:
+            # All-hit (or a fully replayed prompt): the exit station samples the first token
+            # from the cached logits, without running the model.
+            token = await self._sample_cached(sid)
         for step in range(max_new_tokens):
-            token = int(sampler.sample(logits))
+            assert token is not None
             output.append(token)
             if on_token is not None:
                 on_token(token)
@@ -292,7 +304,7 @@ class Coordinator:
                 break
             if step + 1 == max_new_tokens:
                 break
-            logits = await self._decode_step(sid, token, step)
+            token = await self._decode_step(sid, token, step)
         done = time.perf_counter()
         if capture is not None:
             await capture
@@ -313,9 +325,8 @@ class Coordinator:
 
     async def _replay(
         self, sid: str, prompt: list[int], prefix_hash: int, verdicts: list[StationVerdict]
-    ) -> tuple[np.ndarray[Any, np.dtype[np.float32]] | None, int]:
-        """Replay fan-out. Returns (cached logits on an all-hit, else None; positions every
-        station now holds)."""
+    ) -> tuple[bool, int]:
+        """Replay fan-out. Returns (all stations hit, positions every station now holds)."""
         n = len(prompt)
 
         async def one(s: _Station) -> Reply:
@@ -339,16 +350,13 @@ class Coordinator:
                 v.replay = r.headers.get("X-Amplituhedron-Status", "hit")
                 v.replayed_tokens = int(r.headers.get("X-Amplituhedron-Kv-Len", n))
             held.append(v.replayed_tokens)
-        if all(v.replay == "hit" for v in verdicts):
-            exit_body = responses[-1].content
-            if responses[-1].headers.get("X-Amplituhedron-Logits") == "1":
-                values = np.frombuffer(exit_body, dtype="<f4")
-                return values[self.hidden :].copy(), n
+        if all(v.replay == "hit" for v in verdicts) and (
+            responses[-1].headers.get("X-Amplituhedron-Logits") == "1"
+        ):
+            return True, n
         # Not a full hit: bring every station to the shortest replayed prefix. A miss
         # anywhere means a cold prefill everywhere (the seed's global branch).
-        keep = min(held)
-        if any(v.replay == "miss" for v in verdicts):
-            keep = 0
+        keep = 0 if any(v.replay == "miss" for v in verdicts) else min(held)
         await asyncio.gather(
             *(
                 self._call(
@@ -360,14 +368,15 @@ class Coordinator:
         )
         for v in verdicts:
             v.replayed_tokens = keep
-        return None, keep
+        return False, keep
 
     async def _prefill(
         self, sid: str, prompt: list[int], start: int, verdicts: list[StationVerdict]
-    ) -> tuple[np.ndarray[Any, np.dtype[np.float32]], list[bytes]]:
+    ) -> tuple[int, list[bytes]]:
         """Pipelined chunked prefill of ``prompt[start:]``: chunk k+1 enters station i while
-        chunk k is in station i+1. Returns the last position's logits and each station's
-        tail residual (its output row at the last position)."""
+        chunk k is in station i+1. Returns the first sampled token (sampled by the exit
+        station from the last position's logits) and each station's tail residual (its
+        output row at the last position)."""
         chunks = [prompt[i : i + self.chunk] for i in range(start, len(prompt), self.chunk)]
         k = len(self._stations)
         queues: list[asyncio.Queue[bytes | None]] = [asyncio.Queue() for _ in range(k)]
@@ -375,7 +384,7 @@ class Coordinator:
             queues[0].put_nowait(np.asarray(c, dtype="<u4").tobytes())
         queues[0].put_nowait(None)
         tails: list[bytes] = [b""] * k
-        result: dict[str, np.ndarray[Any, np.dtype[np.float32]]] = {}
+        first: list[int] = []
         row_bytes = self.hidden * 4
 
         async def worker(i: int) -> None:
@@ -383,10 +392,9 @@ class Coordinator:
             index = 0
             while (body := await queues[i].get()) is not None:
                 final = index == len(chunks) - 1
-                params = {
-                    "logits": "last" if (s.is_exit and final) else "none",
-                    "hidden": "last" if s.is_exit else "all",
-                }
+                params = {"hidden": "last" if s.is_exit else "all"}
+                if s.is_exit and final:
+                    params["sample"] = "true"
                 r = await self._call(
                     "prefill",
                     s.info,
@@ -402,7 +410,7 @@ class Coordinator:
                 if final:
                     tails[i] = hidden[-row_bytes:]
                     if s.is_exit:
-                        result["logits"] = np.frombuffer(r.content[rows * row_bytes :], "<f4")
+                        first.append(int(r.headers["X-Token"]))
                 if not s.is_exit:
                     queues[i + 1].put_nowait(hidden)
                 index += 1
@@ -410,7 +418,7 @@ class Coordinator:
                 queues[i + 1].put_nowait(None)
 
         await asyncio.gather(*(worker(i) for i in range(k)))
-        return result["logits"].copy(), tails
+        return first[0], tails
 
     async def _capture(
         self,
@@ -418,14 +426,12 @@ class Coordinator:
         prompt: list[int],
         prefix_hash: int,
         tails: list[bytes],
-        logits: np.ndarray[Any, np.dtype[np.float32]],
         verdicts: list[StationVerdict],
     ) -> None:
-        if not tails or any(not t for t in tails):
-            return  # resumed from a partial replay of the whole prompt: nothing new to freeze
+        """Capture fan-out: each station freezes its KV for the prompt plus its tail residual
+        (the exit station adds the logits it kept for the prompt's last position)."""
 
         async def one(i: int, s: _Station) -> None:
-            body = tails[i] + (np.asarray(logits, dtype="<f4").tobytes() if s.is_exit else b"")
             params = {
                 "session_id": sid,
                 "prefix_hash": str(prefix_hash),
@@ -438,7 +444,7 @@ class Coordinator:
                 s.info,
                 "POST",
                 "/amplituhedron/capture",
-                content=body,
+                content=tails[i],
                 params=params,
                 headers={**OCTETS, **self._headers},
             )
@@ -446,12 +452,21 @@ class Coordinator:
 
         await asyncio.gather(*(one(i, s) for i, s in enumerate(self._stations)))
 
-    async def _decode_step(
-        self, sid: str, token: int, step: int
-    ) -> np.ndarray[Any, np.dtype[np.float32]]:
+    async def _sample_cached(self, sid: str) -> int:
+        exit_station = self._stations[-1].info
+        r = await self._call("first token", exit_station, "POST", f"/sessions/{sid}/sample")
+        return int(r.json()["token"])
+
+    async def _decode_step(self, sid: str, token: int, step: int) -> int:
+        """One token through every station; the exit station samples the next one."""
         body = np.asarray([token], dtype="<u4").tobytes()
+        headers: Mapping[str, str] = {}
         for s in self._stations:
-            params = {"hidden": "none" if s.is_exit else "all"}
+            params = (
+                {"hidden": "none", "logits": "none", "sample": "true"}
+                if s.is_exit
+                else {"hidden": "all"}
+            )
             r = await self._call(
                 f"decode step {step}",
                 s.info,
@@ -461,8 +476,8 @@ class Coordinator:
                 params=params,
                 headers=OCTETS,
             )
-            body = r.content
-        return np.frombuffer(body, dtype="<f4")
+            body, headers = r.content, r.headers
+        return int(headers["X-Token"])
 
     async def _close(self, sid: str) -> None:
         await asyncio.gather(
@@ -583,7 +598,7 @@ async def _generate_streamed(
     return await c.generate(
         ids,
         a.max_new_tokens,
-        sampler=_core.Sampler(**sampling),
+        **sampling,
         use_cache=not a.no_cache,
         stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
         on_token=on_token,

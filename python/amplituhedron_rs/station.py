@@ -103,6 +103,11 @@ class LiveSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
+    # Exit station only: the session's sampler and the logits of its last position.
+    sampler: _core.Sampler | None = None
+    last_logits: np.ndarray[Any, np.dtype[np.float32]] | None = None
+    # ... and of the prompt's last position (what a capture freezes with the volume).
+    prompt_logits: np.ndarray[Any, np.dtype[np.float32]] | None = None
 
     @contextlib.contextmanager
     def use(self, sid: str) -> Iterator[_core.RangeSession]:
@@ -133,12 +138,25 @@ class VolumeRequest(BaseModel):
     layer_hi: int = Field(ge=0, le=65535)
 
 
+class SamplingSpec(BaseModel):
+    """How the exit station samples this session's tokens (one seeded sampler per session,
+    so the tokens equal the single-process runtime's for the same parameters)."""
+
+    model_config = ConfigDict(extra="forbid")
+    greedy: bool = True
+    temperature: float = Field(default=1.0, gt=0, le=1e6)
+    top_k: int = Field(default=0, ge=0, le=1 << 31)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = Field(default=0, ge=0, le=U64_MAX)
+
+
 class OpenSessionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prompt_tokens: list[Annotated[int, Field(ge=0, le=2**32 - 1)]] = Field(min_length=1)
     session_id: str | None = Field(default=None, min_length=1, max_length=128)
     n_sys: int = Field(default=0, ge=0, le=1 << 20)
     salt: str | None = Field(default=None, max_length=256)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
 
 
 class RollbackRequest(BaseModel):
@@ -255,7 +273,14 @@ class Station:
                 except ValueError as exc:
                     raise StationError(422, str(exc)) from exc
                 lock = threading.Lock()
+            sampler = None
+            if self.is_exit:
+                try:
+                    sampler = _core.Sampler(**req.sampling.model_dump())
+                except ValueError as exc:
+                    raise StationError(422, str(exc)) from exc
             live = LiveSession(rs, list(req.prompt_tokens), req.salt, req.n_sys, lock)
+            live.sampler = sampler
             self.sessions[sid] = live
         return sid, live
 
@@ -358,7 +383,11 @@ class ObserveMiddleware:
 
 DECODE_ROUTE = "/sessions/{session_id}/decode"
 _DECODE_PATH = re.compile(r"/sessions/([^/]+)/decode")
-_DECODE_PARAMS = {"logits": ("none", "last"), "hidden": ("all", "last", "none")}
+_DECODE_PARAMS = {
+    "logits": ("none", "last"),
+    "hidden": ("all", "last", "none"),
+    "sample": ("true", "false"),
+}
 
 
 @dataclass(frozen=True)
@@ -419,16 +448,17 @@ class DecodeFastPath:
         await response(scope, receive, send)
 
     @staticmethod
-    def _params(scope: Any) -> dict[str, str] | None:
+    def _params(scope: Any) -> dict[str, Any] | None:
         query = scope["query_string"].decode("latin-1")
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True) if query else []
-        params = {"logits": "last", "hidden": "all"}
+        params: dict[str, Any] = {"logits": "last", "hidden": "all", "sample": "false"}
         seen: set[str] = set()
         for key, value in pairs:
             if key not in _DECODE_PARAMS or key in seen or value not in _DECODE_PARAMS[key]:
                 return None
             seen.add(key)
             params[key] = value
+        params["sample"] = params["sample"] == "true"
         return params
 
 
@@ -601,15 +631,30 @@ def create_app(station: Station) -> FastAPI:
         live = station.get_session(req.session_id)
         station.check_volume_request(req, live)
         floats = _floats(body, "tail residual")
-        want = station.hidden + (station.vocab if station.is_exit else 0)
-        if floats.size != want:
-            what = "tail residual + logits" if station.is_exit else "tail residual"
+        with_logits = station.hidden + station.vocab
+        if floats.size != station.hidden and not (station.is_exit and floats.size == with_logits):
+            what = "tail residual (+ logits)" if station.is_exit else "tail residual"
             raise StationError(
                 400,
-                f"body must be the {what}: {want} f32 ({want * 4} bytes), got {len(body)} bytes",
+                f"body must be the {what}: {station.hidden} f32 "
+                f"({station.hidden * 4} bytes), got {len(body)} bytes",
             )
         tail = np.ascontiguousarray(floats[: station.hidden])
-        logits = np.ascontiguousarray(floats[station.hidden :]) if station.is_exit else None
+        logits = None
+        if station.is_exit:
+            # The exit station keeps the last prompt position's logits itself; a body may
+            # still carry them (tail + logits).
+            logits = (
+                np.ascontiguousarray(floats[station.hidden :])
+                if floats.size == with_logits
+                else live.prompt_logits
+            )
+            if logits is None or req.prefix_len != len(live.prompt):
+                raise StationError(
+                    409,
+                    "the exit station can only capture the whole prompt after computing its "
+                    "last position",
+                )
         with live.use(req.session_id) as session, station.pipeline_lock:
             try:
                 nbytes = station.pipeline.amplituhedron_capture(
@@ -646,6 +691,7 @@ def create_app(station: Station) -> FastAPI:
                 raise StationError(409, str(exc)) from exc
         if r is None:
             return Response(status_code=204)
+        live.last_logits = r.logits
         headers = {"X-Amplituhedron-Status": r.status, "X-Amplituhedron-Kv-Len": str(r.kv_len)}
         parts: list[bytes] = []
         if r.tail is not None:
@@ -699,6 +745,7 @@ def create_app(station: Station) -> FastAPI:
         logits: Literal["none", "last", "all"],
         hidden: str,
         one_row: bool,
+        sample: bool = False,
     ) -> Response:
         live = station.get_session(session_id)
         if station.is_entry:
@@ -718,34 +765,46 @@ def create_app(station: Station) -> FastAPI:
             rows = arr.size // station.hidden
         if one_row and rows != 1:
             raise StationError(400, f"a decode step is exactly one row, got {rows}")
-        if logits != "none" and not station.is_exit:
-            raise StationError(400, "only the exit station returns logits")
+        if (logits != "none" or sample) and not station.is_exit:
+            raise StationError(400, "only the exit station returns logits or samples")
+        # Sampling needs the last position's logits even when they are not returned.
+        compute: Literal["none", "last", "all"] = "last" if sample and logits == "none" else logits
+        token = None
         with live.use(session_id) as session:
             try:
                 if station.is_entry:
-                    h, lg = session.forward_tokens(ids.tolist(), logits=logits)
+                    h, lg = session.forward_tokens(ids.tolist(), logits=compute)
                 else:
-                    h, lg = session.forward_hidden(arr.reshape(rows, station.hidden), logits=logits)
+                    h, lg = session.forward_hidden(
+                        arr.reshape(rows, station.hidden), logits=compute
+                    )
             except ValueError as exc:
                 raise StationError(422, str(exc)) from exc
             clock = int(session.clock)
+            if lg is not None:
+                live.last_logits = lg[-1]
+                if clock == len(live.prompt):
+                    live.prompt_logits = lg[-1]
+                if sample:
+                    assert live.sampler is not None
+                    token = int(live.sampler.sample(lg[-1]))
         station.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
         elif hidden == "none":
             h = h[:0]
         parts = [np.ascontiguousarray(h, dtype="<f4").tobytes()]
-        if lg is not None:
-            parts.append(np.ascontiguousarray(lg, dtype="<f4").tobytes())
-        return Response(
-            b"".join(parts),
-            media_type=OCTETS,
-            headers={
-                "X-Hidden-Rows": str(h.shape[0]),
-                "X-Logits-Rows": str(0 if lg is None else lg.shape[0]),
-                "X-Clock": str(clock),
-            },
-        )
+        returned = lg if logits != "none" else None
+        if returned is not None:
+            parts.append(np.ascontiguousarray(returned, dtype="<f4").tobytes())
+        headers = {
+            "X-Hidden-Rows": str(h.shape[0]),
+            "X-Logits-Rows": str(0 if returned is None else returned.shape[0]),
+            "X-Clock": str(clock),
+        }
+        if token is not None:
+            headers["X-Token"] = str(token)
+        return Response(b"".join(parts), media_type=OCTETS, headers=headers)
 
     @app.post("/sessions/{session_id}/forward", openapi_extra=OCTET_BODY)
     async def forward(
@@ -753,18 +812,23 @@ def create_app(station: Station) -> FastAPI:
         request: Request,
         logits: Literal["none", "last", "all"] = "none",
         hidden: Literal["all", "last", "none"] = "all",
+        sample: bool = False,
     ) -> Response:
         body = await read_body(request)
-        return await _in_thread(forward_sync, session_id, body, logits, hidden, False)
+        return await _in_thread(forward_sync, session_id, body, logits, hidden, False, sample)
 
     def decode_step(
-        session_id: str, body: bytes, logits: Literal["none", "last"], hidden: str
+        session_id: str,
+        body: bytes,
+        logits: Literal["none", "last"],
+        hidden: str,
+        sample: bool,
     ) -> Response:
         if logits == "last" and not station.is_exit:
             logits = "none"
         # One row is a few milliseconds of Rust (GIL released, both cores via rayon): run it
         # on the event loop rather than paying a thread hand-off on every decoded token.
-        return forward_sync(session_id, body, logits, hidden, True)
+        return forward_sync(session_id, body, logits, hidden, True, sample)
 
     @app.post(DECODE_ROUTE, openapi_extra=OCTET_BODY)
     async def decode(
@@ -772,11 +836,26 @@ def create_app(station: Station) -> FastAPI:
         request: Request,
         logits: Literal["none", "last"] = "last",
         hidden: Literal["all", "last", "none"] = "all",
+        sample: bool = False,
     ) -> Response:
-        """One decode step (exactly one row). Well-formed calls are served by
-        `DecodeFastPath` before FastAPI; this route defines, documents and validates the
-        endpoint, and serves every other call."""
-        return decode_step(session_id, await read_body(request), logits, hidden)
+        """One decode step (exactly one row). With ``sample=true`` the exit station samples
+        the next token with the session's sampler and returns it in ``X-Token`` (no logits
+        on the wire). Well-formed calls are served by `DecodeFastPath` before FastAPI; this
+        route defines, documents and validates the endpoint, and serves every other call."""
+        return decode_step(session_id, await read_body(request), logits, hidden, sample)
+
+    @app.post("/sessions/{session_id}/sample")
+    def sample_next(session_id: str) -> dict[str, int]:
+        """Exit station: samples the next token from the session's last logits (after an
+        all-hit replay, those are the cached logits: the first token needs no model run)."""
+        if not station.is_exit:
+            raise StationError(400, "only the exit station samples")
+        live = station.get_session(session_id)
+        with live.use(session_id):
+            if live.last_logits is None:
+                raise StationError(409, f"session {session_id!r} has no logits yet")
+            assert live.sampler is not None
+            return {"token": int(live.sampler.sample(live.last_logits))}
 
     app.add_middleware(DecodeFastPath, handler=decode_step, limit=s.max_body_bytes)
 
