@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import urllib.request
 from typing import Any
 
+from amplituhedron_rs.bench_model import write_json
 from amplituhedron_rs.coordinator import Coordinator
 from amplituhedron_rs.mesh import LocalMesh, MeshSpec
 from amplituhedron_rs.model import load_model
@@ -148,9 +147,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_json(args.json, run(args))
     return 0

@@ -252,10 +252,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every raw timing as JSON")
 
 
-def main(args: argparse.Namespace) -> int:
-    report = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
+def write_json(path: str | None, report: dict[str, Any]) -> None:
+    """Writes a bench's raw report (if a path was given) and says where."""
+    if path:
+        with open(path, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def main(args: argparse.Namespace) -> int:
+    write_json(args.json, run(args))
     return 0

@@ -29,6 +29,7 @@ from multidict import CIMultiDict
 
 from amplituhedron_rs import _core
 from amplituhedron_rs.mesh import MeshError, MeshSpec, StationInfo
+from amplituhedron_rs.model import sampling_params
 
 OCTETS = {"Content-Type": "application/octet-stream"}
 
@@ -216,16 +217,8 @@ class Coordinator:
             raise ValueError("the prompt is empty: a volume needs at least one token")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if greedy is None:
-            greedy = temperature == 1.0 and top_k == 0 and top_p == 1.0
-        sampling: dict[str, Any] = {
-            "greedy": greedy,
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
-            "seed": seed,
-        }
-        _core.Sampler(**sampling)  # bad parameters are refused before any station is touched
+        # Validated here, before any station is touched.
+        sampling = sampling_params(greedy, temperature, top_k, top_p, seed)
         started = time.perf_counter()
         prefix_hash = int(_core.prefix_hash(prompt))  # hashed once
         sid = uuid.uuid4().hex

@@ -76,6 +76,24 @@ class Generation:
         }
 
 
+def sampling_params(
+    greedy: bool | None, temperature: float, top_k: int, top_p: float, seed: int
+) -> dict[str, Any]:
+    """The sampler's keyword arguments; greedy unless a temperature/top-k/top-p is given.
+    Raises ValueError for parameters the sampler refuses."""
+    if greedy is None:
+        greedy = temperature == 1.0 and top_k == 0 and top_p == 1.0
+    params: dict[str, Any] = {
+        "greedy": greedy,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": seed,
+    }
+    _core.Sampler(**params)  # validation, before anything runs
+    return params
+
+
 def _as_ids(ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> list[int]:
     out = [int(i) for i in ids]
     if not out:
@@ -207,11 +225,7 @@ class Model:
         prompt = _as_ids(ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if greedy is None:
-            greedy = temperature == 1.0 and top_k == 0 and top_p == 1.0
-        sampler = _core.Sampler(
-            greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
-        )
+        sampler = _core.Sampler(**sampling_params(greedy, temperature, top_k, top_p, seed))
         decoder = StreamDecoder(self.tokenizer) if stream is not None else None
 
         def on_token(token: int) -> None:
