@@ -4,8 +4,11 @@
 //! Variants: a shuffled indirection table, an in-order table, contiguous rows (no table), a
 //! naive scalar loop (per-key dot + libm exp), and a memcpy of the same KV bytes as the
 //! bandwidth reference. Throughput is the KV bytes read: 2 × active × kv_heads × head_dim × 4.
-//! After criterion, a short same-run timing prints the ratios (indirection overhead, kernel
-//! read rate / memcpy).
+//! After criterion, a same-run table prints the ratios (indirection overhead, kernel read rate
+//! / memcpy): the variants run in interleaved rounds of ~1 ms batches (each after one untimed
+//! warm-up call), so the machine's noise hits them alike; the table shows each variant's best
+//! batch and, for shuffled / contiguous, also the median of the per-round ratios. The
+//! in-order column separates the cost of the table itself from that of scattered rows.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -172,77 +175,121 @@ fn bench_decode(c: &mut Criterion) {
     print_ratios();
 }
 
-/// Best-of time per call of `f` (short, same run as the baseline it is compared with).
-fn best_time(mut f: impl FnMut()) -> f64 {
-    let t = Instant::now();
-    f();
-    // Batches of ~2 ms, at least one call.
-    let reps = ((2e-3 / t.elapsed().as_secs_f64().max(1e-9)) as usize).clamp(1, 1000);
-    for _ in 0..reps {
-        f();
-    }
-    let mut best = f64::INFINITY;
-    for _ in 0..15 {
+/// Interleaved rounds per variant in the ratio table.
+const ROUNDS: usize = 40;
+
+/// Per-call times of `variants` variants of `run`, measured in interleaved rounds (one ~1 ms
+/// batch of each variant per round) so that machine noise hits them alike. Returns each
+/// variant's best batch and, per variant, the median over rounds of its batch time divided by
+/// variant 0's batch time in the same round.
+fn interleaved_times(variants: usize, mut run: impl FnMut(usize)) -> (Vec<f64>, Vec<f64>) {
+    let reps: Vec<usize> = (0..variants)
+        .map(|v| {
+            let t = Instant::now();
+            run(v);
+            ((1e-3 / t.elapsed().as_secs_f64().max(1e-9)) as usize).clamp(1, 1000)
+        })
+        .collect();
+    let mut batch = |v: usize| {
+        // One untimed call first: the previous batch ran another variant over other data,
+        // and its cold start would otherwise count against whichever variant comes next.
+        run(v);
         let t = Instant::now();
-        for _ in 0..reps {
-            f();
+        for _ in 0..reps[v] {
+            run(v);
         }
-        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+        t.elapsed().as_secs_f64() / reps[v] as f64
+    };
+    for v in 0..variants {
+        batch(v);
     }
-    best
+    let rounds: Vec<Vec<f64>> = (0..ROUNDS)
+        .map(|_| (0..variants).map(&mut batch).collect())
+        .collect();
+    let best = (0..variants)
+        .map(|v| rounds.iter().map(|r| r[v]).fold(f64::INFINITY, f64::min))
+        .collect();
+    let median_ratio = (0..variants)
+        .map(|v| {
+            let mut ratios: Vec<f64> = rounds.iter().map(|r| r[v] / r[0]).collect();
+            ratios.sort_by(f64::total_cmp);
+            ratios[ratios.len() / 2]
+        })
+        .collect();
+    (best, median_ratio)
 }
 
 fn print_ratios() {
     println!(
-        "\nratios (best-of timing, same run; ISA {:?}):",
+        "\nratios (best of {ROUNDS} interleaved rounds, same run; ISA {:?}; shuf/contig also as \
+         the median of same-round ratios; in-order = slot table 0, 1, 2, …):",
         Isa::best()
     );
     println!(
-        "{:>7} {:>12} {:>12} {:>12} {:>12} {:>14} {:>14} {:>12}",
+        "{:>7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>9} {:>14} {:>14} {:>11}",
         "active",
         "shuffled",
+        "in-order",
         "contiguous",
         "memcpy",
         "naive",
         "shuf/contig",
+        "(median)",
+        "in-ord/contig",
         "kernel/memcpy",
         "naive/shuf"
     );
     for active in ACTIVE {
         let mut f = Fixture::new(active);
         let bytes = kv_bytes(active) as f64;
-        let shuffled = best_time(|| f.kernel(Slots::Shuffled));
-        let contiguous = best_time(|| f.kernel(Slots::Contiguous));
-        let memcpy = best_time(|| f.memcpy());
-        let naive = best_time(|| f.naive());
+        let (best, median) = interleaved_times(4, |v| match v {
+            0 => f.kernel(Slots::Contiguous),
+            1 => f.kernel(Slots::Shuffled),
+            2 => f.kernel(Slots::InOrder),
+            _ => f.memcpy(),
+        });
+        let [contiguous, shuffled, in_order, memcpy] = [best[0], best[1], best[2], best[3]];
+        let (naive, _) = interleaved_times(1, |_| f.naive());
         let gbs = |t: f64| bytes / t / 1e9;
         println!(
-            "{active:>7} {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>13.1}% {:>14.2} {:>11.1}x",
+            "{active:>7} {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s \
+             {:>11.1}% {:>8.1}% {:>13.1}% {:>14.2} {:>10.1}x",
             gbs(shuffled),
+            gbs(in_order),
             gbs(contiguous),
             gbs(memcpy),
-            gbs(naive),
+            gbs(naive[0]),
             (shuffled / contiguous - 1.0) * 100.0,
+            (median[1] - 1.0) * 100.0,
+            (in_order / contiguous - 1.0) * 100.0,
             memcpy / shuffled,
-            naive / shuffled,
+            naive[0] / shuffled,
         );
     }
-    // Cross-ISA speed, for the record (all ISAs give identical bits).
+    // Cross-ISA speed, for the record (all ISAs give identical bits). The SIMD paths are
+    // interleaved with each other; the scalar path (milliseconds a call) is timed on its own.
     let mut f = Fixture::new(4096);
-    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-        let t = best_time(|| {
-            let inputs = AttnInputs {
-                q_fixed: &f.q,
-                q_window: &f.q,
-                ring_k: &f.ring_k,
-                ring_v: &f.ring_v,
-                fixed_slots: &[],
-                window_slots: &f.shuffled,
-                local_k: &[],
-                local_v: &[],
-            };
-            attend_with(isa, &inputs, DIMS, 0.125, &mut f.scratch, &mut f.out).unwrap();
-        });
+    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|i| i.is_available()).collect();
+    let mut run = |isa: Isa| {
+        let inputs = AttnInputs {
+            q_fixed: &f.q,
+            q_window: &f.q,
+            ring_k: &f.ring_k,
+            ring_v: &f.ring_v,
+            fixed_slots: &[],
+            window_slots: &f.shuffled,
+            local_k: &[],
+            local_v: &[],
+        };
+        attend_with(isa, &inputs, DIMS, 0.125, &mut f.scratch, &mut f.out).unwrap();
+    };
+    let simd: Vec<Isa> = isas.iter().copied().filter(|&i| i != Isa::Scalar).collect();
+    let (simd_best, _) = interleaved_times(simd.len(), |v| run(simd[v]));
+    let (scalar_best, _) = interleaved_times(1, |_| run(Isa::Scalar));
+    for (isa, t) in [(Isa::Scalar, scalar_best[0])]
+        .into_iter()
+        .chain(simd.into_iter().zip(simd_best))
+    {
         println!(
             "  {isa:?}: 4096 shuffled slots {:.1} us ({:.2} GB/s)",
             t * 1e6,

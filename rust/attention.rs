@@ -28,6 +28,17 @@
 //! Nothing in a row's arithmetic depends on other rows, on how rows were grouped into chunks,
 //! or on the thread that ran it, so a query's output depends only on its key sequence — and
 //! the ring makes that sequence the same however the prompt was chunked.
+//!
+//! # How the passes are organised (speed only; the arithmetic above is unchanged)
+//!
+//! - **Scores** go 8 keys at a time. Each loaded block of a key row feeds every query head of
+//!   its KV head (3 at once on AVX-512), so K is streamed once; then each head's 8 horizontal
+//!   sums run together in a transposing shuffle network (`Lanes::hsum8`) that adds exactly the
+//!   lane pairs of the tree above, instead of 8 separate trees. This pass does not prefetch:
+//!   measured, software prefetches only slowed it, scattered or not.
+//! - **Values** sweep the keys once per KV head, ≤ 4 heads × 64 dims of accumulators in
+//!   registers; for a slot table, each sweep prefetches the rows `PREFETCH_AHEAD` keys ahead
+//!   (sequential local rows are left to the hardware prefetcher).
 
 use std::sync::OnceLock;
 
@@ -350,12 +361,20 @@ fn run_row(
 /// Lanes per vector of the canonical reduction order.
 const LANES: usize = 16;
 
+/// Keys per score block of pass 1 (one transposing reduction per query head).
+const BLOCK_KEYS: usize = 8;
+
 /// 16 f32 lanes. Implementations must perform exactly the IEEE operation each method names,
 /// lane by lane, so every implementation gives identical bits.
 ///
 /// All methods are `unsafe`: the SIMD implementations require their CPU features, and the
 /// pointer methods read/write 16 (or `n`) f32.
 trait Lanes: Copy {
+    /// Keys whose score accumulators are live at once (4 or 8; sized to the registers).
+    const KEY_GROUP: usize;
+    /// Query heads (1 to 3) scored together against each loaded key block.
+    const SCORE_HEADS: usize;
+
     unsafe fn splat(x: f32) -> Self;
     unsafe fn load(ptr: *const f32) -> Self;
     unsafe fn store(self, ptr: *mut f32);
@@ -377,15 +396,37 @@ trait Lanes: Copy {
     /// The same tree with `max`.
     unsafe fn hmax(self) -> f32;
 
-    /// `n < 16` values then `fill`.
+    /// `[xs[0].hsum(), …, xs[7].hsum(), ?…]`: every vector's sum by exactly the
+    /// [`Lanes::hsum`] tree, one per lane in lanes 0–7 (lanes 8–15 unspecified).
+    ///
+    /// The default runs each tree on its own; SIMD paths override it with a transposing
+    /// shuffle network that performs the same additions.
     #[inline(always)]
-    unsafe fn load_partial(ptr: *const f32, n: usize, fill: f32) -> Self {
-        let mut buf = [fill; LANES];
+    unsafe fn hsum8(xs: &[Self; BLOCK_KEYS]) -> Self {
+        let mut sums = [0.0; LANES];
+        for (sum, x) in sums.iter_mut().zip(xs) {
+            *sum = x.hsum();
+        }
+        Self::load(sums.as_ptr())
+    }
+
+    /// Stores lanes 0–7.
+    #[inline(always)]
+    unsafe fn store8(self, ptr: *mut f32) {
+        self.store_partial(ptr, 8)
+    }
+
+    /// `n ≤ 16` values then zeros; reads only the `n` values. (SIMD paths override both
+    /// partial accesses with masked loads and stores: no `memcpy` call, around which every
+    /// live vector register would be spilled.)
+    #[inline(always)]
+    unsafe fn load_partial(ptr: *const f32, n: usize) -> Self {
+        let mut buf = [0.0; LANES];
         std::ptr::copy_nonoverlapping(ptr, buf.as_mut_ptr(), n);
         Self::load(buf.as_ptr())
     }
 
-    /// Stores the first `n < 16` lanes.
+    /// Stores the first `n ≤ 16` lanes; writes nothing else.
     #[inline(always)]
     unsafe fn store_partial(self, ptr: *mut f32, n: usize) {
         let mut buf = [0.0; LANES];
@@ -431,11 +472,15 @@ impl Segment<'_> {
         }
     }
 
-    /// Prefetches key `i + PREFETCH_AHEAD`'s f32 `[offset, offset + len)` of its row.
+    /// Prefetches key `i + PREFETCH_AHEAD`'s f32 `[offset, offset + len)` of its row, for a
+    /// slot table only: sequential rows are the hardware prefetcher's job, and there the
+    /// hints would be pure overhead.
     #[inline(always)]
     unsafe fn prefetch_ahead(&self, i: usize, kv_row: usize, offset: usize, len: usize) {
-        if i + PREFETCH_AHEAD < self.len() {
-            prefetch(self.row(i + PREFETCH_AHEAD, kv_row).add(offset), len);
+        if let Segment::Slots { base, slots } = self {
+            if let Some(&slot) = slots.get(i + PREFETCH_AHEAD) {
+                prefetch(base.add(slot as usize * kv_row + offset), len);
+            }
         }
     }
 
@@ -449,20 +494,33 @@ impl Segment<'_> {
     }
 }
 
-/// Keys ahead to prefetch: table-driven rows are scattered, so the hardware prefetcher cannot
-/// guess the next one.
-const PREFETCH_AHEAD: usize = 8;
+/// Keys ahead the value pass prefetches: table-driven rows are scattered, so the hardware
+/// prefetcher cannot guess the next one. (The score pass does not prefetch: its 8 row streams
+/// per key group already keep the miss buffers busy, and measured, extra prefetches there
+/// only slowed it down.)
+const PREFETCH_AHEAD: usize = 12;
 
-/// Hints the cache lines of `[ptr, ptr + len)` f32 into L1. Never changes a result.
+/// Hints every cache line of `[ptr, ptr + len)` f32 into L1: one hint per 64 bytes from
+/// `ptr`, plus one at the last byte (the line a misaligned range ends in). Straight-line code
+/// when `len` is a constant. Never changes a result.
 #[inline(always)]
 fn prefetch(ptr: *const f32, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for line in (0..len).step_by(16) {
-        // SAFETY: prefetch is a hint; it never faults, even on an invalid address, and the
-        // pointer is not dereferenced (`wrapping_add` keeps the arithmetic defined).
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(line).cast::<i8>());
+    {
+        let bytes = len * 4;
+        let at = |offset: usize| {
+            // SAFETY: prefetch is a hint; it never faults, even on an invalid address, and the
+            // pointer is not dereferenced (`wrapping_add` keeps the arithmetic defined).
+            unsafe {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                _mm_prefetch::<_MM_HINT_T0>(ptr.cast::<i8>().wrapping_add(offset));
+            }
+        };
+        for offset in (0..bytes).step_by(64) {
+            at(offset);
+        }
+        if bytes > 0 {
+            at(bytes - 1);
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -506,24 +564,97 @@ fn segments<'a>(
     ]
 }
 
-/// `Σ q·k` over `head_dim` in the canonical order.
+/// Scores of 8 keys (`rows`, all valid pointers) for the `NH` query heads at `q` (consecutive
+/// heads sharing the KV head at `offset` of each row), times `scale`, in lanes 0–7 of one
+/// vector per head.
+///
+/// Each (head, key) accumulates `Σ fma(q[16b..], k[16b..], acc)` over `head_dim` exactly as
+/// the canonical order says; each loaded key block feeds all `NH` heads, so the K stream is
+/// read once per KV head. Keys go `KG` at a time so that `NH × KG` accumulators stay in
+/// registers; then each head's 8 horizontal sums run together in one transposing reduction
+/// ([`Lanes::hsum8`], the same tree per key as [`Lanes::hsum`]).
 #[inline(always)]
-unsafe fn dot<V: Lanes>(q: *const f32, k: *const f32, head_dim: usize) -> f32 {
+unsafe fn score_block<V: Lanes, const NH: usize, const KG: usize>(
+    q: *const f32,
+    rows: &[*const f32; BLOCK_KEYS],
+    offset: usize,
+    head_dim: usize,
+    scale: f32,
+) -> [V; NH] {
     let full = head_dim / LANES;
     let tail = head_dim % LANES;
-    let mut acc = V::splat(0.0);
-    for b in 0..full {
-        acc = V::fma(V::load(q.add(b * LANES)), V::load(k.add(b * LANES)), acc);
+    // (Loops, not closures: a closure would not inherit the caller's target features.)
+    let mut sums = [[V::splat(0.0); BLOCK_KEYS]; NH];
+    for first in (0..BLOCK_KEYS).step_by(KG) {
+        let group: &[*const f32; KG] = &*rows.as_ptr().add(first).cast();
+        let mut acc = [[V::splat(0.0); KG]; NH];
+        for b in 0..full {
+            let mut qb = [V::splat(0.0); NH];
+            for (hh, qb) in qb.iter_mut().enumerate() {
+                *qb = V::load(q.add(hh * head_dim + b * LANES));
+            }
+            let at = offset + b * LANES;
+            for (n, row) in group.iter().enumerate() {
+                let k = V::load(row.add(at));
+                for hh in 0..NH {
+                    acc[hh][n] = V::fma(qb[hh], k, acc[hh][n]);
+                }
+            }
+        }
+        if tail > 0 {
+            let mut qb = [V::splat(0.0); NH];
+            for (hh, qb) in qb.iter_mut().enumerate() {
+                *qb = V::load_partial(q.add(hh * head_dim + full * LANES), tail);
+            }
+            let at = offset + full * LANES;
+            for (n, row) in group.iter().enumerate() {
+                let k = V::load_partial(row.add(at), tail);
+                for hh in 0..NH {
+                    acc[hh][n] = V::fma(qb[hh], k, acc[hh][n]);
+                }
+            }
+        }
+        for hh in 0..NH {
+            sums[hh][first..first + KG].copy_from_slice(&acc[hh]);
+        }
     }
-    if tail > 0 {
-        let at = full * LANES;
-        acc = V::fma(
-            V::load_partial(q.add(at), tail, 0.0),
-            V::load_partial(k.add(at), tail, 0.0),
-            acc,
-        );
+    let mut out = [V::splat(0.0); NH];
+    for (out, sums) in out.iter_mut().zip(&sums) {
+        *out = V::mul(V::hsum8(sums), V::splat(scale));
     }
-    acc.hsum()
+    out
+}
+
+/// Pass 1 for query heads `h0..h0 + NH` (sharing KV head `g`) over one 8-key block whose
+/// scores go to column 0 of `dst` (row stride `stride`); `count ≤ 8` of the keys are real.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn store_scores<V: Lanes, const NH: usize>(
+    q: &[f32],
+    rows: &[*const f32; BLOCK_KEYS],
+    dims: AttnDims,
+    g: usize,
+    h0: usize,
+    scale: f32,
+    dst: *mut f32,
+    stride: usize,
+    count: usize,
+) {
+    let head_dim = dims.head_dim;
+    let (q, offset) = (q.as_ptr().add(h0 * head_dim), g * head_dim);
+    // (A constant per `V`: the match compiles to a single arm.)
+    let s = match V::KEY_GROUP {
+        4 => score_block::<V, NH, 4>(q, rows, offset, head_dim, scale),
+        _ => score_block::<V, NH, 8>(q, rows, offset, head_dim, scale),
+    };
+    for (hh, s) in s.into_iter().enumerate() {
+        let dst = dst.add((h0 + hh) * stride);
+        if count == BLOCK_KEYS {
+            s.store8(dst);
+        } else {
+            s.store_partial(dst, count);
+        }
+    }
 }
 
 /// The whole row: scores, softmax, weighted value sum. Inputs must be validated.
@@ -547,21 +678,35 @@ unsafe fn kernel<V: Lanes>(
     let (scores, inv) = scratch.split_at_mut(n_q_heads * stride);
     let scores = scores.as_mut_ptr();
 
-    // Pass 1: scores. Each key row is read once for all the query heads that share it.
+    // Pass 1: scores, 8 keys of a segment at a time (a short last block repeats its last
+    // row and stores only its own lanes); each loaded key block feeds every query head of its
+    // KV head (up to `V::SCORE_HEADS` at once).
     let mut j = 0;
     for (segment, q) in segments(inputs, dims, false) {
-        for i in 0..segment.len() {
-            segment.prefetch_ahead(i, kv_row, 0, kv_row);
-            let row = segment.row(i, kv_row);
+        let n = segment.len();
+        let mut i = 0;
+        while i < n {
+            let count = (n - i).min(BLOCK_KEYS);
+            let mut rows = [std::ptr::null(); BLOCK_KEYS];
+            for (r, row) in rows.iter_mut().enumerate() {
+                *row = segment.row(i + r.min(count - 1), kv_row);
+            }
             for g in 0..n_kv_heads {
-                let k = row.add(g * head_dim);
-                for h in g * group..(g + 1) * group {
-                    let s = dot::<V>(q.as_ptr().add(h * head_dim), k, head_dim);
-                    *scores.add(h * stride + j) = s * scale;
+                let mut h0 = g * group;
+                while h0 < (g + 1) * group {
+                    let heads = ((g + 1) * group - h0).min(V::SCORE_HEADS);
+                    let dst = scores.add(j + i);
+                    match heads {
+                        1 => store_scores::<V, 1>(q, &rows, dims, g, h0, scale, dst, stride, count),
+                        2 => store_scores::<V, 2>(q, &rows, dims, g, h0, scale, dst, stride, count),
+                        _ => store_scores::<V, 3>(q, &rows, dims, g, h0, scale, dst, stride, count),
+                    }
+                    h0 += heads;
                 }
             }
-            j += 1;
+            i += count;
         }
+        j += n;
     }
 
     // Pass 2: numerically stable softmax weights, per query head.
@@ -639,7 +784,8 @@ unsafe fn value_block<V: Lanes, const NH: usize, const FULL: bool>(
     let mut j = 0;
     for (segment, _) in segments(inputs, dims, true) {
         for i in 0..segment.len() {
-            segment.prefetch_ahead(i, kv_row, g * head_dim + d0, width);
+            let prefetch_len = if FULL { 4 * LANES } else { width };
+            segment.prefetch_ahead(i, kv_row, g * head_dim + d0, prefetch_len);
             let v = segment.row(i, kv_row).add(g * head_dim + d0);
             let mut vv = [V::splat(0.0); 4];
             for (c, lane) in vv.iter_mut().enumerate() {
@@ -648,7 +794,7 @@ unsafe fn value_block<V: Lanes, const NH: usize, const FULL: bool>(
                 } else {
                     let start = c * LANES;
                     if start < width {
-                        *lane = V::load_partial(v.add(start), (width - start).min(LANES), 0.0);
+                        *lane = V::load_partial(v.add(start), (width - start).min(LANES));
                     }
                 }
             }
@@ -711,6 +857,9 @@ fn max_rule(a: f32, b: f32) -> f32 {
 }
 
 impl Lanes for ScalarLanes {
+    const KEY_GROUP: usize = 8;
+    const SCORE_HEADS: usize = 3;
+
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
         ScalarLanes([x; LANES])
@@ -791,10 +940,24 @@ mod x86 {
         _mm_cvtss_f32(_mm_max_ss(t2, _mm_shuffle_ps::<1>(t2, t2)))
     }
 
+    /// Lane masks (all bits set = on) of the first `n ≤ 16` lanes, as two halves of 8.
+    #[inline(always)]
+    unsafe fn lane_masks(n: usize) -> (__m256i, __m256i) {
+        let n = _mm256_set1_epi32(n as i32);
+        (
+            _mm256_cmpgt_epi32(n, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+            _mm256_cmpgt_epi32(n, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
+        )
+    }
+
     #[derive(Clone, Copy)]
     pub(super) struct Avx2Lanes(__m256, __m256);
 
     impl Lanes for Avx2Lanes {
+        /// 4 keys × 2 `__m256` accumulators of one head (16 ymm registers in all).
+        const KEY_GROUP: usize = 4;
+        const SCORE_HEADS: usize = 1;
+
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
             Avx2Lanes(_mm256_set1_ps(x), _mm256_set1_ps(x))
@@ -802,6 +965,22 @@ mod x86 {
         #[inline(always)]
         unsafe fn load(ptr: *const f32) -> Self {
             Avx2Lanes(_mm256_loadu_ps(ptr), _mm256_loadu_ps(ptr.add(8)))
+        }
+        #[inline(always)]
+        unsafe fn load_partial(ptr: *const f32, n: usize) -> Self {
+            let (lo, hi) = lane_masks(n);
+            // Masked-off lanes are never read (no fault), so the high half may point past
+            // the data; `wrapping_add` keeps that arithmetic defined.
+            Avx2Lanes(
+                _mm256_maskload_ps(ptr, lo),
+                _mm256_maskload_ps(ptr.wrapping_add(8), hi),
+            )
+        }
+        #[inline(always)]
+        unsafe fn store_partial(self, ptr: *mut f32, n: usize) {
+            let (lo, hi) = lane_masks(n);
+            _mm256_maskstore_ps(ptr, lo, self.0);
+            _mm256_maskstore_ps(ptr.wrapping_add(8), hi, self.1);
         }
         #[inline(always)]
         unsafe fn store(self, ptr: *mut f32) {
@@ -863,6 +1042,54 @@ mod x86 {
         unsafe fn hmax(self) -> f32 {
             tree8_max(_mm256_max_ps(self.0, self.1))
         }
+
+        /// The [`Lanes::hsum`] trees of 8 vectors at once (see the AVX-512 version): after
+        /// `l⊕8` (one `__m256` per key), key `k`'s bit 1 picks its partner at `l⊕4`, bit 0
+        /// at `l⊕2`, bit 2 its `__m256` until the last step.
+        #[inline(always)]
+        unsafe fn hsum8(xs: &[Self; 8]) -> Self {
+            // (Loops, not closures: a closure would not inherit the target features.)
+            // l + l⊕8: one __m256 per key.
+            let mut t8 = [_mm256_setzero_ps(); 8];
+            for (t, x) in t8.iter_mut().zip(xs) {
+                *t = _mm256_add_ps(x.0, x.1);
+            }
+            // l + l⊕4: 128-bit halves [a0+a1, b0+b1] of keys a = k, b = k + 2 (bit 1 clear).
+            let mut t4 = [_mm256_setzero_ps(); 4];
+            for (m, t) in t4.iter_mut().enumerate() {
+                let k = (m & 1) | ((m >> 1) << 2);
+                let (a, b) = (t8[k], t8[k + 2]);
+                *t = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(a, b),
+                    _mm256_permute2f128_ps::<0x31>(a, b),
+                );
+            }
+            // l + l⊕2 within each half: [r0+r2, r1+r3, s0+s2, s1+s3], bit 0 = s; w0 holds
+            // the keys with bit 2 clear.
+            let w0 = _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(t4[0], t4[1]),
+                _mm256_shuffle_ps::<0b11_10_11_10>(t4[0], t4[1]),
+            );
+            let w1 = _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(t4[2], t4[3]),
+                _mm256_shuffle_ps::<0b11_10_11_10>(t4[2], t4[3]),
+            );
+            // l + l⊕1: half `k1` holds keys [k0 + 2·k2] = [0, 1, 4, 5] | [2, 3, 6, 7]; the
+            // 64-bit permute puts them in order.
+            let sums = _mm256_add_ps(
+                _mm256_shuffle_ps::<0b10_00_10_00>(w0, w1),
+                _mm256_shuffle_ps::<0b11_01_11_01>(w0, w1),
+            );
+            let ordered = _mm256_castpd_ps(_mm256_permute4x64_pd::<0b11_01_10_00>(
+                _mm256_castps_pd(sums),
+            ));
+            Avx2Lanes(ordered, _mm256_setzero_ps())
+        }
+
+        #[inline(always)]
+        unsafe fn store8(self, ptr: *mut f32) {
+            _mm256_storeu_ps(ptr, self.0)
+        }
     }
 
     #[derive(Clone, Copy)]
@@ -878,6 +1105,12 @@ mod x86 {
     }
 
     impl Lanes for Avx512Lanes {
+        /// 4 keys × 3 heads = 12 `__m512` accumulators, plus 3 query and 1 key vector: half
+        /// the register file, so the allocator never spills in the FMA loop (8 keys × 3
+        /// heads did, and ran slower).
+        const KEY_GROUP: usize = 4;
+        const SCORE_HEADS: usize = 3;
+
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
             Avx512Lanes(_mm512_set1_ps(x))
@@ -885,6 +1118,14 @@ mod x86 {
         #[inline(always)]
         unsafe fn load(ptr: *const f32) -> Self {
             Avx512Lanes(_mm512_loadu_ps(ptr))
+        }
+        #[inline(always)]
+        unsafe fn load_partial(ptr: *const f32, n: usize) -> Self {
+            Avx512Lanes(_mm512_maskz_loadu_ps(((1u32 << n) - 1) as __mmask16, ptr))
+        }
+        #[inline(always)]
+        unsafe fn store_partial(self, ptr: *mut f32, n: usize) {
+            _mm512_mask_storeu_ps(ptr, ((1u32 << n) - 1) as __mmask16, self.0)
         }
         #[inline(always)]
         unsafe fn store(self, ptr: *mut f32) {
@@ -934,6 +1175,49 @@ mod x86 {
             let (lo, hi) = self.halves();
             tree8_max(_mm256_max_ps(lo, hi))
         }
+
+        /// The [`Lanes::hsum`] trees of 8 vectors at once: each step adds the same lane
+        /// pairs as the tree, for two vectors per instruction. Each step blends the two
+        /// inputs so that one operand is in place and moves only the other (one shuffle
+        /// instead of two: the shuffle units are the ones the FMAs compete with).
+        #[inline(always)]
+        unsafe fn hsum8(xs: &[Self; 8]) -> Self {
+            // (Loops, not closures: a closure would not inherit the target features.)
+            // l + l⊕8 of keys a = m, b = m + 4: 128-bit blocks [a0+a2, a1+a3, b2+b0, b3+b1].
+            let mut t8 = [_mm512_setzero_ps(); 4];
+            for (m, t) in t8.iter_mut().enumerate() {
+                let (a, b) = (xs[m].0, xs[m + 4].0);
+                let x = _mm512_mask_blend_ps(0xFF00, a, b);
+                let y = _mm512_shuffle_f32x4::<0b01_00_11_10>(a, b);
+                *t = _mm512_add_ps(x, y);
+            }
+            // l + l⊕4 of vectors p, q: blocks [p0+p1, q1+q0, p2+p3, q3+q2]; so u0 holds keys
+            // [0, 1, 4, 5] and u1 keys [2, 3, 6, 7], one per block.
+            let mut t4 = [_mm512_setzero_ps(); 2];
+            for (m, t) in t4.iter_mut().enumerate() {
+                let (p, q) = (t8[2 * m], t8[2 * m + 1]);
+                let x = _mm512_mask_blend_ps(0xF0F0, p, q);
+                let z = _mm512_mask_blend_ps(0x0F0F, p, q);
+                let y = _mm512_shuffle_f32x4::<0b10_11_00_01>(z, z);
+                *t = _mm512_add_ps(x, y);
+            }
+            // l + l⊕2 within each 128-bit block of r = u0, s = u1: [r0+r2, r1+r3, s2+s0,
+            // s3+s1]; block i then holds key [0, 1, 4, 5][i] in lanes 0-1, [2, 3, 6, 7][i] in
+            // lanes 2-3.
+            let (r, s) = (t4[0], t4[1]);
+            let x = _mm512_mask_blend_ps(0xCCCC, r, s);
+            let z = _mm512_mask_blend_ps(0x3333, r, s);
+            let t2 = _mm512_add_ps(x, _mm512_permute_ps::<0b01_00_11_10>(z));
+            // l + l⊕1: each lane pair's sum (in both lanes), then keys gathered in order.
+            let sums = _mm512_add_ps(t2, _mm512_permute_ps::<0b10_11_00_01>(t2));
+            let order = _mm512_setr_epi32(0, 4, 2, 6, 8, 12, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+            Avx512Lanes(_mm512_permutexvar_ps(order, sums))
+        }
+
+        #[inline(always)]
+        unsafe fn store8(self, ptr: *mut f32) {
+            _mm256_storeu_ps(ptr, _mm512_castps512_ps256(self.0))
+        }
     }
 
     /// The kernel compiled for AVX2 + FMA.
@@ -979,6 +1263,60 @@ mod x86 {
     pub(super) unsafe fn exp_avx512(x: *const f32, out: *mut f32) {
         Avx512Lanes::exp_nonpositive(Avx512Lanes::load(x)).store(out)
     }
+
+    /// [`super::probe_lanes`] on AVX2 + FMA.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn probe_avx2(probe: &mut super::LanesProbe) {
+        super::probe_lanes::<Avx2Lanes>(probe)
+    }
+
+    /// [`super::probe_lanes`] on AVX-512F.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn probe_avx512(probe: &mut super::LanesProbe) {
+        super::probe_lanes::<Avx512Lanes>(probe)
+    }
+}
+
+/// Inputs and outputs of [`probe_lanes`]: the reduction and partial-access primitives, run
+/// once on one ISA (for the cross-ISA tests).
+#[cfg(test)]
+#[derive(Clone, Debug, PartialEq)]
+struct LanesProbe {
+    /// 8 vectors of 16 lanes for [`Lanes::hsum8`].
+    sums_in: [[f32; LANES]; BLOCK_KEYS],
+    /// Lanes 0–7 of `hsum8(sums_in)`.
+    sums_out: [f32; BLOCK_KEYS],
+    /// Lanes for [`Lanes::load_partial`]; `partial_n` of them are read.
+    partial_in: [f32; LANES],
+    partial_n: usize,
+    /// `load_partial(partial_in, n)`, stored whole.
+    loaded: [f32; LANES],
+    /// Prefilled by the caller; `store_partial(partial_in, n)` writes into it.
+    stored: [f32; LANES],
+    /// Prefilled by the caller; `store8(load(sums_out lanes…))` writes into it.
+    stored8: [f32; LANES],
+}
+
+/// Runs the probe's primitives on lanes `V`.
+///
+/// # Safety
+/// `V`'s CPU features must be present.
+#[cfg(test)]
+#[inline(always)]
+unsafe fn probe_lanes<V: Lanes>(probe: &mut LanesProbe) {
+    let mut xs = [V::splat(0.0); BLOCK_KEYS];
+    for (x, lanes) in xs.iter_mut().zip(&probe.sums_in) {
+        *x = V::load(lanes.as_ptr());
+    }
+    let mut sums = [0.0; LANES];
+    V::hsum8(&xs).store(sums.as_mut_ptr());
+    probe.sums_out.copy_from_slice(&sums[..BLOCK_KEYS]);
+    let n = probe.partial_n;
+    V::load_partial(probe.partial_in.as_ptr(), n).store(probe.loaded.as_mut_ptr());
+    V::load(probe.partial_in.as_ptr()).store_partial(probe.stored.as_mut_ptr(), n);
+    V::load(probe.partial_in.as_ptr()).store8(probe.stored8.as_mut_ptr());
 }
 
 // ----- chunk helper ------------------------------------------------------------------------

@@ -566,3 +566,172 @@ fn chunk_helper_validates_its_arguments() {
     )
     .unwrap();
 }
+
+// ----- the primitives behind pass 1: same bits on every ISA ------------------------------
+
+fn available_isas() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+}
+
+fn empty_probe() -> LanesProbe {
+    LanesProbe {
+        sums_in: [[0.0; LANES]; BLOCK_KEYS],
+        sums_out: [0.0; BLOCK_KEYS],
+        partial_in: [0.0; LANES],
+        partial_n: 0,
+        loaded: [0.0; LANES],
+        stored: [0.0; LANES],
+        stored8: [0.0; LANES],
+    }
+}
+
+/// The probe run on `isa` (which must be available).
+fn probe(isa: Isa, mut p: LanesProbe) -> LanesProbe {
+    assert!(isa.is_available());
+    // SAFETY: the ISA's features are present (checked above).
+    unsafe {
+        match isa {
+            Isa::Scalar => probe_lanes::<ScalarLanes>(&mut p),
+            Isa::Avx2Fma => x86::probe_avx2(&mut p),
+            Isa::Avx512 => x86::probe_avx512(&mut p),
+        }
+    }
+    p
+}
+
+/// The canonical horizontal sum, written out: `l + l⊕8`, `l + l⊕4`, `l + l⊕2`, `l + l⊕1`.
+fn tree_sum(x: &[f32; LANES]) -> f32 {
+    let t8: Vec<f32> = (0..8).map(|l| x[l] + x[l + 8]).collect();
+    let t4: Vec<f32> = (0..4).map(|l| t8[l] + t8[l + 4]).collect();
+    let t2: Vec<f32> = (0..2).map(|l| t4[l] + t4[l + 2]).collect();
+    t2[0] + t2[1]
+}
+
+#[test]
+fn transposed_horizontal_sums_add_exactly_the_tree_pairs_on_every_isa() {
+    let mut rng = Rng(5);
+    let mut order_mattered = false;
+    for _ in 0..300 {
+        let mut p = empty_probe();
+        for lanes in p.sums_in.iter_mut() {
+            for x in lanes.iter_mut() {
+                // Magnitudes 2^-20 … 2^20 with mixed signs: the rounding depends on the order.
+                let exponent = rng.below(41) as i32 - 20;
+                *x = rng.f32s(1, 1.0)[0] * 2f32.powi(exponent);
+            }
+        }
+        let expected: Vec<f32> = p.sums_in.iter().map(tree_sum).collect();
+        order_mattered |= p
+            .sums_in
+            .iter()
+            .zip(&expected)
+            .any(|(x, t)| x.iter().sum::<f32>().to_bits() != t.to_bits());
+        for isa in available_isas() {
+            let got = probe(isa, p.clone());
+            assert_eq!(bits(&got.sums_out), bits(&expected), "{isa:?}");
+        }
+    }
+    assert!(
+        order_mattered,
+        "the data never told the tree from a plain sum"
+    );
+}
+
+#[test]
+fn partial_loads_and_stores_touch_only_their_lanes_on_every_isa() {
+    let values: [f32; LANES] = std::array::from_fn(|l| l as f32 + 1.5);
+    for n in 0..=LANES {
+        let mut p = empty_probe();
+        p.partial_in = values;
+        p.partial_n = n;
+        p.stored = [-7.0; LANES];
+        p.stored8 = [-7.0; LANES];
+        for isa in available_isas() {
+            let got = probe(isa, p.clone());
+            let loaded: Vec<f32> = (0..LANES)
+                .map(|l| if l < n { values[l] } else { 0.0 })
+                .collect();
+            let stored: Vec<f32> = (0..LANES)
+                .map(|l| if l < n { values[l] } else { -7.0 })
+                .collect();
+            let stored8: Vec<f32> = (0..LANES)
+                .map(|l| if l < 8 { values[l] } else { -7.0 })
+                .collect();
+            assert_eq!(bits(&got.loaded), bits(&loaded), "{isa:?} load n = {n}");
+            assert_eq!(bits(&got.stored), bits(&stored), "{isa:?} store n = {n}");
+            assert_eq!(bits(&got.stored8), bits(&stored8), "{isa:?} store8");
+        }
+    }
+}
+
+// ----- score blocks: every block boundary and every row alignment -------------------------
+
+#[test]
+fn every_score_block_boundary_is_bit_identical_and_accurate() {
+    let mut rng = Rng(6);
+    for (n_q_heads, n_kv_heads, head_dim) in [(9, 3, 64), (6, 3, 17), (4, 1, 16), (8, 2, 40)] {
+        let dims = AttnDims {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        for n_fixed in [0, 1, 7, 8, 9] {
+            for n_window in [0, 7, 8, 9, 16, 17] {
+                for n_local in [1, 8, 9] {
+                    let p = Problem::random(&mut rng, dims, 64, n_fixed, n_window, n_local);
+                    let scale = 1.0 / (head_dim as f32).sqrt();
+                    let expected = reference(&p.q_fixed, &p.q_window, &p.keys(), dims, scale);
+                    let scalar = p.run(Isa::Scalar, scale);
+                    for (g, e) in scalar.iter().zip(&expected) {
+                        assert!((g - e).abs() <= 2e-6, "{dims:?}: {g} vs {e}");
+                    }
+                    for isa in available_isas() {
+                        assert_eq!(
+                            bits(&p.run(isa, scale)),
+                            bits(&scalar),
+                            "{isa:?} {dims:?} fixed {n_fixed} window {n_window} local {n_local}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn row_alignment_never_changes_a_bit() {
+    // The same ring and local rows placed at every f32 offset within a cache line: masked
+    // tails, unaligned loads and prefetches must all see the same values.
+    let mut rng = Rng(7);
+    let dims = AttnDims {
+        n_q_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+    };
+    let p = Problem::random(&mut rng, dims, 200, 5, 150, 11);
+    let scale = 0.125;
+    let reference_bits = bits(&p.run(Isa::Scalar, scale));
+    let n_keys = p.keys().len();
+    for offset in 0..LANES {
+        let shifted = |rows: &[f32]| {
+            let mut buf = vec![f32::NAN; offset];
+            buf.extend_from_slice(rows);
+            buf
+        };
+        let (ring_k, ring_v) = (shifted(&p.ring_k), shifted(&p.ring_v));
+        let (local_k, local_v) = (shifted(&p.local_k), shifted(&p.local_v));
+        let inputs = AttnInputs {
+            ring_k: &ring_k[offset..],
+            ring_v: &ring_v[offset..],
+            local_k: &local_k[offset..],
+            local_v: &local_v[offset..],
+            ..p.inputs()
+        };
+        for isa in available_isas() {
+            let mut scratch = vec![f32::NAN; scratch_len(dims, n_keys)];
+            let mut out = vec![f32::NAN; dims.q_row()];
+            attend_with(isa, &inputs, dims, scale, &mut scratch, &mut out).unwrap();
+            assert_eq!(bits(&out), reference_bits, "{isa:?} offset {offset}");
+        }
+    }
+}
