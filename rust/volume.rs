@@ -438,11 +438,13 @@ pub struct CacheStats {
     pub drift_clears: u64,
     /// Damage reports that trimmed or cleared an entry.
     pub erasures: u64,
+    /// Replays that missed exactly but reused the longest cached shared prefix.
+    pub prefix_hits: u64,
 }
 
 impl CacheStats {
     /// Every counter by name, in a fixed order (the bindings' and the station's dict form).
-    pub fn as_pairs(&self) -> [(&'static str, u64); 10] {
+    pub fn as_pairs(&self) -> [(&'static str, u64); 11] {
         [
             ("hits", self.hits),
             ("misses", self.misses),
@@ -454,6 +456,7 @@ impl CacheStats {
             ("skipped_too_large", self.skipped_too_large),
             ("drift_clears", self.drift_clears),
             ("erasures", self.erasures),
+            ("prefix_hits", self.prefix_hits),
         ]
     }
 }
@@ -1173,6 +1176,60 @@ impl AmplituhedronCache {
     ) -> Result<Option<Arc<AmplituhedronVolume>>, VolumeError> {
         key.validate()?;
         Ok(self.replay_identified(key, &PrefixIdentity::of(key)))
+    }
+
+    /// Longest-prefix replay (SPEC §2, beyond the seeds): after an exact miss, the cached
+    /// volume (same model, layer range and salt) sharing the longest token prefix with
+    /// `key`, and how many of its positions can serve `key`: the shared length, capped by
+    /// the volume's covered positions and by `len − 1` (the last prompt position is always
+    /// computed, so its logits and tail are fresh). Only reuses of at least `min_reuse`
+    /// positions count; KV for a position depends only on the tokens before it, so the
+    /// reused positions equal what prefill would compute. Compares token ids directly, so
+    /// a hash never decides. Counted in `prefix_hits`; a disabled cache reuses nothing.
+    pub fn replay_longest_prefix(
+        &mut self,
+        key: &VolumeKey<'_>,
+        min_reuse: usize,
+    ) -> Result<Option<(Arc<AmplituhedronVolume>, usize)>, VolumeError> {
+        key.validate()?;
+        if !self.enabled {
+            return Ok(None);
+        }
+        let id = PrefixIdentity::of(key);
+        let cap = key.tokens.len() - 1;
+        let mut best: Option<(usize, usize)> = None; // (entry index, reusable positions)
+        for (i, e) in self.entries.iter().enumerate() {
+            let v = &e.volume;
+            if v.model_fingerprint != key.model_fingerprint
+                || (v.layer_lo, v.layer_hi) != (key.layer_lo, key.layer_hi)
+                || v.salt_key != id.salt_key
+            {
+                continue;
+            }
+            let shared = v
+                .tokens
+                .iter()
+                .zip(key.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            let usable = shared.min(v.kv_len).min(cap);
+            let better = match best {
+                None => true,
+                Some((j, u)) => {
+                    usable > u || (usable == u && e.last_used > self.entries[j].last_used)
+                }
+            };
+            if usable >= min_reuse.max(1) && better {
+                best = Some((i, usable));
+            }
+        }
+        let Some((i, usable)) = best else {
+            return Ok(None);
+        };
+        self.tick += 1;
+        self.entries[i].last_used = self.tick;
+        self.stats.prefix_hits += 1;
+        Ok(Some((Arc::clone(&self.entries[i].volume), usable)))
     }
 
     /// Tail residual of the most recent hit, if its lookup hash is `prefix_hash` and it is

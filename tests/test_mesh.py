@@ -188,3 +188,20 @@ def test_sampled_generation_matches_single_process(
     single = model.generate(ids, 10, use_cache=False, stop_at_eos=False, **kw)
     g = run(_generate(mesh, ids, 10, **kw))
     assert g.output_ids == single.output_ids
+
+
+def test_longest_prefix_replay_over_the_wire(
+    mesh: MeshSpec, model: Model, prompts: dict[str, Any]
+) -> None:
+    system = prompts["long"]["text"][:600]
+    first = model.chat_ids(system, "What does the keeper do every evening?")
+    second = model.chat_ids(system, "Why is the lens polished?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    run(_clear(mesh))
+    cold = model.generate(second, 6, use_cache=False, stop_at_eos=False)
+    run(_generate(mesh, first, 2))
+    g = run(_generate(mesh, second, 6))
+    assert [v.replay for v in g.stations] == ["partial"] * 3
+    assert g.replayed_tokens == shared and not g.cache_hit
+    assert g.output_ids == cold.output_ids
+    assert all(v.captured_bytes > 0 for v in g.stations)  # the full second chat is captured

@@ -247,3 +247,21 @@ def test_cli_generate_json(model_path: Any) -> None:
         assert r["prompt_ids"] == [12615, 36411, 418, 582] and len(r["output_ids"]) == 3
     assert runs[0]["output_ids"] == runs[1]["output_ids"]
     assert runs[1]["cache_hit"] and runs[1]["cache"]["hits"] == 1
+
+
+def test_a_new_question_under_a_cached_system_prompt_prefills_only_itself(
+    model: Model, prompts: dict[str, Any]
+) -> None:
+    """Longest-prefix replay: the shared system turn comes from the cache, bit-exactly."""
+    system = prompts["long"]["text"][:600]
+    first = model.chat_ids(system, "What does the keeper do every evening?")
+    second = model.chat_ids(system, "Why is the lens polished?")
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert shared >= 16
+    model.clear_cache()
+    cold = model.generate(second, 8, use_cache=False, stop_at_eos=False)
+    model.generate(first, 2, stop_at_eos=False)  # captures the first chat
+    warm = model.generate(second, 8, stop_at_eos=False)
+    assert not warm.cache_hit and warm.replayed_tokens == shared
+    assert warm.output_ids == cold.output_ids
+    assert model.cache_stats()["prefix_hits"] == 1

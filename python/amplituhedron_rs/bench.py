@@ -307,15 +307,17 @@ def bit_exactness(cold: dict[str, Any], warm: dict[str, Any]) -> dict[str, Any]:
 def unique_regime(mesh: dict[str, Any], cold: dict[str, Any]) -> dict[str, Any]:
     """False hits and the cache's cost in the unique-prompt regime."""
     sessions = mesh["unique_sessions"]
-    reply_hits = sum(
-        1 for s in sessions for v in s["stations"] if v["replay"] not in ("miss", "off")
-    )
+    # A unique prompt can never be cached whole: any full hit is false. Reusing a genuinely
+    # shared leading part (longest-prefix replay; its token ids are compared) is not.
+    reply_hits = sum(1 for s in sessions for v in s["stations"] if v["replay"] == "hit")
+    partial_reuses = sum(1 for s in sessions for v in s["stations"] if v["replay"] == "partial")
     before, after = mesh["unique_stats_before"], mesh["unique_stats_after"]
     stats_hits = sum(int(a["hits"]) - int(b["hits"]) for a, b in zip(after, before, strict=True))
     regime = regime_json("enabled", sessions)
     return regime | {
         "distinct_prompts": len({s["prefix_hash"] for s in sessions}),
         "false_hits": {"replies": reply_hits, "stats": stats_hits},
+        "shared_prefix_reuses": partial_reuses,
         "station_stats_before": before,
         "station_stats_after": after,
         "resident_bytes": _bytes(after),

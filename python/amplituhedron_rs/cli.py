@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-entries", type=int, default=4)
     serve.add_argument("--max-prefix-len", type=int, default=512)
     serve.add_argument("--policy", choices=["pisot", "lru"], default="pisot")
+    serve.add_argument(
+        "--min-prefix-reuse",
+        type=int,
+        default=16,
+        metavar="N",
+        help="replay the longest cached prefix of at least N tokens (0: exact prompts only)",
+    )
     serve.add_argument("--no-cache", action="store_true", help="start with the cache disabled")
     serve.add_argument(
         "--precision",
@@ -176,6 +183,7 @@ def _cmd_station(a: argparse.Namespace) -> int:
         cache_enabled=not a.no_cache,
         fault_injection=a.fault_injection,
         precision=a.precision,
+        min_prefix_reuse=a.min_prefix_reuse,
     )
     serve(settings, host=a.host, port=a.port, model_index=a.model_index)
     return 0

@@ -45,6 +45,9 @@ class CacheOptions:
     max_prefix_len: int = 512
     max_bytes: int | None = None
     policy: Policy = "pisot"
+    #: After an exact miss, reuse the longest cached prefix of at least this many tokens
+    #: (0: exact-prompt replay only).
+    min_prefix_reuse: int = 16
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class Model:
             policy=c.policy,
         )
         p.amplituhedron_enable(c.enabled)
+        p.amplituhedron_set_min_prefix_reuse(c.min_prefix_reuse)
         return p
 
     def new_session(

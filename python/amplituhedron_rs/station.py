@@ -85,6 +85,7 @@ class StationSettings:
     max_chunk: int = 256
     fault_injection: bool = False
     precision: Literal["refined", "fast"] = "refined"
+    min_prefix_reuse: int = 16
 
 
 @dataclass
@@ -127,6 +128,7 @@ class ConfigureRequest(BaseModel):
     max_entries: int | None = Field(default=None, ge=1, le=1_000_000)
     max_prefix_len: int | None = Field(default=None, ge=1, le=1 << 31)
     max_bytes: int | None = Field(default=None, ge=1, le=1 << 48)
+    min_prefix_reuse: int | None = Field(default=None, ge=0, le=1 << 31)
 
 
 class VolumeRequest(BaseModel):
@@ -199,6 +201,7 @@ class Station:
             policy=s.policy,
         )
         self.pipeline.amplituhedron_enable(s.cache_enabled)
+        self.pipeline.amplituhedron_set_min_prefix_reuse(s.min_prefix_reuse)
         self.is_entry = s.layer_lo == 0
         self.is_exit = s.layer_hi == weights.n_layers
         self.hidden = int(weights.hidden)
@@ -589,6 +592,8 @@ def create_app(station: Station) -> FastAPI:
                 p.amplituhedron_set_max_prefix_len(req.max_prefix_len)
             if "max_bytes" in req.model_fields_set:
                 p.amplituhedron_set_max_bytes(req.max_bytes)
+            if req.min_prefix_reuse is not None:
+                p.amplituhedron_set_min_prefix_reuse(req.min_prefix_reuse)
         return {"stats": station.stats()}
 
     @app.post("/amplituhedron/clear", dependencies=auth)

@@ -443,6 +443,18 @@ impl PyPipeline {
             .map_err(value_error)
     }
 
+    /// Longest-prefix replay threshold: after an exact miss, reuse a cached volume sharing
+    /// at least `n` leading tokens (0: exact-prompt replay only; default 16).
+    fn amplituhedron_set_min_prefix_reuse(&mut self, n: usize) {
+        self.inner.amplituhedron_set_min_prefix_reuse(n);
+    }
+
+    /// The longest-prefix replay threshold (0: off).
+    #[getter]
+    fn min_prefix_reuse(&self) -> usize {
+        self.inner.min_prefix_reuse()
+    }
+
     fn amplituhedron_clear(&mut self) {
         self.inner.amplituhedron_clear();
     }

@@ -74,7 +74,13 @@ pub struct NativeLlamaPipeline {
     layer_lo: usize,
     layer_hi: usize,
     cache: AmplituhedronCache,
+    /// Shortest shared prefix worth replaying after an exact miss (0: exact replay only).
+    min_prefix_reuse: usize,
 }
+
+/// Default of [`NativeLlamaPipeline::amplituhedron_set_min_prefix_reuse`]: below this many
+/// shared positions a partial replay saves too little to be worth a lookup.
+pub const DEFAULT_MIN_PREFIX_REUSE: usize = 16;
 
 impl NativeLlamaPipeline {
     /// A pipeline over `[layer_lo, layer_hi)` with a volume cache configured by `cache`.
@@ -97,6 +103,7 @@ impl NativeLlamaPipeline {
             layer_lo,
             layer_hi,
             cache,
+            min_prefix_reuse: DEFAULT_MIN_PREFIX_REUSE,
         })
     }
 
@@ -170,6 +177,17 @@ impl NativeLlamaPipeline {
         self.cache
             .set_max_bytes(n)
             .map_err(|e| ModelError::Volume(e.to_string()))
+    }
+
+    /// Longest-prefix replay: after an exact miss, reuse a cached volume sharing at least
+    /// `n` leading tokens with the prompt (0 turns it off: exact-prompt replay only).
+    pub fn amplituhedron_set_min_prefix_reuse(&mut self, n: usize) {
+        self.min_prefix_reuse = n;
+    }
+
+    /// The current longest-prefix threshold (0: off).
+    pub fn min_prefix_reuse(&self) -> usize {
+        self.min_prefix_reuse
     }
 
     /// `amplituhedron_clear`.
@@ -298,7 +316,7 @@ impl NativeLlamaPipeline {
         // At most two rounds: the volume as stored, then once more after a trailing trim.
         for _ in 0..2 {
             let Some(vol) = self.cache.replay(&key).map_err(volume_err)? else {
-                return Ok(ReplayOutcome::Miss);
+                return self.replay_longest_prefix(session, &key);
             };
             if let Some(bad) = vol.first_non_finite_position() {
                 match self.cache.report_damage(&key, bad).map_err(volume_err)? {
@@ -327,6 +345,43 @@ impl NativeLlamaPipeline {
             });
         }
         Ok(ReplayOutcome::Miss)
+    }
+
+    /// After an exact miss: splice the longest cached shared prefix (SPEC §2, beyond the
+    /// seeds), so e.g. a new question under a cached system prompt prefills only itself.
+    fn replay_longest_prefix(
+        &mut self,
+        session: &mut RangeSession,
+        key: &VolumeKey<'_>,
+    ) -> Result<ReplayOutcome, ModelError> {
+        if self.min_prefix_reuse == 0 {
+            return Ok(ReplayOutcome::Miss);
+        }
+        let volume_err = |e: crate::volume::VolumeError| ModelError::Volume(e.to_string());
+        let Some((vol, usable)) = self
+            .cache
+            .replay_longest_prefix(key, self.min_prefix_reuse)
+            .map_err(volume_err)?
+        else {
+            return Ok(ReplayOutcome::Miss);
+        };
+        if let Some(bad) = vol.first_non_finite_position().filter(|&p| p < usable) {
+            // Damage inside the shared part: the erasure path of the volume's own entry.
+            let own = VolumeKey {
+                tokens: vol.tokens(),
+                ..*key
+            };
+            self.cache.report_damage(&own, bad).map_err(volume_err)?;
+            return Ok(ReplayOutcome::Miss);
+        }
+        session.append_volume(
+            vol.kv_keys(),
+            vol.kv_vals(),
+            vol.prefix_len(),
+            usable,
+            SpanType::User,
+        )?;
+        Ok(ReplayOutcome::Partial { kv_len: usable })
     }
 
     /// Single-process generation over the whole model (this pipeline must span every layer).

@@ -468,3 +468,59 @@ fn captures_the_cache_declines_are_reported_not_errors() {
     ));
     assert_eq!(p.amplituhedron_stats().entries, 1);
 }
+
+#[test]
+fn longest_prefix_replay_reuses_a_shared_prefix_bit_exactly() {
+    let w = tiny_weights(14);
+    let shared = prompt(40, 14);
+    let with = |tail: &[u32]| [shared.as_slice(), tail].concat();
+    let a = with(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    let b = with(&[50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]);
+    let mut p = pipeline(&w, 0, 3);
+    let mut s = session(&w, 0, 3, 16);
+    let cold_b = generate(&mut p, &mut s, &b, 12, false);
+    generate(&mut p, &mut s, &a, 4, true); // captures A
+    let warm_b = generate(&mut p, &mut s, &b, 12, true);
+    assert!(!warm_b.cache_hit);
+    assert_eq!(warm_b.replayed_tokens, shared.len());
+    assert_eq!(warm_b.output_ids, cold_b.output_ids);
+    assert_eq!(p.amplituhedron_stats().prefix_hits, 1);
+    // B was captured in full: now an exact hit.
+    assert!(generate(&mut p, &mut s, &b, 12, true).cache_hit);
+
+    // A prompt that is a strict prefix of a cached one reuses all but its last position.
+    let short = a[..30].to_vec();
+    let cold = generate(&mut p, &mut s, &short, 6, false);
+    let warm = generate(&mut p, &mut s, &short, 6, true);
+    assert_eq!(warm.replayed_tokens, 29);
+    assert_eq!(warm.output_ids, cold.output_ids);
+}
+
+#[test]
+fn longest_prefix_replay_respects_threshold_salt_and_switch() {
+    let w = tiny_weights(15);
+    let shared = prompt(20, 15);
+    let a = [shared.as_slice(), &[1, 2, 3]].concat();
+    let b = [shared.as_slice(), &[7, 8, 9]].concat();
+    let mut p = pipeline(&w, 0, 3);
+    let mut s = session(&w, 0, 3, 16);
+    generate(&mut p, &mut s, &a, 2, true);
+    // Below the threshold: no reuse.
+    p.amplituhedron_set_min_prefix_reuse(21);
+    assert_eq!(generate(&mut p, &mut s, &b, 2, true).replayed_tokens, 0);
+    // Switched off: no reuse.
+    p.amplituhedron_set_min_prefix_reuse(0);
+    let c = [shared.as_slice(), &[11, 12, 13]].concat();
+    assert_eq!(generate(&mut p, &mut s, &c, 2, true).replayed_tokens, 0);
+    // A salted probe never reuses an unsalted volume.
+    p.amplituhedron_set_min_prefix_reuse(4);
+    let d = [shared.as_slice(), &[21, 22, 23]].concat();
+    s.reset();
+    let salted = p
+        .amplituhedron_replay(&mut s, &d, Some("tenant-b"))
+        .unwrap();
+    assert_eq!(salted, ReplayOutcome::Miss);
+    assert_eq!(s.clock(), 0);
+    let unsalted = p.amplituhedron_replay(&mut s, &d, None).unwrap();
+    assert_eq!(unsalted, ReplayOutcome::Partial { kv_len: 20 });
+}
