@@ -25,18 +25,22 @@ fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> Ran
     RangeSession::new(Arc::clone(w), lo, hi, &cfg).unwrap()
 }
 
+/// Runs token ids through a session; returns (hidden rows, logits rows).
+fn fwd(
+    s: &mut RangeSession,
+    tokens: &[u32],
+    span: SpanType,
+    wanted: LogitsWanted,
+) -> (Vec<f32>, Vec<f32>) {
+    let (mut h, mut l) = (Vec::new(), Vec::new());
+    s.forward(ChunkInput::Tokens(tokens), span, wanted, &mut h, &mut l)
+        .unwrap();
+    (h, l)
+}
+
 /// Logits of every position, computed by one session over the whole model.
 fn all_logits(s: &mut RangeSession, tokens: &[u32]) -> Vec<f32> {
-    let (mut h, mut l) = (Vec::new(), Vec::new());
-    s.forward(
-        ChunkInput::Tokens(tokens),
-        SpanType::User,
-        LogitsWanted::All,
-        &mut h,
-        &mut l,
-    )
-    .unwrap();
-    l
+    fwd(s, tokens, SpanType::User, LogitsWanted::All).1
 }
 
 #[test]
@@ -70,17 +74,9 @@ fn chunked_prefill_equals_unchunked(w: &Arc<LlamaWeights>) {
     }
     // Feeding the prompt in uneven caller pieces changes nothing either.
     let mut s = session(w, 0, 3, 256);
-    let (mut h, mut l, mut got) = (Vec::new(), Vec::new(), Vec::new());
+    let mut got = Vec::new();
     for piece in tokens.chunks(13) {
-        s.forward(
-            ChunkInput::Tokens(piece),
-            SpanType::User,
-            LogitsWanted::All,
-            &mut h,
-            &mut l,
-        )
-        .unwrap();
-        got.extend_from_slice(&l);
+        got.extend(fwd(&mut s, piece, SpanType::User, LogitsWanted::All).1);
     }
     assert_eq!(got, reference);
 }
@@ -121,38 +117,14 @@ fn rollback_after_a_probe_gives_identical_next_logits() {
     let next = [17u32];
     let run = |probe: bool| {
         let mut s = session(&w, 0, 3, 8);
-        let (mut h, mut l) = (Vec::new(), Vec::new());
-        s.forward(
-            ChunkInput::Tokens(&tokens),
-            SpanType::User,
-            LogitsWanted::Last,
-            &mut h,
-            &mut l,
-        )
-        .unwrap();
+        fwd(&mut s, &tokens, SpanType::User, LogitsWanted::Last);
         if probe {
             let saved = s.clock();
-            let p = prompt(5, 9);
-            s.forward(
-                ChunkInput::Tokens(&p),
-                SpanType::Thought,
-                LogitsWanted::Last,
-                &mut h,
-                &mut l,
-            )
-            .unwrap();
+            fwd(&mut s, &prompt(5, 9), SpanType::Thought, LogitsWanted::Last);
             s.rollback(saved).unwrap();
             assert_eq!(s.clock(), saved);
         }
-        s.forward(
-            ChunkInput::Tokens(&next),
-            SpanType::User,
-            LogitsWanted::Last,
-            &mut h,
-            &mut l,
-        )
-        .unwrap();
-        l
+        fwd(&mut s, &next, SpanType::User, LogitsWanted::Last).1
     };
     assert_eq!(run(true), run(false));
 }
@@ -205,15 +177,7 @@ fn replayed_session_continues_bit_identically() {
     let tokens = prompt(33, 5);
     let mut p = pipeline(&w, 0, 3);
     let mut cold = session(&w, 0, 3, 16);
-    let (mut h, mut l) = (Vec::new(), Vec::new());
-    cold.forward(
-        ChunkInput::Tokens(&tokens),
-        SpanType::User,
-        LogitsWanted::Last,
-        &mut h,
-        &mut l,
-    )
-    .unwrap();
+    let (h, l) = fwd(&mut cold, &tokens, SpanType::User, LogitsWanted::Last);
     let tail = h[h.len() - w.config().hidden..].to_vec();
     let logits = l.clone();
     p.amplituhedron_capture(&cold, &tokens, &tail, Some(&logits), None)
@@ -237,23 +201,8 @@ fn replayed_session_continues_bit_identically() {
     );
     for step in 0..10u32 {
         let t = [step * 3 % 96];
-        let (mut h1, mut l1, mut h2, mut l2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        cold.forward(
-            ChunkInput::Tokens(&t),
-            SpanType::User,
-            LogitsWanted::Last,
-            &mut h1,
-            &mut l1,
-        )
-        .unwrap();
-        warm.forward(
-            ChunkInput::Tokens(&t),
-            SpanType::User,
-            LogitsWanted::Last,
-            &mut h2,
-            &mut l2,
-        )
-        .unwrap();
+        let (_, l1) = fwd(&mut cold, &t, SpanType::User, LogitsWanted::Last);
+        let (_, l2) = fwd(&mut warm, &t, SpanType::User, LogitsWanted::Last);
         assert_eq!(l1, l2, "step {step}");
     }
 }
@@ -296,15 +245,7 @@ fn long_streams_past_the_window_do_not_depend_on_chunking() {
     let tokens = prompt(600, 7);
     let run = |chunk: usize| {
         let mut s = session(&w, 0, 3, chunk);
-        let (mut h, mut l) = (Vec::new(), Vec::new());
-        s.forward(
-            ChunkInput::Tokens(&tokens),
-            SpanType::User,
-            LogitsWanted::All,
-            &mut h,
-            &mut l,
-        )
-        .unwrap();
+        let (_h, l) = fwd(&mut s, &tokens, SpanType::User, LogitsWanted::All);
         assert!(s.ring().active_slots().len() <= 240);
         l
     };
@@ -318,15 +259,7 @@ fn long_streams_past_the_window_do_not_depend_on_chunking() {
 fn bad_input_is_refused_and_changes_nothing() {
     let w = tiny_weights(8);
     let mut s = session(&w, 0, 3, 16);
-    let (mut h, mut l) = (Vec::new(), Vec::new());
-    s.forward(
-        ChunkInput::Tokens(&prompt(5, 8)),
-        SpanType::User,
-        LogitsWanted::Last,
-        &mut h,
-        &mut l,
-    )
-    .unwrap();
+    let (mut h, mut l) = fwd(&mut s, &prompt(5, 8), SpanType::User, LogitsWanted::Last);
     let before = (s.clock(), s.ring().active_slots().to_vec());
     let cases: Vec<(ChunkInput<'_>, LogitsWanted, &str)> = vec![
         (ChunkInput::Tokens(&[]), LogitsWanted::Last, "no tokens"),
@@ -428,15 +361,7 @@ fn captures_the_cache_declines_are_reported_not_errors() {
     let w = tiny_weights(13);
     let tokens = prompt(12, 13);
     let mut s = session(&w, 0, 3, 16);
-    let (mut h, mut l) = (Vec::new(), Vec::new());
-    s.forward(
-        ChunkInput::Tokens(&tokens),
-        SpanType::User,
-        LogitsWanted::Last,
-        &mut h,
-        &mut l,
-    )
-    .unwrap();
+    let (h, l) = fwd(&mut s, &tokens, SpanType::User, LogitsWanted::Last);
     let tail = h[h.len() - 64..].to_vec();
     let mut p = pipeline(&w, 0, 3);
     p.amplituhedron_set_max_prefix_len(4).unwrap();
