@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::forward::{ChunkInput, LogitsWanted, RangeSession};
 use super::sampling::Sampler;
+use super::{ChunkInput, LogitsWanted, RangeSession};
 use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{

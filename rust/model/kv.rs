@@ -1,0 +1,199 @@
+//! One sequence's KV memory for a layer range: its ring buffer plus the rules that cut an
+//! append into pieces (chunk size, anchor boundary, span boundaries).
+//!
+//! This is the per-sequence half of a forward pass (llama.cpp keeps per-sequence memory apart
+//! from the batch and the compute context the same way): a batched step borrows several
+//! `SequenceKv`s and one set of work buffers ([`super::StepBuffers`]).
+
+use super::{LlamaConfig, ModelError};
+use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
+
+/// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
+/// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
+/// span layout never depends on chunking. Smaller windows use half their length.
+pub const SPAN_TOKENS: u64 = 256;
+
+/// Sizes of a sequence's ring buffer and of the pieces an append is cut into.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionConfig {
+    /// Physical KV slots per layer (default 4096; at most the trained context).
+    pub slots: usize,
+    /// Recall slots reserved at the top of the ring (default 128).
+    pub recall: usize,
+    /// Locked anchor slots for the system prompt (default 0).
+    pub n_sys: usize,
+    /// Rows appended together in one piece (default 256). Results never depend on it.
+    pub max_chunk: usize,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            slots: 4096,
+            recall: 128,
+            n_sys: 0,
+            max_chunk: 256,
+        }
+    }
+}
+
+/// The KV ring of one sequence over `[layer_lo, layer_hi)`.
+#[derive(Debug)]
+pub struct SequenceKv {
+    layer_lo: usize,
+    layer_hi: usize,
+    ring: DynamicRingBuffer,
+    max_chunk: usize,
+    /// Span length of this sequence: `SPAN_TOKENS`, or half the window if that is smaller.
+    span_tokens: u64,
+}
+
+impl SequenceKv {
+    /// An empty ring (clock 0) for `[layer_lo, layer_hi)` of a model shaped like `c`.
+    pub fn new(
+        c: &LlamaConfig,
+        layer_lo: usize,
+        layer_hi: usize,
+        cfg: &SessionConfig,
+    ) -> Result<Self, ModelError> {
+        if layer_lo >= layer_hi || layer_hi > c.n_layers {
+            return Err(ModelError::Input(format!(
+                "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{}",
+                c.n_layers
+            )));
+        }
+        if cfg.slots > c.context_len {
+            return Err(ModelError::Input(format!(
+                "{} slots exceed the trained context of {} positions: relative distances \
+                 must stay inside it",
+                cfg.slots, c.context_len
+            )));
+        }
+        if cfg.max_chunk == 0 {
+            return Err(ModelError::Input("max_chunk must be at least 1".into()));
+        }
+        let mut ring_cfg = RingConfig::new(layer_hi - layer_lo, c.n_kv_heads, c.head_dim());
+        ring_cfg.slots = cfg.slots;
+        ring_cfg.recall = cfg.recall;
+        ring_cfg.n_sys = cfg.n_sys;
+        ring_cfg.max_positions = Some(c.context_len);
+        // A piece never spans more than the window (the ring's rule) nor more than a span.
+        let span_tokens = SPAN_TOKENS.min(ring_cfg.window_len() as u64 / 2).max(1);
+        ring_cfg.max_chunk = cfg.max_chunk.min(span_tokens as usize).max(1);
+        let ring = DynamicRingBuffer::new(ring_cfg).map_err(|e| ModelError::Ring(e.to_string()))?;
+        let max_chunk = ring.config().max_chunk;
+        Ok(SequenceKv {
+            layer_lo,
+            layer_hi,
+            ring,
+            max_chunk,
+            span_tokens,
+        })
+    }
+
+    /// `(layer_lo, layer_hi)`.
+    pub fn layer_range(&self) -> (usize, usize) {
+        (self.layer_lo, self.layer_hi)
+    }
+
+    /// Positions held so far (the ring's clock).
+    pub fn clock(&self) -> u64 {
+        self.ring.clock()
+    }
+
+    /// The ring (read-only).
+    pub fn ring(&self) -> &DynamicRingBuffer {
+        &self.ring
+    }
+
+    /// The ring, for splicing a replayed volume.
+    pub fn ring_mut(&mut self) -> &mut DynamicRingBuffer {
+        &mut self.ring
+    }
+
+    /// Rows appended together in one piece.
+    pub fn max_chunk(&self) -> usize {
+        self.max_chunk
+    }
+
+    /// Forgets every position (clock 0) without giving the allocation back.
+    pub fn reset(&mut self) {
+        self.ring.reset();
+    }
+
+    /// Undoes every position after `saved` (probe tokens, rejected drafts); bit-exact.
+    pub fn rollback(&mut self, saved: u64) -> Result<(), ModelError> {
+        self.ring
+            .rollback_clock(saved)
+            .map_err(|e| ModelError::Ring(e.to_string()))
+    }
+
+    /// Where the next piece of an append starting at the current clock ends, and whether it
+    /// opens a new span. Pieces never cross `max_chunk`, the anchor boundary `n_sys`, or a
+    /// multiple of the span length; spans open at those fixed positions (or when the span type
+    /// changes), so the span layout — and with it span-aware eviction — never depends on
+    /// how a caller chunked or batched its input, nor on whether positions were replayed or
+    /// prefilled.
+    pub(crate) fn next_piece(&self, remaining: usize, span: SpanType) -> (usize, bool) {
+        let clock = self.ring.clock();
+        let n_sys = self.ring.n_sys() as u64;
+        let mut end = clock + remaining.min(self.max_chunk) as u64;
+        end = end.min((clock / self.span_tokens + 1) * self.span_tokens);
+        if clock < n_sys {
+            end = end.min(n_sys);
+        }
+        let open_same = self
+            .ring
+            .spans()
+            .last()
+            .is_some_and(|s| s.end_clock == clock && s.span_type == span);
+        let new_span = clock.is_multiple_of(self.span_tokens) || clock == n_sys || !open_same;
+        ((end - clock) as usize, new_span)
+    }
+
+    /// Appends the first `kv_len` positions of a volume slab (layout
+    /// `(layers, kv_heads, stride, head_dim)`) through the ring's own append path, in the
+    /// same pieces and spans prefill would use, so the ring ends up exactly as a cold prefill
+    /// leaves it. On error the sequence is back where it started.
+    pub fn append_volume(
+        &mut self,
+        keys: &[f32],
+        vals: &[f32],
+        stride: usize,
+        kv_len: usize,
+        span: SpanType,
+    ) -> Result<(), ModelError> {
+        let rc = self.ring.config();
+        let (kvh, hd, layers) = (rc.kv_heads, rc.head_dim, rc.n_layers);
+        if kv_len == 0
+            || kv_len > stride
+            || keys.len() != layers * kvh * stride * hd
+            || vals.len() != keys.len()
+        {
+            return Err(ModelError::Input(format!(
+                "{kv_len} positions of a {layers}-layer slab with stride {stride} do not fit \
+                 {} floats",
+                keys.len()
+            )));
+        }
+        let saved = self.ring.clock();
+        let mut from = 0;
+        while from < kv_len {
+            let (n, new_span) = self.next_piece(kv_len - from, span);
+            self.ring
+                .begin_append(n, span, new_span)
+                .map_err(|e| ModelError::Ring(e.to_string()))?;
+            let written = (0..layers).try_for_each(|layer| {
+                self.ring
+                    .write_pending_slab(layer, keys, vals, stride, from)
+            });
+            if let Err(e) = written.and_then(|()| self.ring.commit_append()) {
+                self.ring.abort_append();
+                let _ = self.ring.rollback_clock(saved);
+                return Err(ModelError::Ring(e.to_string()));
+            }
+            from += n;
+        }
+        Ok(())
+    }
+}
