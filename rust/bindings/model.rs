@@ -319,8 +319,9 @@ impl PySampler {
         Ok(PySampler { inner })
     }
 
-    /// Picks the next token from float32 logits.
-    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>) -> PyResult<u32> {
+    /// Picks the token for position `index` (prompt length + tokens before it) from float32
+    /// logits. A pure function of the logits, the parameters, the seed and `index`.
+    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>, index: u64) -> PyResult<u32> {
         let owned;
         let values = match logits.as_slice() {
             Ok(s) => s,
@@ -330,7 +331,7 @@ impl PySampler {
             }
         };
         self.inner
-            .sample(values)
+            .sample(values, index)
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 }
@@ -496,7 +497,7 @@ impl PyPipeline {
         let tail = tail.as_array().to_vec();
         let logits = logits.map(|l| l.as_array().to_vec());
         let pipeline = &mut self.inner;
-        let session = &session.inner;
+        let session = session.inner.kv();
         let outcome = py
             .detach(|| {
                 pipeline.amplituhedron_capture(
@@ -521,7 +522,7 @@ impl PyPipeline {
         salt: Option<String>,
     ) -> PyResult<Option<PyReplayResult>> {
         let pipeline = &mut self.inner;
-        let session = &mut session.inner;
+        let session = session.inner.kv_mut();
         let outcome = py
             .detach(|| pipeline.amplituhedron_replay(session, &tokens, salt.as_deref()))
             .map_err(value_error)?;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::sampling::Sampler;
-use super::{ChunkInput, LogitsWanted, RangeSession};
+use super::{ChunkInput, LogitsWanted, RangeSession, SequenceKv};
 use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
@@ -137,20 +137,24 @@ impl NativeLlamaPipeline {
         }
     }
 
-    fn check_session(&self, session: &RangeSession) -> Result<(), ModelError> {
-        if (session.layer_lo(), session.layer_hi()) != (self.layer_lo, self.layer_hi)
-            || !Arc::ptr_eq(session.weights(), &self.weights)
+    fn check_kv(&self, kv: &SequenceKv) -> Result<(), ModelError> {
+        let c = self.weights.config();
+        let rc = kv.ring().config();
+        if kv.layer_range() != (self.layer_lo, self.layer_hi)
+            || (rc.kv_heads, rc.head_dim) != (c.n_kv_heads, c.head_dim())
         {
+            let (lo, hi) = kv.layer_range();
             return Err(ModelError::Input(format!(
-                "the session runs layers {}..{} of other weights or another range than this \
+                "the session holds layers {lo}..{hi} of another model or range than this \
                  pipeline ({}..{})",
-                session.layer_lo(),
-                session.layer_hi(),
-                self.layer_lo,
-                self.layer_hi
+                self.layer_lo, self.layer_hi
             )));
         }
         Ok(())
+    }
+
+    fn is_exit(&self) -> bool {
+        self.layer_hi == self.weights.config().n_layers
     }
 
     /// `amplituhedron_enable`.
@@ -226,13 +230,13 @@ impl NativeLlamaPipeline {
     /// path); the prefix positions must still be resident in the ring.
     pub fn amplituhedron_capture(
         &mut self,
-        session: &RangeSession,
+        session: &SequenceKv,
         tokens: &[u32],
         tail: &[f32],
         logits: Option<&[f32]>,
         salt: Option<&str>,
     ) -> Result<CaptureOutcome, ModelError> {
-        self.check_session(session)?;
+        self.check_kv(session)?;
         let c = self.weights.config();
         if tokens.is_empty() {
             return Err(ModelError::Input(
@@ -253,7 +257,7 @@ impl NativeLlamaPipeline {
                 c.hidden
             )));
         }
-        if logits.is_some() && !session.is_exit() {
+        if logits.is_some() && !self.is_exit() {
             return Err(ModelError::Input(
                 "only the exit range stores logits".into(),
             ));
@@ -297,11 +301,11 @@ impl NativeLlamaPipeline {
     /// entry (`Miss`). The session is untouched on a miss.
     pub fn amplituhedron_replay(
         &mut self,
-        session: &mut RangeSession,
+        session: &mut SequenceKv,
         tokens: &[u32],
         salt: Option<&str>,
     ) -> Result<ReplayOutcome, ModelError> {
-        self.check_session(session)?;
+        self.check_kv(session)?;
         if tokens.is_empty() {
             return Err(ModelError::Input("an empty prefix has no volume".into()));
         }
@@ -351,7 +355,7 @@ impl NativeLlamaPipeline {
     /// seeds), so e.g. a new question under a cached system prompt prefills only itself.
     fn replay_longest_prefix(
         &mut self,
-        session: &mut RangeSession,
+        session: &mut SequenceKv,
         key: &VolumeKey<'_>,
     ) -> Result<ReplayOutcome, ModelError> {
         if self.min_prefix_reuse == 0 {
@@ -401,7 +405,7 @@ impl NativeLlamaPipeline {
         on_token: &mut (dyn FnMut(u32) -> bool + Send),
         on_prefill: &mut (dyn FnMut(usize, usize) -> bool + Send),
     ) -> Result<GenerationStats, ModelError> {
-        self.check_session(session)?;
+        self.check_kv(session.kv())?;
         if !(session.is_entry() && session.is_exit()) {
             return Err(ModelError::Input(
                 "generate needs a pipeline over the whole model; use a coordinator for ranges"
@@ -426,7 +430,7 @@ impl NativeLlamaPipeline {
         let mut logits = Vec::new();
         let use_cache = use_cache && self.cache.is_enabled();
         let replay = if use_cache {
-            self.amplituhedron_replay(session, prompt, None)?
+            self.amplituhedron_replay(session.kv_mut(), prompt, None)?
         } else {
             ReplayOutcome::Miss
         };
@@ -477,7 +481,8 @@ impl NativeLlamaPipeline {
                 let tail = hidden[tail_at..].to_vec();
                 // Refusals (too long, disabled…) are counted in the cache's stats; a failed
                 // capture never fails the generation that produced it.
-                let _ = self.amplituhedron_capture(session, prompt, &tail, Some(&logits), None);
+                let _ =
+                    self.amplituhedron_capture(session.kv(), prompt, &tail, Some(&logits), None);
             }
         }
         let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -485,7 +490,7 @@ impl NativeLlamaPipeline {
         let mut output = Vec::with_capacity(max_new_tokens);
         let mut stop_reason = StopReason::Length;
         for step in 0..max_new_tokens {
-            let token = sampler.sample(&logits)?;
+            let token = sampler.sample(&logits, (prompt.len() + step) as u64)?;
             output.push(token);
             if !on_token(token) {
                 stop_reason = StopReason::Cancelled;

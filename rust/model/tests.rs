@@ -180,10 +180,13 @@ fn replayed_session_continues_bit_identically() {
     let (h, l) = fwd(&mut cold, &tokens, SpanType::User, LogitsWanted::Last);
     let tail = h[h.len() - w.config().hidden..].to_vec();
     let logits = l.clone();
-    p.amplituhedron_capture(&cold, &tokens, &tail, Some(&logits), None)
+    p.amplituhedron_capture(cold.kv(), &tokens, &tail, Some(&logits), None)
         .unwrap();
     let mut warm = session(&w, 0, 3, 16);
-    match p.amplituhedron_replay(&mut warm, &tokens, None).unwrap() {
+    match p
+        .amplituhedron_replay(warm.kv_mut(), &tokens, None)
+        .unwrap()
+    {
         ReplayOutcome::Hit {
             tail: t,
             logits: Some(cached),
@@ -296,13 +299,13 @@ fn bad_input_is_refused_and_changes_nothing() {
     }
     let mut p = pipeline(&w, 0, 3);
     assert!(p
-        .amplituhedron_capture(&s, &[], &[0.0; 64], None, None)
+        .amplituhedron_capture(s.kv(), &[], &[0.0; 64], None, None)
         .is_err());
     assert!(p
-        .amplituhedron_capture(&s, &prompt(9, 8), &[0.0; 64], None, None)
+        .amplituhedron_capture(s.kv(), &prompt(9, 8), &[0.0; 64], None, None)
         .is_err());
     assert!(p
-        .amplituhedron_capture(&s, &prompt(5, 8), &[0.0; 3], None, None)
+        .amplituhedron_capture(s.kv(), &prompt(5, 8), &[0.0; 3], None, None)
         .is_err());
     assert_eq!(p.amplituhedron_stats().entries, 0);
     assert!(RangeSession::new(Arc::clone(&w), 2, 2, &SessionConfig::default()).is_err());
@@ -366,7 +369,7 @@ fn captures_the_cache_declines_are_reported_not_errors() {
     let mut p = pipeline(&w, 0, 3);
     p.amplituhedron_set_max_prefix_len(4).unwrap();
     let too_long = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert!(matches!(
         too_long,
@@ -376,16 +379,16 @@ fn captures_the_cache_declines_are_reported_not_errors() {
     p.amplituhedron_set_max_prefix_len(512).unwrap();
     p.amplituhedron_enable(false);
     let off = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert_eq!(off, crate::volume::CaptureOutcome::Disabled);
     p.amplituhedron_enable(true);
     let stored = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert!(stored.cached_bytes() > 0);
     let again = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert!(matches!(
         again,
@@ -442,11 +445,11 @@ fn longest_prefix_replay_respects_threshold_salt_and_switch() {
     let d = [shared.as_slice(), &[21, 22, 23]].concat();
     s.reset();
     let salted = p
-        .amplituhedron_replay(&mut s, &d, Some("tenant-b"))
+        .amplituhedron_replay(s.kv_mut(), &d, Some("tenant-b"))
         .unwrap();
     assert_eq!(salted, ReplayOutcome::Miss);
     assert_eq!(s.clock(), 0);
-    let unsalted = p.amplituhedron_replay(&mut s, &d, None).unwrap();
+    let unsalted = p.amplituhedron_replay(s.kv_mut(), &d, None).unwrap();
     assert_eq!(unsalted, ReplayOutcome::Partial { kv_len: 20 });
 }
 
