@@ -2,6 +2,7 @@
 //! pass per step over the whole model, the volume cache of [`NativeLlamaPipeline`].
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 use super::request::SeqId;
@@ -21,9 +22,10 @@ struct LocalSeq {
     want_logits: bool,
 }
 
-/// Runs batches in this process over a pipeline that spans the whole model.
+/// Runs batches in this process over a pipeline that spans the whole model. The pipeline
+/// (its volume cache) is shared: its owner may configure or inspect the cache between steps.
 pub struct LocalExecutor {
-    pipeline: NativeLlamaPipeline,
+    pipeline: Arc<Mutex<NativeLlamaPipeline>>,
     range: LayerRange,
     session: SessionConfig,
     seqs: HashMap<SeqId, LocalSeq>,
@@ -39,12 +41,14 @@ impl LocalExecutor {
     /// An executor over `pipeline` (which must span every layer) whose sequences get rings
     /// shaped by `session`; up to `max_pooled` released rings are kept for reuse.
     pub fn new(
-        pipeline: NativeLlamaPipeline,
+        pipeline: Arc<Mutex<NativeLlamaPipeline>>,
         session: SessionConfig,
         max_pooled: usize,
     ) -> Result<LocalExecutor, EngineError> {
-        let weights = std::sync::Arc::clone(pipeline.weights());
-        let (lo, hi) = pipeline.layer_range();
+        let (weights, (lo, hi)) = {
+            let p = lock(&pipeline);
+            (Arc::clone(p.weights()), p.layer_range())
+        };
         if (lo, hi) != (0, weights.config().n_layers) {
             return Err(EngineError::Input(format!(
                 "an in-process executor needs every layer, not {lo}..{hi}: use a mesh for ranges"
@@ -71,14 +75,9 @@ impl LocalExecutor {
         })
     }
 
-    /// The pipeline (its volume cache).
-    pub fn pipeline(&self) -> &NativeLlamaPipeline {
-        &self.pipeline
-    }
-
-    /// The pipeline, mutably (cache configuration).
-    pub fn pipeline_mut(&mut self) -> &mut NativeLlamaPipeline {
-        &mut self.pipeline
+    /// The pipeline (its volume cache), locked.
+    pub fn pipeline(&self) -> MutexGuard<'_, NativeLlamaPipeline> {
+        lock(&self.pipeline)
     }
 
     /// The ring geometry of new sequences.
@@ -110,33 +109,36 @@ impl LocalExecutor {
             Sampler::new(a.sampling.clone()).map_err(|e| EngineError::Input(e.to_string()))?;
         let mut kv = self.take_kv()?;
         let mut admitted = Admitted::default();
-        if a.use_cache && self.pipeline.cache().is_enabled() {
-            let replay = self
-                .pipeline
-                .amplituhedron_replay(&mut kv, &a.prompt, a.salt.as_deref());
-            match replay {
-                Ok(ReplayOutcome::Hit {
-                    logits: Some(logits),
-                    ..
-                }) => {
-                    admitted.cached_tokens = a.prompt.len();
-                    if a.sample_first {
-                        let index = a.prompt.len() as u64;
-                        admitted.first_token =
-                            Some(sampler.sample(&logits, index).map_err(|e| {
-                                EngineError::Executor(format!("sampling a cached token: {e}"))
-                            })?);
-                        admitted.first_logits = a.want_logits.then_some(logits);
-                    }
+        let replay = {
+            let mut pipeline = lock(&self.pipeline);
+            if a.use_cache && pipeline.cache().is_enabled() {
+                pipeline.amplituhedron_replay(&mut kv, &a.prompt, a.salt.as_deref())
+            } else {
+                Ok(ReplayOutcome::Miss)
+            }
+        };
+        match replay {
+            Ok(ReplayOutcome::Hit {
+                logits: Some(logits),
+                ..
+            }) => {
+                admitted.cached_tokens = a.prompt.len();
+                if a.sample_first {
+                    let index = a.prompt.len() as u64;
+                    let token = sampler.sample(&logits, index).map_err(|e| {
+                        EngineError::Executor(format!("sampling a cached token: {e}"))
+                    })?;
+                    admitted.first_token = Some(token);
+                    admitted.first_logits = a.want_logits.then_some(logits);
                 }
-                // A volume without logits cannot seed sampling: start over cold.
-                Ok(ReplayOutcome::Hit { logits: None, .. }) | Ok(ReplayOutcome::Miss) => kv.reset(),
-                Ok(ReplayOutcome::Partial { kv_len }) => admitted.cached_tokens = kv_len,
-                Err(e) => {
-                    kv.reset();
-                    self.pool.push(kv);
-                    return Err(e.into());
-                }
+            }
+            // A volume without logits cannot seed sampling: start over cold.
+            Ok(ReplayOutcome::Hit { logits: None, .. }) | Ok(ReplayOutcome::Miss) => kv.reset(),
+            Ok(ReplayOutcome::Partial { kv_len }) => admitted.cached_tokens = kv_len,
+            Err(e) => {
+                kv.reset();
+                self.pool.push(kv);
+                return Err(e.into());
             }
         }
         self.seqs.insert(
@@ -157,17 +159,13 @@ impl LocalExecutor {
     /// own last hidden row and its own logits (a failed capture never fails the sequence).
     fn capture(&mut self, seq: SeqId, tail: &[f32], logits: &[f32]) {
         let Some(s) = self.seqs.get(&seq) else { return };
-        if !s.use_cache || !self.pipeline.cache().is_enabled() {
+        let mut pipeline = lock(&self.pipeline);
+        if !s.use_cache || !pipeline.cache().is_enabled() {
             return;
         }
         // Refusals (too long, disabled…) are counted in the cache's stats.
-        let _ = self.pipeline.amplituhedron_capture(
-            &s.kv,
-            &s.prompt,
-            tail,
-            Some(logits),
-            s.salt.as_deref(),
-        );
+        let _ =
+            pipeline.amplituhedron_capture(&s.kv, &s.prompt, tail, Some(logits), s.salt.as_deref());
     }
 }
 
@@ -278,4 +276,10 @@ impl Executor for LocalExecutor {
             }
         }
     }
+}
+
+/// The pipeline's lock. A panic while it was held cannot leave the cache half-updated (every
+/// cache operation validates before it writes), so a poisoned lock is still usable.
+fn lock(p: &Mutex<NativeLlamaPipeline>) -> MutexGuard<'_, NativeLlamaPipeline> {
+    p.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

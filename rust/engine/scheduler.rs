@@ -1,6 +1,7 @@
 //! The engine: requests, the waiting queue, the running set, and the plan of each step.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use super::draft::DraftController;
@@ -81,8 +82,8 @@ impl Sequence {
 
 /// The continuous-batching engine. See the module docs of [`crate::engine`].
 ///
-/// With an in-process executor, call [`Engine::step`]. An asynchronous executor (the mesh)
-/// drives the same state machine in its own loop: [`Engine::plan_admissions`] →
+/// With an in-process executor, call [`step`]. An asynchronous executor (the mesh) drives
+/// the same state machine in its own loop: [`Engine::plan_admissions`] →
 /// [`Engine::admitted`] → [`Engine::plan_batch`] → [`Engine::complete`], releasing
 /// [`Engine::take_released`] as it goes.
 #[derive(Debug)]
@@ -174,31 +175,20 @@ impl Engine {
         self.running.len()
     }
 
+    /// Prompt positions of `seq` already in its KV (replayed or prefilled), or None when it
+    /// is unknown or finished: progress reports for long prompts.
+    pub fn prefilled(&self, seq: SeqId) -> Option<usize> {
+        let s = self.seqs.get(&seq)?;
+        Some(match s.phase {
+            Phase::Queued => 0,
+            Phase::Prefill { next } => next,
+            Phase::Decode => s.req.prompt.len(),
+        })
+    }
+
     /// Whether anything is left to do (waiting, running, or KV to release).
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty() || !self.released.is_empty()
-    }
-
-    /// One whole step with an in-process executor: release, admit, run one batch.
-    pub fn step(&mut self, ex: &mut dyn Executor) -> Vec<Event> {
-        for seq in self.take_released() {
-            ex.release(seq);
-        }
-        let admissions = self.plan_admissions();
-        let mut events = Vec::new();
-        if !admissions.is_empty() {
-            let results = ex.admit(&admissions);
-            events.extend(self.admitted(&admissions, results));
-        }
-        let batch = self.plan_batch();
-        if !batch.is_empty() {
-            let outcome = ex.run(&batch);
-            events.extend(self.complete(&batch, outcome));
-        }
-        for seq in self.take_released() {
-            ex.release(seq);
-        }
-        events
     }
 
     /// Sequences whose KV the executor should free now.
@@ -461,6 +451,39 @@ impl Engine {
             stats: seq.stats,
         }
     }
+}
+
+/// One whole step with an in-process executor: release, admit, run one batch.
+///
+/// The engine is locked only to plan and to apply results, never while the executor runs,
+/// so other threads can submit and cancel requests during a step.
+pub fn step(engine: &Mutex<Engine>, ex: &mut dyn Executor) -> Vec<Event> {
+    let lock = || {
+        engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let (released, admissions) = {
+        let mut e = lock();
+        (e.take_released(), e.plan_admissions())
+    };
+    for seq in released {
+        ex.release(seq);
+    }
+    let mut events = Vec::new();
+    if !admissions.is_empty() {
+        let results = ex.admit(&admissions);
+        events.extend(lock().admitted(&admissions, results));
+    }
+    let batch = lock().plan_batch();
+    if !batch.is_empty() {
+        let outcome = ex.run(&batch);
+        events.extend(lock().complete(&batch, outcome));
+    }
+    for seq in lock().take_released() {
+        ex.release(seq);
+    }
+    events
 }
 
 fn split_rows(logits: Option<Vec<f32>>, rows: usize) -> Option<Vec<Vec<f32>>> {

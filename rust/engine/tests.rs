@@ -2,7 +2,7 @@
 //! plain decoding loop; batched equals alone (joins, leaves, mixed lengths, greedy and
 //! seeded); cache on equals off; speculative equals plain greedy; bounds and cancellation.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::*;
 use crate::model::testing::{tiny_weights, tiny_weights_with};
@@ -24,7 +24,7 @@ fn session_cfg() -> SessionConfig {
 
 fn executor(w: &Arc<LlamaWeights>) -> LocalExecutor {
     let pipeline = NativeLlamaPipeline::new(Arc::clone(w), 0, 3, CacheConfig::default()).unwrap();
-    LocalExecutor::new(pipeline, session_cfg(), 4).unwrap()
+    LocalExecutor::new(Arc::new(Mutex::new(pipeline)), session_cfg(), 4).unwrap()
 }
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
@@ -44,12 +44,14 @@ struct Output {
 
 /// Runs the engine until every sequence finishes; returns each one's output.
 fn drain(engine: &mut Engine, ex: &mut LocalExecutor) -> std::collections::HashMap<SeqId, Output> {
+    let fresh = Engine::new(engine.config().clone()).unwrap();
+    let shared = Mutex::new(std::mem::replace(engine, fresh));
     let mut outs: std::collections::HashMap<SeqId, Output> = Default::default();
     let mut steps = 0;
-    while engine.has_work() {
+    while shared.lock().unwrap().has_work() {
         steps += 1;
         assert!(steps < 10_000, "the engine does not make progress");
-        for ev in engine.step(ex) {
+        for ev in step(&shared, ex) {
             match ev {
                 Event::Token {
                     seq, token, logits, ..
@@ -66,6 +68,7 @@ fn drain(engine: &mut Engine, ex: &mut LocalExecutor) -> std::collections::HashM
             }
         }
     }
+    *engine = shared.into_inner().unwrap();
     outs
 }
 
@@ -310,7 +313,7 @@ fn a_volume_captured_with_speculation_is_byte_identical() {
             layer_hi: 3,
             salt: None,
         };
-        let vol = ex.pipeline_mut().cache_mut().replay(&key).unwrap().unwrap();
+        let vol = ex.pipeline().cache_mut().replay(&key).unwrap().unwrap();
         (
             vol.kv_keys().to_vec(),
             vol.kv_vals().to_vec(),
@@ -373,9 +376,11 @@ fn a_full_queue_refuses_and_cancellation_frees_the_kv() {
         .unwrap();
     let err = engine.submit(request(prompt(10, 3), 5, SamplingParams::default()));
     assert!(matches!(err, Err(EngineError::QueueFull { .. })));
+    let shared = Mutex::new(engine);
     for _ in 0..4 {
-        engine.step(&mut ex);
+        step(&shared, &mut ex);
     }
+    let mut engine = shared.into_inner().unwrap();
     assert_eq!(ex.live(), 1);
     assert!(matches!(
         engine.cancel(a),
