@@ -390,7 +390,6 @@ impl PyPipeline {
             max_prefix_len,
             max_bytes,
             policy,
-            ..CacheConfig::default()
         };
         let inner = NativeLlamaPipeline::new(Arc::clone(&weights.inner), layer_lo, layer_hi, cache)
             .map_err(value_error)?;
