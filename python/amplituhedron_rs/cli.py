@@ -144,6 +144,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(fals)
 
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server with continuous batching",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and "
+        "/metrics. Requests are batched continuously and share the volume cache.",
+    )
+    srv.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[k for k in [os.environ.get("AMPLITUHEDRON_API_KEY")] if k],
+        metavar="KEY",
+        help="accepted API key (repeatable; env AMPLITUHEDRON_API_KEY); none: open",
+    )
+    srv.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences per step")
+    srv.add_argument("--max-queue", type=int, default=64, metavar="M", help="waiting requests")
+    srv.add_argument(
+        "--step-tokens",
+        type=int,
+        default=64,
+        metavar="T",
+        help="rows per step: decode rows first, then prompt chunks (bounds inter-token latency)",
+    )
+    srv.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    srv.add_argument(
+        "--draft",
+        choices=["prompt-lookup", "off"],
+        default="off",
+        help="speculative decoding for requests that do not choose (greedy output unchanged)",
+    )
+    srv.add_argument("--draft-max", type=int, default=8, metavar="K")
+
     mesh = sub.add_parser("mesh", help="local meshes").add_subparsers(
         dest="mesh_command", required=True
     )
@@ -310,6 +344,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_station(a)
         if a.command == "mesh":
             return _cmd_mesh_up(a)
+        if a.command == "serve":
+            from amplituhedron_rs.serve import ServeOptions, serve
+
+            serve(
+                ServeOptions(
+                    model_path=a.model,
+                    host=a.host,
+                    port=a.port,
+                    api_keys=a.api_key,
+                    max_batch=a.max_batch,
+                    max_queue=a.max_queue,
+                    step_tokens=a.step_tokens,
+                    precision=a.precision,
+                    draft=a.draft == "prompt-lookup",
+                    draft_max=a.draft_max,
+                )
+            )
+            return 0
         if a.command == "bench-model":
             from amplituhedron_rs import bench_model
 

@@ -331,10 +331,13 @@ def load_model(
     session: SessionOptions | None = None,
     cache: CacheOptions | None = None,
     precision: Precision = "refined",
+    batch: BatchOptions | None = None,
 ) -> Model:
     """Loads a Llama-architecture GGUF (the bundled SmolLM2-135M-Instruct by default).
 
     ``precision="refined"`` (default) quantizes activations in two 8-bit passes for logits
     within a few hundredths of an f32 implementation; ``"fast"`` uses one pass, as llama.cpp.
     """
-    return Model(read_model_file(path), session=session, cache=cache, precision=precision)
+    return Model(
+        read_model_file(path), session=session, cache=cache, precision=precision, batch=batch
+    )
