@@ -129,10 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="expose POST /debug/damage (tests and failure drills only)",
     )
 
-    from amplituhedron_rs import bench, bench_mesh, bench_model
+    from amplituhedron_rs import bench, bench_mesh, bench_model, bench_serve
 
     bm = sub.add_parser("bench-model", help="the runtime vs llama.cpp on the same GGUF")
     bench_model.add_arguments(bm)
+    bserve = sub.add_parser(
+        "bench-serve", help="streaming clients 1..16 against the server (and llama.cpp's)"
+    )
+    bench_serve.add_arguments(bserve)
     bmesh = sub.add_parser("bench-mesh", help="per-hop overhead, cold vs warm over K stations")
     bench_mesh.add_arguments(bmesh)
     fals = sub.add_parser(
@@ -370,6 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from amplituhedron_rs import bench
 
             return bench.main(a)
+        if a.command == "bench-serve":
+            from amplituhedron_rs import bench_serve
+
+            return bench_serve.main(a)
         if a.command == "bench-mesh":
             from amplituhedron_rs import bench_mesh
 
