@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
