@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="expose POST /debug/damage (tests and failure drills only)",
     )
 
-    from amplituhedron_rs import bench, bench_mesh, bench_model, bench_serve
+    from amplituhedron_rs import bench, bench_mesh, bench_model, bench_serve, bench_spec
 
     bm = sub.add_parser("bench-model", help="the runtime vs llama.cpp on the same GGUF")
     bench_model.add_arguments(bm)
@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-serve", help="streaming clients 1..16 against the server (and llama.cpp's)"
     )
     bench_serve.add_arguments(bserve)
+    bspec = sub.add_parser(
+        "bench-spec", help="speculative decoding (prompt lookup) against plain decoding"
+    )
+    bench_spec.add_arguments(bspec)
     bmesh = sub.add_parser("bench-mesh", help="per-hop overhead, cold vs warm over K stations")
     bench_mesh.add_arguments(bmesh)
     fals = sub.add_parser(
@@ -378,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from amplituhedron_rs import bench_serve
 
             return bench_serve.main(a)
+        if a.command == "bench-spec":
+            from amplituhedron_rs import bench_spec
+
+            return bench_spec.main(a)
         if a.command == "bench-mesh":
             from amplituhedron_rs import bench_mesh
 

@@ -76,6 +76,7 @@ class Generation:
     cache: dict[str, int] = field(default_factory=dict)
     draft_proposed: int = 0
     draft_accepted: int = 0
+    verify_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's ``--json`` shape."""
@@ -91,6 +92,7 @@ class Generation:
             "cache": self.cache,
             "draft_proposed": self.draft_proposed,
             "draft_accepted": self.draft_accepted,
+            "verify_steps": self.verify_steps,
         }
 
 
@@ -314,6 +316,7 @@ class Model:
             cache=self.cache_stats(),
             draft_proposed=int(stats.get("draft_proposed", 0)),
             draft_accepted=int(stats.get("draft_accepted", 0)),
+            verify_steps=int(stats.get("verify_steps", 0)),
         )
 
     # --- cache ---------------------------------------------------------------------------
