@@ -1,7 +1,9 @@
 //! Tests of the volume cache (a child module of `volume`, so they can force a lookup-hash
 //! collision through the private identity-taking entry points).
 
+use super::slab::{all_finite_portable, copy_all_finite_portable};
 use super::*;
+use crate::keys::digest_prefix_u64;
 use proptest::prelude::*;
 use std::collections::HashSet;
 
