@@ -55,7 +55,7 @@ fn digest_le_words<T: Copy>(
 }
 
 /// A key of either cache, in the disjoint tagged key space (Lean `CacheKey`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum CacheKey {
     /// MatVecMemo key ("death #1"): weight id and the BLAKE3 digest of `x`.
     Memo {

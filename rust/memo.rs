@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::eviction::{pisot_drift, select_victim, EvictionCandidate, EvictionPolicy};
+use crate::eviction::{pisot_drift, EntryFacts, EvictionPolicy, EvictionQueue};
 use crate::keys::{f32_digest, CacheKey};
 
 /// Bytes of an encoded memo key: tag (1) + weight id (8) + digest (32).
@@ -123,8 +123,6 @@ pub struct MemoStats {
 #[derive(Debug)]
 struct MemoEntry {
     y: Vec<f32>,
-    drift: f32,
-    last_used: u64,
 }
 
 impl MemoEntry {
@@ -139,6 +137,8 @@ pub struct MatVecMemo {
     config: MemoConfig,
     enabled: bool,
     entries: HashMap<CacheKey, MemoEntry>,
+    /// The entries in eviction order.
+    queue: EvictionQueue<CacheKey>,
     /// Logical clock: bumped on every get and insert while enabled.
     tick: u64,
     stats: MemoStats,
@@ -161,6 +161,7 @@ impl MatVecMemo {
             config,
             enabled: false,
             entries: HashMap::new(),
+            queue: EvictionQueue::new(config.policy),
             tick: 0,
             stats: MemoStats::default(),
         })
@@ -202,6 +203,7 @@ impl MatVecMemo {
     /// Drops every entry (counters are kept).
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.queue.clear();
         self.stats.entries = 0;
         self.stats.bytes = 0;
     }
@@ -225,9 +227,12 @@ impl MatVecMemo {
             return None;
         }
         self.tick += 1;
-        match self.entries.get_mut(&Self::key(weight_id, x)) {
+        let key = Self::key(weight_id, x);
+        match self.entries.get(&key) {
             Some(e) => {
-                e.last_used = self.tick;
+                // A hit saves the matvec: rows × columns multiply-adds.
+                self.queue
+                    .touch(key, self.tick, (e.y.len() * x.len()) as f64);
                 self.stats.hits += 1;
                 Some(&e.y)
             }
@@ -259,17 +264,18 @@ impl MatVecMemo {
         }
         self.tick += 1;
         let key = Self::key(weight_id, x);
-        if let Some(e) = self.entries.get_mut(&key) {
-            e.last_used = self.tick;
+        if let Some(e) = self.entries.get(&key) {
+            self.queue.touch(key, self.tick, 0.0);
             return Ok(MemoInsertOutcome::AlreadyPresent { bytes: e.bytes() });
         }
         self.evict_to_fit(1, bytes);
-        let entry = MemoEntry {
-            y: y.to_vec(),
+        let facts = EntryFacts {
             drift: pisot_drift(y),
-            last_used: self.tick,
+            bytes,
+            cost: (y.len() * x.len()) as f64,
         };
-        self.entries.insert(key, entry);
+        self.queue.insert(key, facts, self.tick);
+        self.entries.insert(key, MemoEntry { y: y.to_vec() });
         self.stats.bytes += bytes;
         self.stats.entries = self.entries.len();
         Ok(MemoInsertOutcome::Stored { bytes })
@@ -285,14 +291,7 @@ impl MatVecMemo {
             if !(over_entries || over_bytes) {
                 return;
             }
-            let candidates = self.entries.iter().map(|(k, e)| {
-                let c = EvictionCandidate {
-                    drift: e.drift,
-                    last_used: e.last_used,
-                };
-                (*k, c)
-            });
-            let Some(victim) = select_victim(self.config.policy, self.tick, candidates) else {
+            let Some(victim) = self.queue.pop_victim(self.tick) else {
                 return;
             };
             if let Some(e) = self.entries.remove(&victim) {
@@ -450,9 +449,9 @@ mod tests {
         #[test]
         fn random_sequences_respect_the_bounds(
             ops in proptest::collection::vec(op(), 1..80),
-            lru in any::<bool>(),
+            policy in 0usize..3,
         ) {
-            let policy = if lru { EvictionPolicy::Lru } else { EvictionPolicy::PisotGuard };
+            let policy = EvictionPolicy::ALL[policy];
             let mut m = enabled(MemoConfig { max_entries: 3, max_bytes: Some(200), policy });
             for op in ops {
                 match op {
@@ -472,6 +471,7 @@ mod tests {
                 prop_assert!(s.entries <= c.max_entries);
                 prop_assert!(c.max_bytes.is_none_or(|b| s.bytes <= b));
                 prop_assert_eq!(s.entries, m.entries.len());
+                prop_assert_eq!(m.queue.len(), m.entries.len());
                 prop_assert_eq!(s.bytes, m.entries.values().map(MemoEntry::bytes).sum::<usize>());
             }
         }
@@ -480,23 +480,25 @@ mod tests {
         fn the_victim_is_the_policy_choice(
             drifts in proptest::collection::vec(0usize..4, 2..8),
             touches in proptest::collection::vec(0usize..8, 0..10),
-            lru in any::<bool>(),
+            policy in 0usize..3,
         ) {
-            let policy = if lru { EvictionPolicy::Lru } else { EvictionPolicy::PisotGuard };
+            let policy = EvictionPolicy::ALL[policy];
             let n = drifts.len();
             let mut m = enabled(MemoConfig { max_entries: n, max_bytes: None, policy });
             // y = [1 + d]: drift exactly d (small integers, so ties happen).
             for (i, &d) in drifts.iter().enumerate() {
                 m.insert(i as u64, &[0.0], &[1.0 + d as f32]).unwrap();
             }
+            let mut hits = vec![0usize; n];
             for t in touches {
                 m.get((t % n) as u64, &[0.0]);
+                hits[t % n] += 1;
             }
             let now = m.tick + 1; // the insert below bumps the clock first
             let expected = (0..n as u64)
                 .map(|w| {
-                    let e = &m.entries[&MatVecMemo::key(w, &[0.0])];
-                    (w, e.drift, e.last_used)
+                    let t = m.queue.get(&MatVecMemo::key(w, &[0.0])).unwrap();
+                    (w, t.drift, t.last_used)
                 })
                 .max_by(|a, b| {
                     let score = |d: f32, t: u64| f64::from(d) * (now - t) as f64;
@@ -504,6 +506,10 @@ mod tests {
                         EvictionPolicy::Lru => b.2.cmp(&a.2),
                         EvictionPolicy::PisotGuard => score(a.1, a.2)
                             .total_cmp(&score(b.1, b.2))
+                            .then(b.2.cmp(&a.2)),
+                        // Equal sizes and costs, nothing evicted yet: fewest hits, then oldest.
+                        EvictionPolicy::CostAware => hits[b.0 as usize]
+                            .cmp(&hits[a.0 as usize])
                             .then(b.2.cmp(&a.2)),
                     }
                 })

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -34,9 +35,17 @@ class Vol:
     kv_vals: F32 = field(init=False)
 
     def __post_init__(self) -> None:
-        shape = (self.layer_hi - self.layer_lo, self.kv_heads, len(self.tokens), self.head_dim)
-        seed = sum(self.tokens) % 97
-        self.kv_keys = (np.arange(np.prod(shape), dtype=np.float32) * 0.25 + seed).reshape(shape)
+        # As a model's KV: position p depends on the ids up to p only (prompts sharing a
+        # prefix share its KV), and on the absolute layer, the head and the dimension.
+        h, prefix = 0, []
+        for t in self.tokens:
+            h = (h * 31 + t + 7) % 2**32
+            prefix.append(h % 997)
+        layers = np.arange(self.layer_lo, self.layer_hi)[:, None, None, None]
+        heads = np.arange(self.kv_heads)[None, :, None, None]
+        dims = np.arange(self.head_dim)[None, None, None, :]
+        p = np.array(prefix, dtype=np.float32)[None, None, :, None]
+        self.kv_keys = (p * 0.25 + (layers * 7 + heads * 3 + dims) * 0.125).astype(np.float32)
         self.kv_vals = -self.kv_keys - 1.0
 
     @property
@@ -431,6 +440,95 @@ def test_ten_thousand_random_prompts_give_zero_false_hits() -> None:
     assert cache.stats()["misses"] == len(prompts) - captured
 
 
+# ---- longest-prefix replay and shared blocks ----------------------------------------------
+
+SYSTEM = list(range(100, 140))  # a 40-id "system prompt": two full 16-position blocks
+
+
+def test_replay_longest_reuses_the_longest_shared_prefix() -> None:
+    cache = ar.AmplituhedronCache(max_entries=8)
+    a = Vol([*SYSTEM, 1, 2, 3])
+    a.capture(cache)
+    b = [*SYSTEM, 7, 8, 9, 10]
+    assert cache.replay(1, b, 0, 2) is None
+    got = cache.replay_longest(1, b, 0, 2)
+    assert got is not None
+    vol, n = got
+    assert n == 40 and vol.tokens.tolist() == a.tokens
+    np.testing.assert_array_equal(vol.kv_keys[:, :, :n], a.kv_keys[:, :, :n])
+    assert cache.replay_longest(1, np.array(b, dtype=np.uint32), 0, 2, min_len=40) is not None
+    assert cache.replay_longest(1, b, 0, 2, min_len=41) is None
+    # A strict prefix of a cached prompt reuses all but its last position.
+    short = cache.replay_longest(1, a.tokens[:30], 0, 2)
+    assert short is not None and short[1] == 29
+    # Another tenant, model or layer range, or nothing in common: no reuse.
+    assert cache.replay_longest(1, b, 0, 2, salt="tenant") is None
+    assert cache.replay_longest(2, b, 0, 2) is None
+    assert cache.replay_longest(1, b, 0, 1) is None
+    assert cache.replay_longest(1, [999] * 50, 0, 2) is None
+    assert cache.stats()["prefix_hits"] == 3
+    cache.enable(False)
+    assert cache.replay_longest(1, b, 0, 2) is None
+    cache.enable(True)
+    before = cache.stats()
+    for fingerprint, tokens, lo, hi, min_len, message in [
+        (1, b, 0, 2, 0, "min_len"),
+        (1, [], 0, 2, 16, "empty prefix"),
+        (1, b, 2, 0, 16, "layer_lo"),
+        (-1, b, 0, 2, 16, "fingerprint"),
+        (1, [1, -1], 0, 2, 16, "does not fit u32"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache.replay_longest(fingerprint, tokens, lo, hi, min_len=min_len)
+    assert cache.stats() == before
+
+
+def test_prompts_sharing_a_system_prompt_hold_its_blocks_once() -> None:
+    cache = ar.AmplituhedronCache(max_entries=8)
+    a, c = Vol([*SYSTEM, 1, 2, 3]), Vol([*SYSTEM, *range(500, 520)])
+    a.capture(cache)
+    c.capture(cache)
+    a.assert_is(a.replay(cache))
+    c.assert_is(c.replay(cache))
+    block = 4 * 2 * (2 * 2 * 16 * 4)  # keys and values of 2 layers × 2 heads × 16 × 4
+    assert cache.stats()["bytes"] == a.nbytes + c.nbytes - 2 * block
+
+
+# ---- a cache directory ---------------------------------------------------------------------
+
+
+def test_a_cache_directory_keeps_volumes_across_instances(tmp_path: Path) -> None:
+    where = tmp_path / "volumes"
+    cache = ar.AmplituhedronCache(cache_dir=where, max_disk_bytes=10**6)
+    assert (cache.cache_dir, cache.max_disk_bytes) == (where, 10**6)
+    vols = [Vol([*SYSTEM, i]) for i in range(3)]
+    for v in vols:
+        v.capture(cache)
+    assert cache.stats()["disk_writes"] == 3
+    with pytest.raises(ValueError, match="in use"):
+        ar.AmplituhedronCache(cache_dir=where)
+    del cache
+    reopened = ar.AmplituhedronCache(cache_dir=str(where))
+    stats = reopened.stats()
+    assert (stats["entries"], stats["disk_entries"]) == (0, 3)
+    for v in vols:
+        v.assert_is(v.replay(reopened))
+    assert reopened.stats()["disk_hits"] == 3
+    assert ar.AmplituhedronCache().cache_dir is None
+
+
+def test_bad_cache_directory_arguments_raise_value_error(tmp_path: Path) -> None:
+    plain = tmp_path / "a-file"
+    plain.write_text("not a directory")
+    with pytest.raises(ValueError, match="cannot open the cache directory"):
+        ar.AmplituhedronCache(cache_dir=plain)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_disk_bytes must be at least 1"):
+            ar.AmplituhedronCache(cache_dir=tmp_path / "x", max_disk_bytes=bad)
+    with pytest.raises(TypeError):
+        ar.AmplituhedronCache(cache_dir=3)  # type: ignore[arg-type]
+
+
 # ---- erasure and tail --------------------------------------------------------------------
 
 
@@ -496,38 +594,71 @@ def test_set_limits_evict_at_once() -> None:
     vols[3].assert_is(vols[3].replay(cache))
 
 
+#: Bytes of each volume in the policy tests: 2 positions of 1 layer × 1 head × head_dim 1
+#: (keys and values), a 1-float tail, no logits, 2 ids — 7 words.
+MODEL_ENTRY_BYTES = 4 * (2 * 2 + 1 + 2)
+#: Prefill a hit on one of them saves: 2 positions × 1 layer.
+MODEL_ENTRY_COST = 2.0
+
+
+@dataclass
+class Entry:
+    drift: float
+    last_used: int
+    value: float  # prefill cost plus what every hit saved
+    priority: float  # cost-aware: inflation at last use + value / bytes
+
+
 @dataclass
 class Model:
-    """Reference model of the cache's bookkeeping: logical ticks, drift, last use."""
+    """Reference model of the cache's bookkeeping: logical ticks, drift, last use, and the
+    cost-aware policy's value, priority and inflation."""
 
     policy: str
     max_entries: int
     tick: int = 0
-    entries: dict[int, tuple[float, int]] = field(default_factory=dict)  # prompt -> (drift, t)
+    inflation: float = 0.0
+    entries: dict[int, Entry] = field(default_factory=dict)  # prompt -> entry
     evictions: int = 0
+
+    def _use(self, e: Entry, saved: float) -> None:
+        e.last_used = self.tick
+        e.value += saved
+        e.priority = self.inflation + e.value / MODEL_ENTRY_BYTES
 
     def replay(self, prompt: int) -> bool:
         self.tick += 1
         if prompt in self.entries:
-            self.entries[prompt] = (self.entries[prompt][0], self.tick)
+            self._use(self.entries[prompt], MODEL_ENTRY_COST)
             return True
         return False
 
     def capture(self, prompt: int, drift: float) -> None:
         self.tick += 1
         if prompt in self.entries:
-            self.entries[prompt] = (self.entries[prompt][0], self.tick)
+            self._use(self.entries[prompt], 0.0)
             return
         while len(self.entries) + 1 > self.max_entries:
-            self.entries.pop(self.victim())
+            victim = self.victim()
+            if self.policy == "gdsf":
+                self.inflation = max(self.inflation, self.entries[victim].priority)
+            del self.entries[victim]
             self.evictions += 1
-        self.entries[prompt] = (drift, self.tick)
+        value = MODEL_ENTRY_COST
+        self.entries[prompt] = Entry(
+            drift, self.tick, value, self.inflation + value / MODEL_ENTRY_BYTES
+        )
 
     def victim(self) -> int:
-        def key(item: tuple[int, tuple[float, int]]) -> tuple[float, int]:
-            drift, last = item[1]
-            score = drift * (self.tick - last) if self.policy == "pisot" else 0.0
-            return (score, -last)  # largest score, then the oldest
+        def key(item: tuple[int, Entry]) -> tuple[float, int]:
+            e = item[1]
+            if self.policy == "pisot":
+                score = e.drift * (self.tick - e.last_used)
+            elif self.policy == "gdsf":
+                score = -e.priority
+            else:
+                score = 0.0
+            return (score, -e.last_used)  # largest score, then the oldest
 
         return max(self.entries.items(), key=key)[0]
 
@@ -540,7 +671,7 @@ OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=OPS, policy=st.sampled_from(["pisot", "lru"]), max_entries=st.integers(1, 4))
+@given(ops=OPS, policy=st.sampled_from(["pisot", "lru", "gdsf"]), max_entries=st.integers(1, 4))
 def test_victim_choice_matches_the_policy(
     ops: list[tuple[str, int, int]], policy: str, max_entries: int
 ) -> None:
@@ -571,7 +702,7 @@ def test_victim_choice_matches_the_policy(
         min_size=1,
         max_size=50,
     ),
-    policy=st.sampled_from(["pisot", "lru"]),
+    policy=st.sampled_from(["pisot", "lru", "gdsf"]),
 )
 def test_random_operations_never_exceed_the_bounds(
     ops: list[tuple[str, int, int]], policy: str

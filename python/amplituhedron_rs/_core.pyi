@@ -3,6 +3,8 @@
 Sections are kept per core module (volume, oracle, ring, model) so they stay easy to find.
 """
 
+import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, final
 
@@ -16,9 +18,13 @@ __version__: str
 # Token ids: a sequence of ints or a 1-D integer array; every id must fit u32.
 _Tokens: TypeAlias = Sequence[SupportsIndex] | NDArray[np.integer[Any]]
 
+# Eviction policies: Pisot-guard, least recently used, cost-aware (GreedyDual-Size-Frequency).
+_Policy: TypeAlias = Literal["pisot", "lru", "gdsf"]
+
 @final
 class AmplituhedronVolume:
-    """One cached prefix volume. Immutable; its arrays are read-only zero-copy views."""
+    """One cached prefix volume. Immutable; its arrays are read-only views (the KV views of
+    one slab each, assembled from the cache's shared blocks on first access)."""
 
     @property
     def model_fingerprint(self) -> int: ...
@@ -63,7 +69,9 @@ class AmplituhedronCache:
         max_entries: int = 4,
         max_prefix_len: int = 512,
         max_bytes: int | None = None,
-        policy: Literal["pisot", "lru"] = "pisot",
+        policy: _Policy | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        max_disk_bytes: int | None = None,
     ) -> AmplituhedronCache: ...
     def capture(
         self,
@@ -85,6 +93,15 @@ class AmplituhedronCache:
         layer_hi: int,
         salt: str | None = None,
     ) -> AmplituhedronVolume | None: ...
+    def replay_longest(
+        self,
+        fingerprint: int,
+        tokens: _Tokens,
+        layer_lo: int,
+        layer_hi: int,
+        salt: str | None = None,
+        min_len: int = 16,
+    ) -> tuple[AmplituhedronVolume, int] | None: ...
     def tail(self, prefix_hash: int) -> NDArray[np.float32] | None: ...
     def report_damage(
         self,
@@ -110,7 +127,11 @@ class AmplituhedronCache:
     @property
     def max_bytes(self) -> int | None: ...
     @property
-    def policy(self) -> Literal["pisot", "lru"]: ...
+    def policy(self) -> _Policy: ...
+    @property
+    def cache_dir(self) -> pathlib.Path | None: ...
+    @property
+    def max_disk_bytes(self) -> int | None: ...
     def __len__(self) -> int: ...
 
 @final
@@ -121,7 +142,7 @@ class MatVecMemo:
         cls,
         max_entries: int = 1024,
         max_bytes: int | None = None,
-        policy: Literal["pisot", "lru"] = "pisot",
+        policy: _Policy = "pisot",
     ) -> MatVecMemo: ...
     def get(self, weight_id: int, x: NDArray[np.float32]) -> NDArray[np.float32] | None: ...
     def insert(self, weight_id: int, x: NDArray[np.float32], y: NDArray[np.float32]) -> int: ...
@@ -133,7 +154,7 @@ class MatVecMemo:
     @property
     def enabled(self) -> bool: ...
     @property
-    def policy(self) -> Literal["pisot", "lru"]: ...
+    def policy(self) -> _Policy: ...
     def __len__(self) -> int: ...
 
 def prefix_hash(tokens: _Tokens) -> int: ...
@@ -395,7 +416,9 @@ class NativeLlamaPipeline:
         max_entries: int = 4,
         max_prefix_len: int = 512,
         max_bytes: int | None = None,
-        policy: Literal["pisot", "lru"] = "pisot",
+        policy: _Policy | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        max_disk_bytes: int | None = None,
     ) -> NativeLlamaPipeline: ...
     @property
     def layer_range(self) -> tuple[int, int]: ...

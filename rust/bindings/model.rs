@@ -10,16 +10,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::eviction::EvictionPolicy;
 use crate::model::{
     ChunkInput, LlamaConfig, LlamaWeights, LogitsWanted, ModelError, NativeLlamaPipeline,
     Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig, TensorInfo,
 };
 use crate::ring::SpanType;
-use crate::volume::CacheConfig;
 
 use super::ring::PySpanType;
-use super::volume::stats_dict;
+use super::volume::{cache_config, stats_dict};
 
 /// `(hidden rows, logits rows or None)` returned by a forward call.
 type Forwarded<'py> = (Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>);
@@ -369,29 +367,32 @@ impl PyPipeline {
 #[pymethods]
 impl PyPipeline {
     #[new]
-    #[pyo3(signature = (weights, layer_lo, layer_hi, max_entries=4, max_prefix_len=512, max_bytes=None, policy="pisot"))]
+    #[pyo3(signature = (weights, layer_lo, layer_hi, max_entries=4, max_prefix_len=512, max_bytes=None, policy=None, cache_dir=None, max_disk_bytes=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         weights: PyRef<'_, PyModelWeights>,
         layer_lo: usize,
         layer_hi: usize,
-        max_entries: usize,
-        max_prefix_len: usize,
-        max_bytes: Option<usize>,
-        policy: &str,
+        max_entries: i64,
+        max_prefix_len: i64,
+        max_bytes: Option<i64>,
+        policy: Option<&str>,
+        cache_dir: Option<PathBuf>,
+        max_disk_bytes: Option<i64>,
     ) -> PyResult<Self> {
-        let policy: EvictionPolicy =
-            policy
-                .parse()
-                .map_err(|e: crate::eviction::UnknownPolicyError| {
-                    PyValueError::new_err(e.to_string())
-                })?;
-        let cache = CacheConfig {
+        let cache = cache_config(
             max_entries,
             max_prefix_len,
             max_bytes,
             policy,
-        };
-        let inner = NativeLlamaPipeline::new(Arc::clone(&weights.inner), layer_lo, layer_hi, cache)
+            cache_dir,
+            max_disk_bytes,
+        )?;
+        let weights = Arc::clone(&weights.inner);
+        // Opening a cache directory reads every file header: no GIL needed for that.
+        let inner = py
+            .detach(|| NativeLlamaPipeline::new(weights, layer_lo, layer_hi, cache))
             .map_err(value_error)?;
         Ok(PyPipeline {
             inner: Arc::new(Mutex::new(inner)),

@@ -5,6 +5,7 @@
 //! was (the core validates before mutating; conversions here happen before the core runs).
 
 use std::fmt::Display;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::ndarray::{ArrayView1, ArrayView4, ArrayViewD, ShapeBuilder};
@@ -62,6 +63,29 @@ fn limit_arg(value: i64, name: &str) -> PyResult<usize> {
 
 fn policy_arg(policy: &str) -> PyResult<EvictionPolicy> {
     policy.parse().map_err(value_error)
+}
+
+/// The volume cache's configuration from the Python arguments shared by `AmplituhedronCache`
+/// and `NativeLlamaPipeline`; `policy=None` takes the core's default.
+pub(crate) fn cache_config(
+    max_entries: i64,
+    max_prefix_len: i64,
+    max_bytes: Option<i64>,
+    policy: Option<&str>,
+    cache_dir: Option<PathBuf>,
+    max_disk_bytes: Option<i64>,
+) -> PyResult<CacheConfig> {
+    let defaults = CacheConfig::default();
+    Ok(CacheConfig {
+        max_entries: limit_arg(max_entries, "max_entries")?,
+        max_prefix_len: limit_arg(max_prefix_len, "max_prefix_len")?,
+        max_bytes: max_bytes.map(|b| limit_arg(b, "max_bytes")).transpose()?,
+        policy: policy.map_or(Ok(defaults.policy), policy_arg)?,
+        cache_dir,
+        max_disk_bytes: max_disk_bytes
+            .map(|b| limit_arg(b, "max_disk_bytes").map(|b| b as u64))
+            .transpose()?,
+    })
 }
 
 /// Token ids from a sequence of ints or a 1-D integer numpy array; each must fit `u32`.
@@ -419,20 +443,28 @@ impl KeyArgs {
 #[pymethods]
 impl PyCache {
     #[new]
-    #[pyo3(signature = (max_entries=4, max_prefix_len=512, max_bytes=None, policy="pisot"))]
+    #[pyo3(signature = (max_entries=4, max_prefix_len=512, max_bytes=None, policy=None, cache_dir=None, max_disk_bytes=None))]
     fn new(
+        py: Python<'_>,
         max_entries: i64,
         max_prefix_len: i64,
         max_bytes: Option<i64>,
-        policy: &str,
+        policy: Option<&str>,
+        cache_dir: Option<PathBuf>,
+        max_disk_bytes: Option<i64>,
     ) -> PyResult<Self> {
-        let config = CacheConfig {
-            max_entries: limit_arg(max_entries, "max_entries")?,
-            max_prefix_len: limit_arg(max_prefix_len, "max_prefix_len")?,
-            max_bytes: max_bytes.map(|b| limit_arg(b, "max_bytes")).transpose()?,
-            policy: policy_arg(policy)?,
-        };
-        let cache = AmplituhedronCache::new(config).map_err(value_error)?;
+        let config = cache_config(
+            max_entries,
+            max_prefix_len,
+            max_bytes,
+            policy,
+            cache_dir,
+            max_disk_bytes,
+        )?;
+        // Opening a directory reads every file header: no GIL needed for that.
+        let cache = py
+            .detach(|| AmplituhedronCache::new(config))
+            .map_err(value_error)?;
         Ok(PyCache {
             inner: Mutex::new(cache),
         })
@@ -520,6 +552,32 @@ impl PyCache {
         let key = args.key();
         let hit = py.detach(|| self.lock()?.replay(&key).map_err(value_error))?;
         Ok(hit.map(|inner| PyVolume { inner }))
+    }
+
+    /// After an exact miss: the cached volume sharing the longest token prefix with `tokens`
+    /// (same model, layer range and salt) and how many of its positions serve them (capped at
+    /// len(tokens) - 1), if at least `min_len`; else None.
+    #[pyo3(signature = (fingerprint, tokens, layer_lo, layer_hi, salt=None, min_len=16))]
+    #[allow(clippy::too_many_arguments)]
+    fn replay_longest(
+        &self,
+        py: Python<'_>,
+        fingerprint: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        layer_lo: &Bound<'_, PyAny>,
+        layer_hi: &Bound<'_, PyAny>,
+        salt: Option<String>,
+        min_len: i64,
+    ) -> PyResult<Option<(PyVolume, usize)>> {
+        let args = KeyArgs::parse(fingerprint, tokens, layer_lo, layer_hi, salt)?;
+        let min_len = limit_arg(min_len, "min_len")?;
+        let key = args.key();
+        let hit = py.detach(|| {
+            self.lock()?
+                .replay_longest_prefix(&key, min_len)
+                .map_err(value_error)
+        })?;
+        Ok(hit.map(|(inner, n)| (PyVolume { inner }, n)))
     }
 
     /// Tail residual of the most recent hit if its lookup hash is prefix_hash, else None.
@@ -617,12 +675,25 @@ impl PyCache {
         Ok(self.lock()?.config().max_bytes)
     }
 
-    /// Eviction policy name ("pisot" or "lru").
+    /// Eviction policy name ("pisot", "lru" or "gdsf").
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
         Ok(self.lock()?.config().policy.name())
     }
 
+    /// The directory keeping volumes across restarts, or None.
+    #[getter]
+    fn cache_dir(&self) -> PyResult<Option<PathBuf>> {
+        Ok(self.lock()?.config().cache_dir.clone())
+    }
+
+    /// The byte budget of the cache directory (None = unbounded).
+    #[getter]
+    fn max_disk_bytes(&self) -> PyResult<Option<u64>> {
+        Ok(self.lock()?.config().max_disk_bytes)
+    }
+
+    /// Entries resident in memory.
     fn __len__(&self) -> PyResult<usize> {
         Ok(self.lock()?.len())
     }
@@ -733,7 +804,7 @@ impl PyMemo {
         Ok(self.lock()?.is_enabled())
     }
 
-    /// Eviction policy name ("pisot" or "lru").
+    /// Eviction policy name ("pisot", "lru" or "gdsf").
     #[getter]
     fn policy(&self) -> PyResult<&'static str> {
         Ok(self.lock()?.config().policy.name())

@@ -7,8 +7,8 @@ use super::SequenceKv;
 use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
-    AmplituhedronCache, CacheConfig, CacheStats, CaptureOutcome, DamageOutcome, OwnedVolumeData,
-    VolumeKey,
+    AmplituhedronCache, AmplituhedronVolume, CacheConfig, CacheStats, CaptureOutcome,
+    DamageOutcome, OwnedVolumeData, VolumeKey,
 };
 
 /// What a replay did to the session.
@@ -55,8 +55,10 @@ impl NativeLlamaPipeline {
                 "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
             )));
         }
-        let cache =
+        let mut cache =
             AmplituhedronCache::new(cache).map_err(|e| ModelError::Volume(e.to_string()))?;
+        // Volumes of other weights or config (e.g. left in a cache directory) never hit.
+        cache.retain_model(weights.fingerprint());
         Ok(NativeLlamaPipeline {
             weights,
             layer_lo,
@@ -290,15 +292,7 @@ impl NativeLlamaPipeline {
                 }
             }
             let kv_len = vol.kv_len();
-            // Replay goes through the ring's own append path, in the same span pieces prefill
-            // uses, so the ring state (table, spans) equals a cold prefill's exactly.
-            session.append_volume(
-                vol.kv_keys(),
-                vol.kv_vals(),
-                vol.prefix_len(),
-                kv_len,
-                SpanType::User,
-            )?;
+            splice(session, &vol, kv_len)?;
             return Ok(match vol.tail() {
                 Some(tail) if kv_len == tokens.len() => ReplayOutcome::Hit {
                     tail: tail.to_vec(),
@@ -337,13 +331,31 @@ impl NativeLlamaPipeline {
             self.cache.report_damage(&own, bad).map_err(volume_err)?;
             return Ok(ReplayOutcome::Miss);
         }
-        session.append_volume(
-            vol.kv_keys(),
-            vol.kv_vals(),
-            vol.prefix_len(),
-            usable,
-            SpanType::User,
-        )?;
+        splice(session, &vol, usable)?;
         Ok(ReplayOutcome::Partial { kv_len: usable })
     }
+}
+
+/// Writes positions `[0, kv_len)` of `vol` into a fresh sequence, block by block, through the
+/// ring's own append path in the same span pieces prefill uses, so the ring state (table,
+/// spans) equals a cold prefill's exactly. On error the sequence is reset.
+fn splice(
+    session: &mut SequenceKv,
+    vol: &AmplituhedronVolume,
+    kv_len: usize,
+) -> Result<(), ModelError> {
+    for (block, n) in vol.blocks_upto(kv_len) {
+        let appended = session.append_volume(
+            block.keys(),
+            block.vals(),
+            block.positions(),
+            n,
+            SpanType::User,
+        );
+        if let Err(e) = appended {
+            session.reset();
+            return Err(e);
+        }
+    }
+    Ok(())
 }

@@ -2,39 +2,44 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use super::block::KvBlock;
 use super::data::entry_bytes;
-use super::key::PrefixIdentity;
+use super::key::Namespace;
 use super::slab::{copy_all_finite, first_damaged_row, first_non_finite, SlabShape};
-use super::{VolumeError, VolumeKey};
+use super::VolumeError;
 
-/// One cached prefix volume. Immutable once built; shared as `Arc` with callers (the
-/// Python views borrow its slabs zero-copy). Erasure replaces the cache's `Arc` with a
-/// trimmed copy that shares the slabs, so a caller's handle never changes under it.
+/// Keys and values, each one slab in [`AmplituhedronVolume::slab_shape`] layout.
+pub(super) type Slabs = (Box<[f32]>, Box<[f32]>);
+
+/// One cached prefix volume. Immutable once built; shared as `Arc` with callers. Its KV
+/// lives in blocks of [`BLOCK_POSITIONS`](super::BLOCK_POSITIONS) positions that it may share
+/// with other volumes of the same model, layer range and tenant whose ids agree up to the
+/// block's end. Erasure replaces the cache's `Arc` with a trimmed copy that shares the
+/// blocks, so a caller's handle never changes under it.
 pub struct AmplituhedronVolume {
-    pub(super) model_fingerprint: u64,
+    pub(super) namespace: Namespace,
     pub(super) lookup_hash: u64,
     pub(super) digest: [u8; 32],
-    pub(super) salt_key: Option<[u8; 32]>,
-    pub(super) tokens: Vec<u32>,
-    pub(super) layer_lo: u16,
-    pub(super) layer_hi: u16,
-    /// `positions` is `prefix_len`, the stride of the slabs.
+    pub(super) tokens: Arc<[u32]>,
+    /// `positions` is `prefix_len`: the layout of [`kv_keys`](Self::kv_keys).
     pub(super) shape: SlabShape,
-    /// Positions the slabs cover: `prefix_len`, or `prefix_len − 1` after an erasure.
+    /// Positions the blocks cover: `prefix_len`, or `prefix_len − 1` after an erasure.
     pub(super) kv_len: usize,
     pub(super) tail: Option<Vec<f32>>,
     pub(super) logits: Option<Vec<f32>>,
-    pub(super) kv_keys: Arc<Vec<f32>>,
-    pub(super) kv_vals: Arc<Vec<f32>>,
+    /// Consecutive blocks covering positions `[0, prefix_len)`.
+    pub(super) blocks: Vec<Arc<KvBlock>>,
     pub(super) drift: f32,
+    /// Keys and values as one slab each, assembled on first request.
+    pub(super) contiguous: OnceLock<Slabs>,
 }
 
 impl AmplituhedronVolume {
     /// Model fingerprint the volume was captured under.
     pub fn model_fingerprint(&self) -> u64 {
-        self.model_fingerprint
+        self.namespace.fingerprint
     }
 
     /// Lookup hash: the wire `prefix_hash` if unsalted, the tenant-keyed one if salted.
@@ -49,7 +54,7 @@ impl AmplituhedronVolume {
 
     /// Whether the volume belongs to a salted tenant.
     pub fn is_salted(&self) -> bool {
-        self.salt_key.is_some()
+        self.namespace.salt_key.is_some()
     }
 
     /// The prefix token ids.
@@ -59,12 +64,12 @@ impl AmplituhedronVolume {
 
     /// First layer of the range.
     pub fn layer_lo(&self) -> u16 {
-        self.layer_lo
+        self.namespace.layer_lo
     }
 
     /// One past the last layer of the range.
     pub fn layer_hi(&self) -> u16 {
-        self.layer_hi
+        self.namespace.layer_hi
     }
 
     /// Number of tokens in the prefix.
@@ -72,7 +77,7 @@ impl AmplituhedronVolume {
         self.tokens.len()
     }
 
-    /// Positions the slabs cover (`prefix_len`, or `prefix_len − 1` after an erasure).
+    /// Positions the KV covers (`prefix_len`, or `prefix_len − 1` after an erasure).
     pub fn kv_len(&self) -> usize {
         self.kv_len
     }
@@ -92,8 +97,8 @@ impl AmplituhedronVolume {
         self.shape.head_dim
     }
 
-    /// Storage layout of the slabs: `positions` is `prefix_len` (the row stride) even after
-    /// an erasure; only the first [`kv_len`](Self::kv_len) positions are valid.
+    /// Layout of [`kv_keys`](Self::kv_keys): `positions` is `prefix_len` (the row stride) even
+    /// after an erasure; only the first [`kv_len`](Self::kv_len) positions are valid.
     pub fn slab_shape(&self) -> SlabShape {
         self.shape
     }
@@ -108,14 +113,61 @@ impl AmplituhedronVolume {
         self.logits.as_deref()
     }
 
-    /// The whole key slab in [`slab_shape`](Self::slab_shape) layout.
-    pub fn kv_keys(&self) -> &[f32] {
-        &self.kv_keys
+    /// The KV blocks, in position order (all of [`BLOCK_POSITIONS`](super::BLOCK_POSITIONS)
+    /// positions but possibly the last).
+    pub fn blocks(&self) -> &[Arc<KvBlock>] {
+        &self.blocks
     }
 
-    /// The whole value slab in [`slab_shape`](Self::slab_shape) layout.
+    /// The blocks holding positions `[0, kv_len)`, each with how many of its positions lie in
+    /// that range: what a replay writes into a session, block by block.
+    ///
+    /// # Panics
+    /// If `kv_len` exceeds [`kv_len`](Self::kv_len).
+    pub fn blocks_upto(&self, kv_len: usize) -> impl Iterator<Item = (&KvBlock, usize)> + '_ {
+        assert!(
+            kv_len <= self.kv_len,
+            "only {} positions are covered",
+            self.kv_len
+        );
+        let mut start = 0;
+        self.blocks.iter().map_while(move |b| {
+            let n = b.positions().min(kv_len.saturating_sub(start));
+            start += b.positions();
+            (n > 0).then_some((&**b, n))
+        })
+    }
+
+    /// The whole key slab in [`slab_shape`](Self::slab_shape) layout, assembled from the
+    /// blocks on first use (one copy per volume; replay reads the blocks instead).
+    pub fn kv_keys(&self) -> &[f32] {
+        &self.contiguous().0
+    }
+
+    /// The whole value slab in [`slab_shape`](Self::slab_shape) layout (see
+    /// [`kv_keys`](Self::kv_keys)).
     pub fn kv_vals(&self) -> &[f32] {
-        &self.kv_vals
+        &self.contiguous().1
+    }
+
+    fn contiguous(&self) -> &Slabs {
+        self.contiguous.get_or_init(|| {
+            let s = self.shape;
+            let n = s.checked_len().expect("validated at capture");
+            let mut keys = vec![0.0f32; n].into_boxed_slice();
+            let mut vals = vec![0.0f32; n].into_boxed_slice();
+            let mut start = 0;
+            for b in &self.blocks {
+                let run = b.positions() * s.head_dim;
+                for i in 0..s.layers * s.kv_heads {
+                    let dst = s.row_offset(i / s.kv_heads, i % s.kv_heads, start);
+                    keys[dst..dst + run].copy_from_slice(&b.keys()[i * run..(i + 1) * run]);
+                    vals[dst..dst + run].copy_from_slice(&b.vals()[i * run..(i + 1) * run]);
+                }
+                start += b.positions();
+            }
+            (keys, vals)
+        })
     }
 
     /// Pisot drift of the tail at capture.
@@ -123,10 +175,11 @@ impl AmplituhedronVolume {
         self.drift
     }
 
-    /// Byte size counted against `max_bytes` (formula in the module docs).
+    /// Logical byte size (formula in the module docs); with shared blocks the cache may hold
+    /// less.
     pub fn nbytes(&self) -> usize {
         entry_bytes(
-            self.kv_keys.len() + self.kv_vals.len(),
+            2 * self.shape.checked_len().expect("validated at capture"),
             self.tail.as_ref().map_or(0, Vec::len),
             self.logits.as_ref().map_or(0, Vec::len),
             self.tokens.len(),
@@ -135,10 +188,24 @@ impl AmplituhedronVolume {
 
     /// Smallest covered position at which any layer/head row of either slab is non-finite.
     pub fn first_non_finite_position(&self) -> Option<usize> {
-        let keys = first_damaged_row(self.shape, self.kv_len, &self.kv_keys).map(|r| r.2);
-        let limit = keys.unwrap_or(self.kv_len);
-        let vals = first_damaged_row(self.shape, limit, &self.kv_vals).map(|r| r.2);
-        vals.or(keys)
+        let mut start = 0;
+        for b in &self.blocks {
+            let limit = b.positions().min(self.kv_len.saturating_sub(start));
+            if limit == 0 {
+                break;
+            }
+            let shape = SlabShape {
+                positions: b.positions(),
+                ..self.shape
+            };
+            let keys = first_damaged_row(shape, limit, b.keys()).map(|r| r.2);
+            let vals = first_damaged_row(shape, keys.unwrap_or(limit), b.vals()).map(|r| r.2);
+            if let Some(p) = vals.or(keys) {
+                return Some(start + p);
+            }
+            start += b.positions();
+        }
+        None
     }
 
     /// Copies the key and value rows `(layer, head, positions)` into `dst_keys` / `dst_vals`
@@ -146,7 +213,7 @@ impl AmplituhedronVolume {
     ///
     /// `layer` is absolute (in `[layer_lo, layer_hi)`); positions must lie in `[0, kv_len)`.
     /// On [`VolumeError::NonFiniteKv`] the destinations hold partial data and the runtime
-    /// should report the damage ([`AmplituhedronCache::report_damage`]).
+    /// should report the damage ([`AmplituhedronCache::report_damage`](super::AmplituhedronCache::report_damage)).
     pub fn copy_rows_checked(
         &self,
         layer: usize,
@@ -161,7 +228,7 @@ impl AmplituhedronVolume {
             positions: positions.clone(),
         };
         let local = layer
-            .checked_sub(usize::from(self.layer_lo))
+            .checked_sub(usize::from(self.layer_lo()))
             .filter(|&l| l < self.shape.layers)
             .ok_or_else(out_of_range)?;
         if head >= self.shape.kv_heads
@@ -170,7 +237,8 @@ impl AmplituhedronVolume {
         {
             return Err(out_of_range());
         }
-        let n = positions.len() * self.shape.head_dim;
+        let hd = self.shape.head_dim;
+        let n = positions.len() * hd;
         for dst in [&*dst_keys, &*dst_vals] {
             if dst.len() != n {
                 return Err(VolumeError::DestinationLength {
@@ -179,60 +247,65 @@ impl AmplituhedronVolume {
                 });
             }
         }
-        let start = self.shape.row_offset(local, head, positions.start);
-        for (which, src, dst) in [
-            ("kv_keys", &self.kv_keys, &mut *dst_keys),
-            ("kv_vals", &self.kv_vals, &mut *dst_vals),
-        ] {
-            let src = &src[start..start + n];
-            if !copy_all_finite(src, dst) {
-                let bad = first_non_finite(src).expect("a non-finite value exists");
-                return Err(VolumeError::NonFiniteKv {
-                    which,
-                    layer,
-                    head,
-                    position: positions.start + bad / self.shape.head_dim,
-                });
+        let mut block_start = 0;
+        for b in &self.blocks {
+            let block_end = block_start + b.positions();
+            let from = positions.start.max(block_start);
+            let to = positions.end.min(block_end);
+            if from < to {
+                let shape = SlabShape {
+                    positions: b.positions(),
+                    ..self.shape
+                };
+                let src_at = shape.row_offset(local, head, from - block_start);
+                let dst_at = (from - positions.start) * hd;
+                let len = (to - from) * hd;
+                for (which, src, dst) in [
+                    ("kv_keys", b.keys(), &mut *dst_keys),
+                    ("kv_vals", b.vals(), &mut *dst_vals),
+                ] {
+                    let src = &src[src_at..src_at + len];
+                    if !copy_all_finite(src, &mut dst[dst_at..dst_at + len]) {
+                        let bad = first_non_finite(src).expect("a non-finite value exists");
+                        return Err(VolumeError::NonFiniteKv {
+                            which,
+                            layer,
+                            head,
+                            position: from + bad / hd,
+                        });
+                    }
+                }
             }
+            block_start = block_end;
         }
         Ok(())
     }
 
-    pub(super) fn matches(&self, key: &VolumeKey<'_>, id: &PrefixIdentity) -> bool {
-        self.lookup_hash == id.lookup_hash
-            && self.model_fingerprint == key.model_fingerprint
-            && self.layer_lo == key.layer_lo
-            && self.layer_hi == key.layer_hi
-            && self.salt_key == id.salt_key
-            && self.digest == id.digest
-            && self.tokens == key.tokens
-    }
-
-    /// The same slot as `key` (lookup hash and layer range) — a match or a drift.
-    pub(super) fn same_slot(&self, key: &VolumeKey<'_>, id: &PrefixIdentity) -> bool {
-        self.lookup_hash == id.lookup_hash
-            && self.layer_lo == key.layer_lo
-            && self.layer_hi == key.layer_hi
-    }
-
     /// A copy with the trailing position erased (its tail and logits described the erased
-    /// position, so they go); the slabs are shared, not copied.
+    /// position, so they go); the blocks are shared, not copied.
     pub(super) fn trimmed(&self) -> Self {
         AmplituhedronVolume {
-            model_fingerprint: self.model_fingerprint,
-            lookup_hash: self.lookup_hash,
-            digest: self.digest,
-            salt_key: self.salt_key,
-            tokens: self.tokens.clone(),
-            layer_lo: self.layer_lo,
-            layer_hi: self.layer_hi,
-            shape: self.shape,
             kv_len: self.kv_len - 1,
             tail: None,
             logits: None,
-            kv_keys: Arc::clone(&self.kv_keys),
-            kv_vals: Arc::clone(&self.kv_vals),
+            ..self.with_blocks(self.blocks.clone())
+        }
+    }
+
+    /// A copy holding `blocks` instead of this volume's.
+    pub(super) fn with_blocks(&self, blocks: Vec<Arc<KvBlock>>) -> Self {
+        AmplituhedronVolume {
+            namespace: self.namespace,
+            lookup_hash: self.lookup_hash,
+            digest: self.digest,
+            tokens: Arc::clone(&self.tokens),
+            shape: self.shape,
+            kv_len: self.kv_len,
+            tail: self.tail.clone(),
+            logits: self.logits.clone(),
+            blocks,
             drift: self.drift,
+            contiguous: OnceLock::new(),
         }
     }
 }
@@ -241,14 +314,15 @@ impl fmt::Debug for AmplituhedronVolume {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Metadata only: the slabs are megabytes.
         f.debug_struct("AmplituhedronVolume")
-            .field("model_fingerprint", &self.model_fingerprint)
+            .field("model_fingerprint", &self.namespace.fingerprint)
             .field("prefix_hash", &self.lookup_hash)
-            .field("salted", &self.salt_key.is_some())
-            .field("layers", &(self.layer_lo..self.layer_hi))
+            .field("salted", &self.is_salted())
+            .field("layers", &(self.layer_lo()..self.layer_hi()))
             .field("prefix_len", &self.tokens.len())
             .field("kv_len", &self.kv_len)
             .field("kv_heads", &self.shape.kv_heads)
             .field("head_dim", &self.shape.head_dim)
+            .field("blocks", &self.blocks.len())
             .field("drift", &self.drift)
             .field("nbytes", &self.nbytes())
             .finish_non_exhaustive()

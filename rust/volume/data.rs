@@ -1,11 +1,13 @@
-//! Incoming capture data, borrowed or owned, and its validation.
+//! Incoming capture data, its validation and its split into KV blocks.
 
-use std::borrow::Cow;
+use std::sync::Arc;
 
-use super::slab::{all_finite, copy_all_finite, first_damaged_row, first_non_finite, SlabShape};
+use super::block::{block_spans, KvBlock};
+use super::slab::{all_finite, first_damaged_row, first_non_finite, SlabShape};
 use super::{VolumeError, VolumeKey};
 
-/// Borrowed volume data for [`AmplituhedronCache::capture`] (copied once into the cache).
+/// Borrowed volume data for [`AmplituhedronCache::capture`](super::AmplituhedronCache::capture)
+/// (copied once into the cache's blocks).
 #[derive(Debug, Clone, Copy)]
 pub struct VolumeData<'a> {
     /// `[layer_hi − layer_lo, kv_heads, prefix_len, head_dim]` of both slabs.
@@ -20,8 +22,9 @@ pub struct VolumeData<'a> {
     pub logits: Option<&'a [f32]>,
 }
 
-/// Owned volume data for [`AmplituhedronCache::capture_owned`]: the slabs move into the
-/// cache without another copy.
+/// Owned volume data for
+/// [`AmplituhedronCache::capture_owned`](super::AmplituhedronCache::capture_owned), for callers
+/// that gathered their slabs into buffers of their own.
 #[derive(Debug, Clone)]
 pub struct OwnedVolumeData {
     /// `[layer_hi − layer_lo, kv_heads, prefix_len, head_dim]` of both slabs.
@@ -36,45 +39,29 @@ pub struct OwnedVolumeData {
     pub logits: Option<Vec<f32>>,
 }
 
-/// Both capture variants, borrowed or owned, so one code path validates and stores them.
-pub(super) struct IncomingVolume<'a> {
-    pub(super) shape: SlabShape,
-    pub(super) tail: Cow<'a, [f32]>,
-    pub(super) kv_keys: Cow<'a, [f32]>,
-    pub(super) kv_vals: Cow<'a, [f32]>,
-    pub(super) logits: Option<Cow<'a, [f32]>>,
-}
-
-impl<'a> From<VolumeData<'a>> for IncomingVolume<'a> {
-    fn from(d: VolumeData<'a>) -> Self {
-        IncomingVolume {
-            shape: SlabShape::from_dims(d.kv_shape),
-            tail: Cow::Borrowed(d.tail),
-            kv_keys: Cow::Borrowed(d.kv_keys),
-            kv_vals: Cow::Borrowed(d.kv_vals),
-            logits: d.logits.map(Cow::Borrowed),
+impl OwnedVolumeData {
+    /// The same data, borrowed.
+    pub fn borrowed(&self) -> VolumeData<'_> {
+        VolumeData {
+            kv_shape: self.kv_shape,
+            tail: &self.tail,
+            kv_keys: &self.kv_keys,
+            kv_vals: &self.kv_vals,
+            logits: self.logits.as_deref(),
         }
     }
 }
 
-impl From<OwnedVolumeData> for IncomingVolume<'static> {
-    fn from(d: OwnedVolumeData) -> Self {
-        IncomingVolume {
-            shape: SlabShape::from_dims(d.kv_shape),
-            tail: Cow::Owned(d.tail),
-            kv_keys: Cow::Owned(d.kv_keys),
-            kv_vals: Cow::Owned(d.kv_vals),
-            logits: d.logits.map(Cow::Owned),
-        }
+impl VolumeData<'_> {
+    pub(super) fn shape(&self) -> SlabShape {
+        SlabShape::from_dims(self.kv_shape)
     }
-}
 
-impl IncomingVolume<'_> {
     /// Checks shapes, lengths, tail and logits against the key (cheap; no slab scan).
     pub(super) fn validate_shape(&self, key: &VolumeKey<'_>) -> Result<(), VolumeError> {
         key.validate()?;
         let layers = usize::from(key.layer_hi - key.layer_lo);
-        let s = self.shape;
+        let s = self.shape();
         if s.layers != layers {
             return Err(VolumeError::SlabDimension {
                 dim: "layers (dim 0)",
@@ -100,7 +87,7 @@ impl IncomingVolume<'_> {
             });
         }
         let expected = s.checked_len().ok_or(VolumeError::SlabTooLarge)?;
-        for (which, slab) in [("kv_keys", &self.kv_keys), ("kv_vals", &self.kv_vals)] {
+        for (which, slab) in [("kv_keys", self.kv_keys), ("kv_vals", self.kv_vals)] {
             if slab.len() != expected {
                 return Err(VolumeError::SlabLength {
                     which,
@@ -112,13 +99,13 @@ impl IncomingVolume<'_> {
         if self.tail.is_empty() {
             return Err(VolumeError::EmptyTail);
         }
-        if let Some(index) = first_non_finite(&self.tail) {
+        if let Some(index) = first_non_finite(self.tail) {
             return Err(VolumeError::NonFinite {
                 what: "tail",
                 index,
             });
         }
-        if let Some(logits) = &self.logits {
+        if let Some(logits) = self.logits {
             if logits.is_empty() {
                 return Err(VolumeError::EmptyLogits);
             }
@@ -137,64 +124,60 @@ impl IncomingVolume<'_> {
         entry_bytes(
             self.kv_keys.len() + self.kv_vals.len(),
             self.tail.len(),
-            self.logits.as_ref().map_or(0, |l| l.len()),
-            self.shape.positions,
+            self.logits.map_or(0, <[f32]>::len),
+            self.shape().positions,
         )
     }
 
     /// Checks both slabs for non-finite values without copying them.
     pub(super) fn check_slabs(&self, layer_lo: u16) -> Result<(), VolumeError> {
-        for (which, slab) in [("kv_keys", &self.kv_keys), ("kv_vals", &self.kv_vals)] {
-            if !all_finite(slab) {
-                return Err(locate_slab_damage(self.shape, which, slab, layer_lo));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A checked, owned slab: a borrowed slab is copied once with the check fused into the copy;
-/// an owned one is checked and moved (no copy).
-pub(super) fn checked_slab(
-    shape: SlabShape,
-    which: &'static str,
-    slab: Cow<'_, [f32]>,
-    layer_lo: u16,
-) -> Result<Vec<f32>, VolumeError> {
-    match slab {
-        Cow::Borrowed(src) => {
-            // Zeroed allocation of a large buffer is lazily-mapped zero pages: no extra pass.
-            let mut dst = vec![0.0f32; src.len()];
-            if copy_all_finite(src, &mut dst) {
-                Ok(dst)
-            } else {
-                Err(locate_slab_damage(shape, which, src, layer_lo))
-            }
-        }
-        Cow::Owned(v) => {
-            if all_finite(&v) {
-                Ok(v)
-            } else {
-                Err(locate_slab_damage(shape, which, &v, layer_lo))
-            }
+        if all_finite(self.kv_keys) && all_finite(self.kv_vals) {
+            Ok(())
+        } else {
+            Err(self.locate_damage(layer_lo))
         }
     }
-}
 
-/// The error for a slab known to hold a non-finite value, naming where it is.
-fn locate_slab_damage(
-    shape: SlabShape,
-    which: &'static str,
-    slab: &[f32],
-    layer_lo: u16,
-) -> VolumeError {
-    let (layer, head, position) =
-        first_damaged_row(shape, shape.positions, slab).expect("caller saw a non-finite value");
-    VolumeError::NonFiniteKv {
-        which,
-        layer: usize::from(layer_lo) + layer,
-        head,
-        position,
+    /// The slabs as KV blocks: block `j` is `cached[j]` where the cache already holds it (the
+    /// input's rows are still checked), otherwise a copy of the input's rows with the
+    /// finiteness check fused into the copy. Bad input is an error naming the first damaged
+    /// row, whatever is cached.
+    pub(super) fn blocks(
+        &self,
+        cached: &[Option<Arc<KvBlock>>],
+        layer_lo: u16,
+    ) -> Result<Vec<Arc<KvBlock>>, VolumeError> {
+        let shape = self.shape();
+        let (keys, vals) = (self.kv_keys, self.kv_vals);
+        let mut blocks = Vec::with_capacity(shape.positions.div_ceil(super::BLOCK_POSITIONS));
+        for (j, (start, n)) in block_spans(shape.positions).enumerate() {
+            let block = match cached.get(j).cloned().flatten() {
+                Some(b) if KvBlock::rows_finite(shape, keys, vals, start, n) => Some(b),
+                Some(_) => None,
+                None => KvBlock::copy_from(shape, keys, vals, start, n).map(Arc::new),
+            };
+            blocks.push(block.ok_or_else(|| self.locate_damage(layer_lo))?);
+        }
+        Ok(blocks)
+    }
+
+    /// The error for slabs known to hold a non-finite value, naming the earliest damaged
+    /// row (keys before values).
+    fn locate_damage(&self, layer_lo: u16) -> VolumeError {
+        let shape = self.shape();
+        let (which, slab) = if all_finite(self.kv_keys) {
+            ("kv_vals", self.kv_vals)
+        } else {
+            ("kv_keys", self.kv_keys)
+        };
+        let (layer, head, position) =
+            first_damaged_row(shape, shape.positions, slab).expect("caller saw a non-finite value");
+        VolumeError::NonFiniteKv {
+            which,
+            layer: usize::from(layer_lo) + layer,
+            head,
+            position,
+        }
     }
 }
 

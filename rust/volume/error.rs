@@ -4,7 +4,8 @@
 use std::fmt;
 use std::ops::Range;
 
-/// Bad input to the volume cache. Returned before any state changes.
+/// Bad input to the volume cache (or a cache directory that cannot be opened). Returned
+/// before any state changes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VolumeError {
     /// Zero tokens: an empty prefix has no volume (Lean `clinamen_swerve = 1`).
@@ -91,6 +92,13 @@ pub enum VolumeError {
         /// Which setting.
         setting: &'static str,
     },
+    /// The cache directory cannot be opened (created, locked or listed).
+    CacheDir {
+        /// The directory.
+        path: String,
+        /// What failed.
+        reason: String,
+    },
 }
 
 impl fmt::Display for VolumeError {
@@ -162,6 +170,9 @@ impl fmt::Display for VolumeError {
             ),
             VolumeError::InvalidConfig { setting } => {
                 write!(f, "{setting} must be at least 1")
+            }
+            VolumeError::CacheDir { path, reason } => {
+                write!(f, "cannot open the cache directory {path}: {reason}")
             }
         }
     }
@@ -244,11 +255,13 @@ pub struct CacheStats {
     pub hits: u64,
     /// Replays that did not (while enabled).
     pub misses: u64,
-    /// Entries removed to respect `max_entries` / `max_bytes`.
+    /// Entries removed from memory to respect `max_entries` / `max_bytes` (an entry also on
+    /// disk stays there).
     pub evictions: u64,
-    /// Entries resident now.
+    /// Entries resident in memory now.
     pub entries: usize,
-    /// Bytes resident now (sum of [`AmplituhedronVolume::nbytes`]).
+    /// Bytes resident in memory now: each shared KV block counted once, so at most the sum of
+    /// the resident volumes' [`nbytes`](super::AmplituhedronVolume::nbytes).
     pub bytes: usize,
     /// Captures that stored an entry.
     pub captures: u64,
@@ -262,11 +275,27 @@ pub struct CacheStats {
     pub erasures: u64,
     /// Replays that missed exactly but reused the longest cached shared prefix.
     pub prefix_hits: u64,
+    /// Volume files in the cache directory now.
+    pub disk_entries: usize,
+    /// Bytes of those files.
+    pub disk_bytes: u64,
+    /// Hits (exact or prefix) served by mapping a verified file.
+    pub disk_hits: u64,
+    /// Volumes written to disk.
+    pub disk_writes: u64,
+    /// Writes that failed (a full disk, an I/O error); the volume stays in memory.
+    pub disk_write_failures: u64,
+    /// Volumes not written because their file alone exceeds `max_disk_bytes`.
+    pub disk_skipped_too_large: u64,
+    /// Files removed to respect `max_disk_bytes`.
+    pub disk_evictions: u64,
+    /// Files deleted because they failed a check (or were left by an unfinished write).
+    pub disk_rejected: u64,
 }
 
 impl CacheStats {
     /// Every counter by name, in a fixed order (the bindings' and the station's dict form).
-    pub fn as_pairs(&self) -> [(&'static str, u64); 11] {
+    pub fn as_pairs(&self) -> [(&'static str, u64); 19] {
         [
             ("hits", self.hits),
             ("misses", self.misses),
@@ -279,6 +308,14 @@ impl CacheStats {
             ("drift_clears", self.drift_clears),
             ("erasures", self.erasures),
             ("prefix_hits", self.prefix_hits),
+            ("disk_entries", self.disk_entries as u64),
+            ("disk_bytes", self.disk_bytes),
+            ("disk_hits", self.disk_hits),
+            ("disk_writes", self.disk_writes),
+            ("disk_write_failures", self.disk_write_failures),
+            ("disk_skipped_too_large", self.disk_skipped_too_large),
+            ("disk_evictions", self.disk_evictions),
+            ("disk_rejected", self.disk_rejected),
         ]
     }
 }

@@ -61,14 +61,52 @@ pub(super) struct PrefixIdentity {
 impl PrefixIdentity {
     pub(super) fn of(key: &VolumeKey<'_>) -> Self {
         let salt_key = key.salt.map(tenant_key);
-        let digest = match &salt_key {
-            Some(k) => salted_prefix_digest(key.tokens, k),
-            None => prefix_digest(key.tokens),
-        };
+        let digest = tenant_digest(key.tokens, salt_key.as_ref());
         PrefixIdentity {
             digest,
             lookup_hash: digest_prefix_u64(&digest),
             salt_key,
         }
+    }
+}
+
+/// Everything but the token ids that must agree for two volumes to be interchangeable: the
+/// model, the layer range and the tenant. Prefixes are indexed, and KV blocks shared, only
+/// within one namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Namespace {
+    pub(super) fingerprint: u64,
+    pub(super) layer_lo: u16,
+    pub(super) layer_hi: u16,
+    pub(super) salt_key: Option<[u8; 32]>,
+}
+
+impl Namespace {
+    pub(super) fn of(key: &VolumeKey<'_>, id: &PrefixIdentity) -> Self {
+        Namespace {
+            fingerprint: key.model_fingerprint,
+            layer_lo: key.layer_lo,
+            layer_hi: key.layer_hi,
+            salt_key: id.salt_key,
+        }
+    }
+
+    /// Layers in the range.
+    pub(super) fn layers(&self) -> usize {
+        usize::from(self.layer_hi - self.layer_lo)
+    }
+
+    /// The digest of `tokens` under this namespace's tenant key (what [`PrefixIdentity`]
+    /// computes for a probe), to check ids read back from a file.
+    pub(super) fn digest_of(&self, tokens: &[u32]) -> [u8; 32] {
+        tenant_digest(tokens, self.salt_key.as_ref())
+    }
+}
+
+/// BLAKE3 of the ids, keyed by the tenant key when there is one.
+fn tenant_digest(tokens: &[u32], tenant_key: Option<&[u8; 32]>) -> [u8; 32] {
+    match tenant_key {
+        Some(k) => salted_prefix_digest(tokens, k),
+        None => prefix_digest(tokens),
     }
 }

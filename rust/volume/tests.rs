@@ -1,8 +1,13 @@
 //! Tests of the volume cache (a child module of `volume`, so they can force a lookup-hash
 //! collision through the private identity-taking entry points).
 
+mod disk;
+mod index;
+
+use super::block::{self, Floats};
 use super::slab::{all_finite_portable, copy_all_finite_portable};
 use super::*;
+use crate::eviction::Tracked;
 use crate::keys::digest_prefix_u64;
 use proptest::prelude::*;
 use std::collections::HashSet;
@@ -31,12 +36,27 @@ impl Sample {
     fn with_layout(tokens: Vec<u32>, lo: u16, hi: u16, heads: usize, head_dim: usize) -> Self {
         let layers = usize::from(hi - lo);
         let shape = [layers, heads, tokens.len(), head_dim];
-        let n = shape.iter().product();
-        let seed = tokens
+        // As a model's KV: position p depends on the ids up to p only (so prompts sharing a
+        // prefix share its KV), and on the absolute layer, the head and the dimension.
+        let mut h = 0u32;
+        let prefix: Vec<u32> = tokens
             .iter()
-            .fold(0u32, |a, &t| a.wrapping_mul(31).wrapping_add(t))
-            % 97;
-        let keys: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 + seed as f32).collect();
+            .map(|&t| {
+                h = h.wrapping_mul(31).wrapping_add(t).wrapping_add(7);
+                h % 997
+            })
+            .collect();
+        let mut keys = Vec::with_capacity(shape.iter().product());
+        for layer in 0..layers {
+            for head in 0..heads {
+                for &p in &prefix {
+                    for d in 0..head_dim {
+                        let row = (usize::from(lo) + layer) * 7 + head * 3 + d;
+                        keys.push(p as f32 * 0.25 + row as f32 * 0.125);
+                    }
+                }
+            }
+        }
         let vals: Vec<f32> = keys.iter().map(|k| -k - 1.0).collect();
         let mut tail = vec![0.0; 8];
         tail[0] = 1.0;
@@ -137,30 +157,38 @@ impl SplitMix {
     }
 }
 
-/// A copy of `vol` whose `which` slab holds NaN at one row (volumes are immutable, so the
-/// only way to get a damaged one is to build it).
-fn damaged(
-    vol: &AmplituhedronVolume,
-    which: &str,
-    layer: usize,
-    head: usize,
-    pos: usize,
-) -> AmplituhedronVolume {
+/// `keys` and `vals` in `shape`'s slab layout as blocks, unchecked (the only way to build a
+/// damaged volume: the cache never makes one).
+fn unchecked_blocks(shape: SlabShape, keys: &[f32], vals: &[f32]) -> Vec<Arc<KvBlock>> {
+    block::block_spans(shape.positions)
+        .map(|(start, n)| {
+            let gather = |src: &[f32]| -> Box<[f32]> {
+                let run = n * shape.head_dim;
+                (0..shape.layers * shape.kv_heads)
+                    .flat_map(|i| {
+                        let from = shape.row_offset(i / shape.kv_heads, i % shape.kv_heads, start);
+                        src[from..from + run].iter().copied()
+                    })
+                    .collect()
+            };
+            let (k, v) = (gather(keys), gather(vals));
+            Arc::new(KvBlock::new(n, Floats::Heap(k), Floats::Heap(v)))
+        })
+        .collect()
+}
+
+/// A copy of `vol` with a non-finite value at each `(slab, layer, head, position)` row.
+fn damaged(vol: &AmplituhedronVolume, rows: &[(&str, usize, usize, usize)]) -> AmplituhedronVolume {
     let mut keys = vol.kv_keys().to_vec();
     let mut vals = vol.kv_vals().to_vec();
-    let off = vol.shape.row_offset(layer, head, pos) + vol.shape.head_dim / 2;
-    match which {
-        "kv_keys" => keys[off] = f32::NAN,
-        _ => vals[off] = f32::INFINITY,
+    for &(which, layer, head, pos) in rows {
+        let off = vol.shape.row_offset(layer, head, pos) + vol.shape.head_dim / 2;
+        match which {
+            "kv_keys" => keys[off] = f32::NAN,
+            _ => vals[off] = f32::INFINITY,
+        }
     }
-    AmplituhedronVolume {
-        kv_keys: Arc::new(keys),
-        kv_vals: Arc::new(vals),
-        tail: vol.tail.clone(),
-        logits: vol.logits.clone(),
-        kv_len: vol.kv_len,
-        ..vol.trimmed()
-    }
+    vol.with_blocks(unchecked_blocks(vol.shape, &keys, &vals))
 }
 
 // ---- round trips and sizes ------------------------------------------------------------
@@ -478,8 +506,9 @@ fn every_bad_input_is_an_error_that_changes_nothing() {
     }
     assert_eq!(
         cache.config(),
-        CacheConfig {
+        &CacheConfig {
             max_entries: 4,
+            policy: EvictionPolicy::PisotGuard,
             ..CacheConfig::default()
         }
     );
@@ -646,7 +675,7 @@ fn a_forced_u64_collision_never_hits_and_drops_only_that_entry() {
         ..PrefixIdentity::of(&s.key())
     };
     let out = cache
-        .capture_identified(&a.key(), forced(&a), a.data().into())
+        .capture_identified(&a.key(), forced(&a), a.data())
         .unwrap();
     assert!(matches!(out, CaptureOutcome::Stored { .. }));
     // Same u64 and layer range, different digest and ids: a miss, not a false hit.
@@ -662,7 +691,7 @@ fn a_forced_u64_collision_never_hits_and_drops_only_that_entry() {
     // Capturing `b` into the collided slot drops `a` (same model: a collision, not a
     // model change) and nothing else.
     let out = cache
-        .capture_identified(&b.key(), forced(&b), b.data().into())
+        .capture_identified(&b.key(), forced(&b), b.data())
         .unwrap();
     assert_eq!(
         out,
@@ -796,8 +825,12 @@ fn erasure_trims_the_trailing_position_once_then_clears() {
     assert!(t.is_erased());
     assert_eq!(t.tail(), None, "the tail described the erased position");
     assert_eq!(t.logits(), None);
-    assert_eq!(t.kv_keys(), &a.keys[..], "slabs are shared, not copied");
-    assert!(Arc::ptr_eq(&t.kv_keys, &held.kv_keys));
+    assert_eq!(t.kv_keys()[..], a.keys[..]);
+    let shared = t.blocks().iter().zip(held.blocks());
+    assert!(
+        shared.into_iter().all(|(x, y)| Arc::ptr_eq(x, y)),
+        "blocks are shared, not copied"
+    );
     assert_eq!(t.nbytes(), a.expected_bytes() - 4 * (a.tail.len() + 3));
     assert_eq!(cache.stats().bytes, t.nbytes() + b.expected_bytes());
     a.assert_is(&held); // a caller's handle never changes under it
@@ -907,14 +940,9 @@ fn damage_is_located_and_row_copies_check_finiteness() {
     );
 
     // Damaged copies: the earliest damaged position over all layers and heads, both slabs.
-    let bad = damaged(&v, "kv_keys", 2, 1, 3);
+    let bad = damaged(&v, &[("kv_keys", 2, 1, 3)]);
     assert_eq!(bad.first_non_finite_position(), Some(3));
-    let worse = AmplituhedronVolume {
-        kv_vals: damaged(&v, "kv_vals", 0, 0, 1).kv_vals.clone(),
-        tail: None,
-        logits: None,
-        ..damaged(&v, "kv_keys", 2, 1, 3)
-    };
+    let worse = damaged(&v, &[("kv_keys", 2, 1, 3), ("kv_vals", 0, 0, 1)]);
     assert_eq!(worse.first_non_finite_position(), Some(1));
     let mut dk = vec![0.0; 5 * hd];
     let mut dv = vec![0.0; 5 * hd];
@@ -940,7 +968,7 @@ fn damage_is_located_and_row_copies_check_finiteness() {
         })
     );
     // Damage beyond kv_len (the erased trailing position) is not covered, so not found.
-    let trailing = damaged(&v, "kv_keys", 0, 0, 4);
+    let trailing = damaged(&v, &[("kv_keys", 0, 0, 4)]);
     assert_eq!(trailing.first_non_finite_position(), Some(4));
     assert_eq!(trailing.trimmed().first_non_finite_position(), None);
     assert!(matches!(
@@ -1095,14 +1123,15 @@ proptest! {
     #[test]
     fn random_operation_sequences_never_exceed_the_bounds(
         ops in proptest::collection::vec(op(), 1..80),
-        lru in any::<bool>(),
+        policy in 0usize..3,
     ) {
-        let policy = if lru { EvictionPolicy::Lru } else { EvictionPolicy::PisotGuard };
+        let policy = EvictionPolicy::ALL[policy];
         let mut cache = AmplituhedronCache::new(CacheConfig {
             max_entries: 3,
             max_prefix_len: 4,
             max_bytes: Some(900),
             policy,
+            ..CacheConfig::default()
         }).unwrap();
         for op in ops {
             match op {
@@ -1131,10 +1160,11 @@ proptest! {
             let cfg = cache.config();
             prop_assert!(st.entries <= cfg.max_entries);
             prop_assert!(cfg.max_bytes.is_none_or(|b| st.bytes <= b));
-            prop_assert_eq!(st.entries, cache.entries.len());
-            prop_assert_eq!(st.bytes, cache.entries.iter().map(|e| e.volume.nbytes()).sum::<usize>());
-            let ticks: HashSet<u64> = cache.entries.iter().map(|e| e.last_used).collect();
-            prop_assert_eq!(ticks.len(), cache.entries.len(), "last_used ticks are unique");
+            let resident = cache.resident();
+            prop_assert_eq!(st.entries, resident.len());
+            prop_assert_eq!(st.bytes, resident_bytes(&resident));
+            let ticks: HashSet<u64> = resident.iter().map(|(_, t)| t.last_used).collect();
+            prop_assert_eq!(ticks.len(), resident.len(), "last_used ticks are unique");
         }
     }
 
@@ -1142,9 +1172,9 @@ proptest! {
     fn the_evicted_entry_is_the_policy_choice(
         drifts in proptest::collection::vec(0u8..4, 2..7),
         touches in proptest::collection::vec(0usize..7, 0..12),
-        lru in any::<bool>(),
+        policy in 0usize..3,
     ) {
-        let policy = if lru { EvictionPolicy::Lru } else { EvictionPolicy::PisotGuard };
+        let policy = EvictionPolicy::ALL[policy];
         let n = drifts.len();
         let mut cache = cache_with(n, policy);
         let samples: Vec<Sample> = drifts
@@ -1155,17 +1185,20 @@ proptest! {
         for s in &samples {
             s.capture(&mut cache).unwrap();
         }
+        let mut hits = vec![0u32; n];
         for t in touches {
             samples[t % n].replay(&mut cache).unwrap();
+            hits[t % n] += 1;
         }
-        // Brute force over (drift, last_used) at the tick the next capture will run at.
+        // Brute force over (drift, last_used, hits) at the tick the next capture will run at.
         let now = cache.tick + 1;
+        let resident = cache.resident();
         let state: Vec<(usize, f32, u64)> = samples
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let e = cache.entries.iter().find(|e| e.volume.tokens() == &s.tokens[..]).unwrap();
-                (i, e.volume.drift(), e.last_used)
+                let (v, t) = resident.iter().find(|(v, _)| v.tokens() == &s.tokens[..]).unwrap();
+                (i, v.drift(), t.last_used)
             })
             .collect();
         let oldest = |a: &(usize, f32, u64), b: &(usize, f32, u64)| b.2.cmp(&a.2);
@@ -1175,14 +1208,57 @@ proptest! {
                 let score = |x: &(usize, f32, u64)| f64::from(x.1) * (now - x.2) as f64;
                 score(a).total_cmp(&score(b)).then(oldest(a, b))
             }),
+            // Nothing was evicted yet (inflation 0) and every entry has the same size and
+            // 2-position, 1-layer prefill: the value per byte orders by hits (each saves its
+            // 2 positions again), the fewest first, ties to the oldest.
+            EvictionPolicy::CostAware => state.iter().max_by(|a, b| {
+                hits[b.0].cmp(&hits[a.0]).then(oldest(a, b))
+            }),
         }
         .unwrap()
         .0;
         op_sample(100, 2, 1, 0).capture(&mut cache).unwrap();
         prop_assert_eq!(cache.stats().evictions, 1);
+        let resident = cache.resident();
         for (i, s) in samples.iter().enumerate() {
-            let resident = cache.entries.iter().any(|e| e.volume.tokens() == &s.tokens[..]);
-            prop_assert_eq!(resident, i != expected, "entry {} (expected victim {})", i, expected);
+            let kept = resident.iter().any(|(v, _)| v.tokens() == &s.tokens[..]);
+            prop_assert_eq!(kept, i != expected, "entry {} (expected victim {})", i, expected);
         }
     }
+}
+
+impl AmplituhedronCache {
+    /// Every resident volume with what the memory queue knows of it.
+    fn resident(&self) -> Vec<(Arc<AmplituhedronVolume>, Tracked)> {
+        self.live_ids()
+            .filter_map(|e| {
+                let r = self.entry(e).resident.as_ref()?;
+                Some((
+                    Arc::clone(&r.volume),
+                    *self.memory.get(&e).expect("tracked"),
+                ))
+            })
+            .collect()
+    }
+}
+
+/// The memory the resident volumes take, each block counted once: what `stats().bytes`
+/// must be.
+fn resident_bytes(resident: &[(Arc<AmplituhedronVolume>, Tracked)]) -> usize {
+    let mut blocks: HashSet<*const KvBlock> = HashSet::new();
+    let mut bytes = 0;
+    for (v, _) in resident {
+        bytes += entry_bytes(
+            0,
+            v.tail().map_or(0, <[f32]>::len),
+            v.logits().map_or(0, <[f32]>::len),
+            v.prefix_len(),
+        );
+        for b in v.blocks() {
+            if blocks.insert(Arc::as_ptr(b)) {
+                bytes += b.nbytes();
+            }
+        }
+    }
+    bytes
 }
