@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,14 @@ from hypothesis import strategies as st
 
 from amplituhedron_rs import bench_report, cli
 from amplituhedron_rs.bench_eviction import (
+    CONVERSATIONS,
+    TenantSpec,
     TraceSpec,
+    compare_on_tenants,
     luminary_tails,
+    replay_tenants,
     replay_trace,
+    tenant_trace,
     zipf_trace,
 )
 from amplituhedron_rs.bench_verdicts import (
@@ -300,6 +306,78 @@ def test_pisot_equals_lru_when_every_drift_is_zero() -> None:
     assert pisot.hits + pisot.misses == 100
 
 
+def test_the_cost_aware_policy_keeps_the_entry_hit_most_where_lru_keeps_the_latest() -> None:
+    # A is hit twice, B once but later; C then evicts one of them. LRU drops A (older), the
+    # cost-aware policy drops B (one hit against two, same size and cost).
+    tails = [_tail(1.0)] * 3
+    trace = [0, 1, 0, 0, 1, 2, 0]
+    gdsf = replay_trace("gdsf", PREFIXES, tails, trace, **KW)
+    lru = replay_trace("lru", PREFIXES, tails, trace, **KW)
+    assert (gdsf.hits, lru.hits) == (4, 3)
+    assert gdsf.saved_positions == 4 * len(PREFIXES[0])
+
+
+SMALL_TENANTS = TenantSpec(users=6, accesses=120, seeds=(0,), context=(40, 80), system_len=32)
+
+
+def test_tenant_traces_are_seeded_shared_and_bounded() -> None:
+    trace = tenant_trace(SMALL_TENANTS, 3)
+    assert trace == tenant_trace(SMALL_TENANTS, 3)
+    assert trace != tenant_trace(SMALL_TENANTS, 4)
+    systems = {tuple(p[: SMALL_TENANTS.system_len]) for p in trace}
+    assert 1 <= len(systems) <= SMALL_TENANTS.system_prompts
+    assert all(len(p) <= SMALL_TENANTS.max_prompt for p in trace)
+    # Re-sends repeat a prompt; fresh questions never extend an earlier prompt, while
+    # conversations do.
+    assert len({tuple(p) for p in trace}) < len(trace)
+    no_resend = replace(SMALL_TENANTS, regenerate=0.0)
+    assert len({tuple(p) for p in tenant_trace(no_resend, 3)}) == SMALL_TENANTS.accesses
+
+    def extends_earlier(prompts: list[list[int]]) -> bool:
+        seen = {tuple(p) for p in prompts}
+        return any(tuple(p[:k]) in seen for p in prompts for k in range(1, len(p)))
+
+    assert not extends_earlier(tenant_trace(no_resend, 3))
+    chat = replace(CONVERSATIONS, users=6, accesses=120, seeds=(0,), regenerate=0.0)
+    assert extends_earlier(tenant_trace(chat, 3))
+    for bad in (
+        {"users": 0},
+        {"context": (5, 4)},
+        {"question": (0, 3)},
+        {"max_prompt": 100},
+        {"follow_up": 1.5},
+        {"regenerate": 1.0},
+        {"budget_volumes": 0.0},
+        {"min_len": 0},
+    ):
+        with pytest.raises(ValueError):
+            replace(SMALL_TENANTS, **bad)
+
+
+def test_tenant_runs_count_every_request_and_position() -> None:
+    prompts = tenant_trace(SMALL_TENANTS, 0)
+    positions = sum(len(p) for p in prompts)
+    # Room for everything: every re-send is a full hit, every other request after a user's
+    # first reuses at least that user's context.
+    roomy = replay_tenants("gdsf", prompts, SMALL_TENANTS, max_bytes=1 << 40, seed=0, **KW_TENANT)
+    assert roomy.full_hits + roomy.prefix_hits + roomy.misses == len(prompts)
+    assert roomy.evictions == 0 and roomy.prompt_positions == positions
+    assert roomy.full_hits == len(prompts) - len({tuple(p) for p in prompts})
+    assert roomy.hit_rate == roomy.saved_positions / positions
+    tight = replay_tenants("lru", prompts, SMALL_TENANTS, max_bytes=20_000, seed=0, **KW_TENANT)
+    assert tight.evictions > 0 and tight.saved_positions < roomy.saved_positions
+    pooled = compare_on_tenants(SMALL_TENANTS, **KW_TENANT)
+    assert pooled["accesses"] == len(prompts) and pooled["prompt_positions"] == positions
+    for p in ("pisot", "lru", "gdsf"):
+        run = pooled["per_seed"][0][p]
+        assert pooled["hits"][p] == run["full_hits"] + run["prefix_hits"]
+        assert pooled["hit_rate"][p] == run["saved_positions"] / positions
+    assert pooled["saved_prefill_s"] is None
+
+
+KW_TENANT: dict[str, Any] = {"fingerprint": 7, "kv_heads": 1, "head_dim": 4}
+
+
 def test_trace_spec_rejects_a_cache_that_never_evicts() -> None:
     with pytest.raises(ValueError, match="more distinct prefixes"):
         TraceSpec(prefixes=4, max_entries=4)
@@ -328,6 +406,8 @@ def test_plot_without_matplotlib_says_how_to_get_it(
 
 TINY = [
     "bench",
+    "--tenant-requests",
+    "60",
     "--stations",
     "2",
     "--sessions",

@@ -143,7 +143,7 @@ def test_prefix_hash_rejects_ids_that_do_not_fit_u32(tokens: Any, message: str) 
 def test_capture_replay_round_trip_and_stats() -> None:
     cache = ar.AmplituhedronCache()
     assert (cache.max_entries, cache.max_prefix_len, cache.max_bytes) == (4, 512, None)
-    assert cache.policy == "pisot" and cache.enabled
+    assert cache.policy == "gdsf" and cache.enabled
     v = Vol([10, 20, 30])
     assert v.capture(cache) == v.nbytes
     # nbytes = 4 × (2 × prefix_len × layers × kv_heads × head_dim + tail + logits + ids)

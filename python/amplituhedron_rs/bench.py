@@ -10,8 +10,9 @@ processes by default, or a running one with ``--mesh``):
    amortized TPS, uplift, and whether both regimes produced identical tokens;
 2. **unique prompts** — every session a different system text and question, cache enabled:
    false hits (any hit is false here), latency against the disabled run, resident bytes;
-3. **Pisot-guard vs LRU** — in-process on the real cache, tails from the real model
-   (:mod:`amplituhedron_rs.bench_eviction`);
+3. **eviction policies** — Pisot-guard vs LRU (the seed's P5) and the cost-aware policy
+   against both, in-process on the real cache, tails from the real model, plus the
+   multi-tenant traces (:mod:`amplituhedron_rs.bench_eviction`);
 4. **verdicts** — P1–P5 upheld / falsified, F1–F5 fired / not fired
    (:mod:`amplituhedron_rs.bench_verdicts`), with F5 from the Lean oracle parity suite;
 5. **peers** — the single-process runtime and llama.cpp (when installed) on the same prompt
@@ -36,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,13 @@ from rich.progress import (
 )
 
 from amplituhedron_rs._core import prefix_hash
-from amplituhedron_rs.bench_eviction import TraceSpec, compare_policies
+from amplituhedron_rs.bench_eviction import (
+    CONVERSATIONS,
+    TenantSpec,
+    TraceSpec,
+    compare_policies,
+    model_tails,
+)
 from amplituhedron_rs.bench_verdicts import (
     Measurements,
     SessionPhases,
@@ -366,13 +373,8 @@ def measure_in_process(cfg: BenchConfig, prompts: Prompts, live: LiveProgress) -
         )
         ph.step(f"fingerprint {model.fingerprint:016x}")
     with live.phase("eviction: real tails", len(prompts.eviction)) as ph:
-        tails = []
-        for i, ids in enumerate(prompts.eviction):
-            s = model.new_session(0, model.n_layers)
-            hidden, _ = s.forward_tokens(ids, logits="none")
-            tails.append(hidden[-1].copy())
-            ph.step(f"prefix {i + 1}: ‖tail‖ = {float((hidden[-1] ** 2).sum()) ** 0.5:.1f}")
-    with live.phase("eviction: Pisot vs LRU", 1) as ph:
+        tails, prefill_s_per_token = model_tails(model, prompts.eviction, ph.step)
+    with live.phase("eviction: Pisot vs LRU vs cost-aware", 1) as ph:
         eviction = compare_policies(
             cfg.trace,
             prompts.eviction,
@@ -380,9 +382,13 @@ def measure_in_process(cfg: BenchConfig, prompts: Prompts, live: LiveProgress) -
             fingerprint=model.fingerprint,
             kv_heads=model.weights.n_kv_heads,
             head_dim=model.weights.head_dim,
+            prefill_s_per_token=prefill_s_per_token,
         )
         rates = eviction["traces"]["luminary"]["hit_rate"]
-        ph.step(f"Luminary: Pisot {rates['pisot']:.3f} vs LRU {rates['lru']:.3f}")
+        ph.step(
+            f"Luminary: Pisot {rates['pisot']:.3f} vs LRU {rates['lru']:.3f} "
+            f"vs cost-aware {rates['gdsf']:.3f}"
+        )
     with live.phase("oracle parity (F5)", 1) as ph:
         oracles = oracle_suite()
         ph.step(f"{oracles['passed']}/{oracles['total']} pass")
@@ -546,13 +552,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens per session")
     p.add_argument("--chunk", type=int, default=64, help="prefill rows per request")
-    g = p.add_argument_group("eviction trace (Pisot-guard vs LRU, in-process)")
+    g = p.add_argument_group("eviction traces (Pisot-guard, LRU, cost-aware; in-process)")
     d = TraceSpec()
     g.add_argument("--trace-prefixes", type=int, default=d.prefixes, metavar="N")
     g.add_argument("--trace-entries", type=int, default=d.max_entries, metavar="N")
     g.add_argument("--trace-accesses", type=int, default=d.accesses, metavar="N")
     g.add_argument("--trace-seeds", type=int, default=len(d.seeds), metavar="N")
     g.add_argument("--zipf-s", type=float, default=d.zipf_s, metavar="S")
+    g.add_argument(
+        "--tenant-requests",
+        type=int,
+        default=d.tenants.accesses,
+        metavar="N",
+        help="requests per seed of the multi-tenant traces",
+    )
     p.add_argument("--llamacpp-threads", type=int, default=2, metavar="N")
     p.add_argument("--json", metavar="PATH", help="write every raw timing and verdict")
     p.add_argument("--plot", metavar="PATH.png", help="write the plot (needs matplotlib)")
@@ -563,12 +576,15 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
     """A validated :class:`BenchConfig` from the parsed command line."""
     if a.trace_seeds < 1:
         raise ValueError(f"--trace-seeds must be at least 1, got {a.trace_seeds}")
+    seeds = tuple(range(a.trace_seeds))
     trace = TraceSpec(
         prefixes=a.trace_prefixes,
         max_entries=a.trace_entries,
         accesses=a.trace_accesses,
         zipf_s=a.zipf_s,
-        seeds=tuple(range(a.trace_seeds)),
+        seeds=seeds,
+        tenants=replace(TenantSpec(), accesses=a.tenant_requests, seeds=seeds),
+        conversations=replace(CONVERSATIONS, accesses=a.tenant_requests, seeds=seeds),
     )
     return BenchConfig(
         stations=a.stations,

@@ -1,36 +1,113 @@
-"""Pisot-guard vs LRU on one access trace (seed 001 P5 / F4), in-process on the real cache.
+"""Eviction policies on access traces, in-process on the real cache: Pisot-guard vs LRU
+(seed 001 P5 / F4), and the cost-aware policy against both.
 
-Eviction depends only on each entry's drift ``|‖tail‖₂ − 1|`` and on recency, so the bench
-replays a seeded Zipf-like access trace over more distinct prefixes than the cache has
-entries against two real :class:`~amplituhedron_rs.AmplituhedronCache` instances (policy
-``"pisot"`` and ``"lru"``). Each access probes the cache like the coordinator does: a replay,
-and on a miss a capture. The tails are the model's own (the last hidden row of each prefix);
-the KV slabs are zero-filled slabs of the right shape for a one-layer range, since their
-content never enters the eviction choice.
+Eviction depends only on each entry's drift ``|‖tail‖₂ − 1|``, its recency, its size and
+the prefill its hits saved, so the bench replays seeded access traces against real
+:class:`~amplituhedron_rs.AmplituhedronCache` instances, one per policy (``"pisot"``,
+``"lru"``, ``"gdsf"``). Each access probes the cache like the coordinator does: a replay,
+and on a miss a capture. The KV slabs are zero-filled slabs of the right shape for a
+one-layer range, since their content never enters the eviction choice.
 
-Two tail sets share each access trace:
+The Zipf traces (one per seed) run over more distinct prefixes than the cache has entries.
+Their tails are the model's own (the last hidden row of each prefix), in two sets:
+
 
 - **Luminary basin** — each real tail rescaled to norm ``1 + σ·z`` (``z`` standard normal,
   seeded): the seed's assumption that tails are post-RMSNorm residuals near unit norm;
 - **raw** — the tails exactly as the model emits them (pre-norm residuals, norms in the
   hundreds for SmolLM2), so drift is large and roughly proportional to the norm.
+
+The **multi-tenant** trace is what a shared server sees: many users, each under one of a
+few shared system prompts, each growing a conversation of long unique turns (and now and
+then re-sending a prompt). A memory budget bounds the cache, and a miss on the exact prompt
+tries the longest cached prefix (``replay_longest``), so a hit is a full replay or the reuse
+of at least ``min_len`` positions. Its tails are Luminary tails (random directions, norms
+``1 + σ·z``). Every trace reports hit rates and the prefill positions (and, given the
+model's prefill time per token, seconds) the hits saved.
+
+The seed's verdict (P5 / F4) compares Pisot-guard with LRU only, as it always did.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from amplituhedron_rs._core import AmplituhedronCache
 
+if TYPE_CHECKING:
+    from amplituhedron_rs.model import Model
+
 FloatArray = npt.NDArray[np.float32]
-Policy = Literal["pisot", "lru"]
-POLICIES: tuple[Policy, Policy] = ("pisot", "lru")
+Policy = Literal["pisot", "lru", "gdsf"]
+POLICIES: tuple[Policy, ...] = ("pisot", "lru", "gdsf")
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A shared server's traffic: many users, each with a long context of their own (documents,
+    history) under one of a few shared system prompts, asking short new questions about it,
+    under a memory budget. With ``follow_up`` the questions stay in the context: a
+    conversation that grows turn by turn (and starts over past ``max_prompt``)."""
+
+    users: int = 64  #: users, each bound to one system prompt (popularity ∝ 1/rank)
+    system_prompts: int = 4  #: shared system prompts
+    system_len: int = 192  #: ids per system prompt
+    context: tuple[int, int] = (256, 768)  #: ids of a user's own context (range)
+    question: tuple[int, int] = (16, 64)  #: ids a request adds (range)
+    follow_up: float = 0.0  #: probability a request's question stays in the user's context
+    max_prompt: int = 2048  #: a context that would grow past this starts over
+    regenerate: float = 0.1  #: probability a request re-sends the user's last prompt
+    zipf_users: float = 0.8  #: user activity ∝ 1/rank^s
+    accesses: int = 1500  #: requests per trace
+    budget_volumes: float = 12.0  #: memory budget, in volumes of the trace's mean length
+    min_len: int = 16  #: shortest prefix reuse that counts as a hit
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    luminary_sigma: float = 0.02  #: σ of the tails' norms around 1
+
+    def __post_init__(self) -> None:
+        if self.users < 1 or self.system_prompts < 1 or self.accesses < 1 or not self.seeds:
+            raise ValueError("the multi-tenant trace needs users, system prompts, accesses, seeds")
+        for name, (lo, hi) in (("context", self.context), ("question", self.question)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be a range of positive lengths, got {lo}-{hi}")
+        if self.system_len + self.context[1] + self.question[1] > self.max_prompt:
+            raise ValueError("a fresh context and a question must fit max_prompt")
+        if not 0 <= self.follow_up <= 1 or not 0 <= self.regenerate < 1:
+            raise ValueError("follow_up must be in [0, 1] and regenerate in [0, 1)")
+        if self.budget_volumes <= 0 or self.min_len < 1:
+            raise ValueError("the budget must be positive and min_len at least 1")
+
+    def describe(self) -> str:
+        """One sentence for the bench output."""
+        kind = (
+            f"questions of {self.question[0]}-{self.question[1]} ids"
+            if self.follow_up == 0
+            else f"turns of {self.question[0]}-{self.question[1]} ids that stay in the "
+            f"context with probability {self.follow_up:g} (up to {self.max_prompt} ids)"
+        )
+        return (
+            f"{len(self.seeds)} seeded traces of {self.accesses} requests by {self.users} users "
+            f"(activity ∝ 1/rank^{self.zipf_users:g}) under {self.system_prompts} shared "
+            f"{self.system_len}-id system prompts, each user with a context of "
+            f"{self.context[0]}-{self.context[1]} unique ids and {kind}; "
+            f"{self.regenerate:.0%} re-sends; memory for {self.budget_volumes:g} mean volumes"
+        )
+
+
+#: A conversation-shaped variant: every turn stays in the context, so each user's prompts
+#: extend one another until the conversation starts over.
+CONVERSATIONS = TenantSpec(
+    context=(96, 384), question=(48, 160), follow_up=1.0, max_prompt=1536, users=48
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +121,8 @@ class TraceSpec:
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  #: one trace per seed, pooled for the verdict
     luminary_sigma: float = 0.02  #: σ of the Luminary tails' norms around 1
     luminary_seed: int = 1234  #: seed of the Luminary norms (fixed across traces)
+    tenants: TenantSpec = field(default_factory=TenantSpec)  #: the multi-tenant trace
+    conversations: TenantSpec = CONVERSATIONS  #: its chat variant
 
     def __post_init__(self) -> None:
         if self.max_entries < 1:
@@ -98,6 +177,23 @@ def luminary_tails(tails: Sequence[FloatArray], sigma: float, seed: int) -> list
     return out
 
 
+def model_tails(
+    model: Model, prefixes: Sequence[Sequence[int]], on_prefix: Callable[[str], None]
+) -> tuple[list[FloatArray], float]:
+    """Each prefix's tail (the last hidden row of a prefill over the whole model) and the
+    model's prefill seconds per token over all of them."""
+    tails = []
+    seconds = 0.0
+    for i, ids in enumerate(prefixes):
+        session = model.new_session(0, model.n_layers)
+        start = time.perf_counter()
+        hidden, _ = session.forward_tokens(ids, logits="none")
+        seconds += time.perf_counter() - start
+        tails.append(hidden[-1].copy())
+        on_prefix(f"prefix {i + 1}: ‖tail‖ = {float(np.linalg.norm(hidden[-1])):.1f}")
+    return tails, seconds / max(1, sum(len(p) for p in prefixes))
+
+
 def drift(tail: FloatArray) -> float:
     """The Pisot-guard drift ``|‖tail‖₂ − 1|`` (what the cache computes at capture)."""
     return abs(float(np.linalg.norm(tail.astype(np.float64))) - 1.0)
@@ -112,6 +208,7 @@ class PolicyRun:
     misses: int
     evictions: int
     hit_rate: float
+    saved_positions: int = 0  #: prompt positions the hits did not prefill
 
 
 @dataclass
@@ -139,15 +236,21 @@ def replay_trace(
         raise ValueError(f"{len(prefixes)} prefixes but {len(tails)} tails")
     cache = AmplituhedronCache(max_entries=max_entries, max_prefix_len=1 << 20, policy=policy)
     slabs = [np.zeros((1, kv_heads, len(p), head_dim), dtype=np.float32) for p in prefixes]
-    hits = 0
+    hits = saved = 0
     for i in trace:
         if cache.replay(fingerprint, prefixes[i], 0, 1) is not None:
             hits += 1
+            saved += len(prefixes[i])
         else:
             cache.capture(fingerprint, prefixes[i], 0, 1, tails[i], slabs[i], slabs[i])
     stats = cache.stats()
     return PolicyRun(
-        policy, hits, len(trace) - hits, int(stats["evictions"]), hits / max(1, len(trace))
+        policy,
+        hits,
+        len(trace) - hits,
+        int(stats["evictions"]),
+        hits / max(1, len(trace)),
+        saved,
     )
 
 
@@ -159,8 +262,11 @@ def compare_policies(
     fingerprint: int,
     kv_heads: int,
     head_dim: int,
+    prefill_s_per_token: float | None = None,
 ) -> dict[str, Any]:
-    """Both tail sets × both policies × every seeded trace; JSON-ready."""
+    """Both tail sets × every policy × every seeded trace, and the multi-tenant trace;
+    JSON-ready. With ``prefill_s_per_token`` (the model's measured prefill time per prompt
+    token) saved positions are also reported as seconds."""
     if len(prefixes) != spec.prefixes:
         raise ValueError(f"the spec has {spec.prefixes} prefixes, got {len(prefixes)}")
     if len({tuple(p) for p in prefixes}) != len(prefixes):
@@ -191,6 +297,7 @@ def compare_policies(
     for name, tails in tail_sets.items():
         per_seed = []
         pooled = {p: 0 for p in POLICIES}
+        saved = {p: 0 for p in POLICIES}
         for seed, trace in zip(spec.seeds, traces, strict=True):
             run = TraceRun(seed, trace)
             for policy in POLICIES:
@@ -206,12 +313,16 @@ def compare_policies(
                 )
                 run.runs[policy] = r
                 pooled[policy] += r.hits
+                saved[policy] += r.saved_positions
             per_seed.append(run)
         total = spec.accesses * len(spec.seeds)
         result["traces"][name] = {
             "accesses": total,
             "hits": dict(pooled),
             "hit_rate": {p: pooled[p] / total for p in POLICIES},
+            "saved_positions": dict(saved),
+            "saved_prefill_s": seconds(saved, prefill_s_per_token),
+            "best": best_policy(pooled),
             "winner": winner(pooled["pisot"], pooled["lru"]),
             "per_seed": [
                 {
@@ -222,11 +333,236 @@ def compare_policies(
                 for r in per_seed
             ],
         }
+    for name, tenants in (("multi_tenant", spec.tenants), ("conversations", spec.conversations)):
+        result["traces"][name] = compare_on_tenants(
+            tenants,
+            fingerprint=fingerprint,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            prefill_s_per_token=prefill_s_per_token,
+        )
     return result
 
 
 def winner(pisot_hits: int, lru_hits: int) -> str:
-    """``"pisot"``, ``"lru"`` or ``"tie"``."""
+    """The seed's verdict: ``"pisot"``, ``"lru"`` or ``"tie"``."""
     if pisot_hits == lru_hits:
         return "tie"
     return "pisot" if pisot_hits > lru_hits else "lru"
+
+
+def best_policy(hits: dict[Policy, int]) -> str:
+    """The policy with the most hits (or saved positions), or ``"tie"`` if several share
+    the most."""
+    top = max(hits.values())
+    leaders = [p for p, h in hits.items() if h == top]
+    return leaders[0] if len(leaders) == 1 else "tie"
+
+
+def seconds(positions: dict[Policy, int], per_token: float | None) -> dict[Policy, float] | None:
+    """Saved positions as prefill seconds, if the time per token is known."""
+    if per_token is None:
+        return None
+    return {p: n * per_token for p, n in positions.items()}
+
+
+# --- the multi-tenant trace ----------------------------------------------------------------
+
+
+def tenant_trace(spec: TenantSpec, seed: int) -> list[list[int]]:
+    """The prompts of one seeded multi-tenant trace, in request order."""
+    rng = np.random.default_rng(seed)
+    systems = [
+        [100_000 * (k + 1) + t for t in range(spec.system_len)] for k in range(spec.system_prompts)
+    ]
+    popularity = 1.0 / np.arange(1, spec.system_prompts + 1)
+    system_of = rng.choice(spec.system_prompts, size=spec.users, p=popularity / popularity.sum())
+    fresh = iter(range(10_000_000, 2**31))  # ids no other prompt ever uses
+
+    def new_context(user: int) -> list[int]:
+        n = int(rng.integers(spec.context[0], spec.context[1] + 1))
+        return systems[system_of[user]] + [next(fresh) for _ in range(n)]
+
+    contexts = [new_context(u) for u in range(spec.users)]
+    activity = 1.0 / np.arange(1, spec.users + 1) ** spec.zipf_users
+    who = rng.permutation(spec.users)[
+        rng.choice(spec.users, size=spec.accesses, p=activity / activity.sum())
+    ]
+    last: dict[int, list[int]] = {}
+    prompts = []
+    for user in (int(u) for u in who):
+        if user in last and rng.random() < spec.regenerate:
+            prompts.append(last[user])
+            continue
+        n = int(rng.integers(spec.question[0], spec.question[1] + 1))
+        prompt = contexts[user] + [next(fresh) for _ in range(n)]
+        if rng.random() < spec.follow_up:
+            contexts[user] = prompt
+            if len(prompt) + spec.question[1] > spec.max_prompt:
+                contexts[user] = new_context(user)
+        last[user] = prompt
+        prompts.append(prompt)
+    return prompts
+
+
+@dataclass
+class TenantRun:
+    """One policy on one multi-tenant trace."""
+
+    policy: Policy
+    full_hits: int  #: exact replays
+    prefix_hits: int  #: reuses of >= min_len positions after an exact miss
+    misses: int
+    evictions: int
+    saved_positions: int  #: prompt positions the hits did not prefill
+    prompt_positions: int  #: positions of every prompt in the trace
+    hit_rate: float  #: token hit rate: saved_positions / prompt_positions
+
+
+def replay_tenants(
+    policy: Policy,
+    prompts: Sequence[Sequence[int]],
+    spec: TenantSpec,
+    *,
+    max_bytes: int,
+    seed: int,
+    fingerprint: int,
+    kv_heads: int,
+    head_dim: int,
+) -> TenantRun:
+    """Runs one multi-tenant trace against a fresh byte-bounded cache with ``policy``."""
+    cache = AmplituhedronCache(
+        max_entries=1 << 30, max_prefix_len=spec.max_prompt, max_bytes=max_bytes, policy=policy
+    )
+    rng = np.random.default_rng(seed)
+    full = prefix = saved = 0
+    for prompt in prompts:
+        if cache.replay(fingerprint, prompt, 0, 1) is not None:
+            full += 1
+            saved += len(prompt)
+            continue
+        reuse = cache.replay_longest(fingerprint, prompt, 0, 1, min_len=spec.min_len)
+        if reuse is not None:
+            prefix += 1
+            saved += reuse[1]
+        direction = rng.standard_normal(head_dim)
+        norm = 1.0 + spec.luminary_sigma * rng.standard_normal()
+        tail = (direction * (norm / np.linalg.norm(direction))).astype(np.float32)
+        slab = np.zeros((1, kv_heads, len(prompt), head_dim), dtype=np.float32)
+        cache.capture(fingerprint, prompt, 0, 1, tail, slab, slab)
+    positions = sum(len(p) for p in prompts)
+    return TenantRun(
+        policy,
+        full,
+        prefix,
+        len(prompts) - full - prefix,
+        int(cache.stats()["evictions"]),
+        saved,
+        positions,
+        saved / max(1, positions),
+    )
+
+
+def compare_on_tenants(
+    spec: TenantSpec,
+    *,
+    fingerprint: int,
+    kv_heads: int,
+    head_dim: int,
+    prefill_s_per_token: float | None = None,
+) -> dict[str, Any]:
+    """Every policy on every seeded multi-tenant trace, pooled; JSON-ready.
+
+    Nearly every request shares at least its system prompt with some cached volume, so the
+    share of requests that reuse anything says little; ``hit_rate`` is the token hit rate
+    (prompt positions served from the cache over all prompt positions, the prefix-cache hit
+    rate vLLM reports), and ``hits`` counts requests that reused at least ``min_len``."""
+    per_seed = []
+    hits = {p: 0 for p in POLICIES}
+    full = {p: 0 for p in POLICIES}
+    saved = {p: 0 for p in POLICIES}
+    total = positions = 0
+    for seed in spec.seeds:
+        prompts = tenant_trace(spec, seed)
+        mean = sum(len(p) for p in prompts) / len(prompts)
+        # A volume's bytes: K and V of one layer, the tail (head_dim floats), the ids.
+        per_volume = 4 * (2 * kv_heads * head_dim * mean + head_dim + mean)
+        max_bytes = int(spec.budget_volumes * per_volume)
+        runs = {
+            p: replay_tenants(
+                p,
+                prompts,
+                spec,
+                max_bytes=max_bytes,
+                seed=seed,
+                fingerprint=fingerprint,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+            )
+            for p in POLICIES
+        }
+        for p, r in runs.items():
+            hits[p] += r.full_hits + r.prefix_hits
+            full[p] += r.full_hits
+            saved[p] += r.saved_positions
+        total += len(prompts)
+        positions += runs["lru"].prompt_positions
+        per_seed.append(
+            {"seed": seed, "max_bytes": max_bytes} | {p: asdict(r) for p, r in runs.items()}
+        )
+    return {
+        "spec": asdict(spec) | {"description": spec.describe()},
+        "accesses": total,
+        "prompt_positions": positions,
+        "hits": hits,
+        "full_hits": full,
+        "request_hit_rate": {p: hits[p] / total for p in POLICIES},
+        "hit_rate": {p: saved[p] / positions for p in POLICIES},
+        "saved_positions": saved,
+        "saved_prefill_s": seconds(saved, prefill_s_per_token),
+        "best": best_policy(saved),
+        "winner": winner(saved["pisot"], saved["lru"]),
+        "per_seed": per_seed,
+    }
+
+
+# --- on its own ----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m amplituhedron_rs.bench_eviction``: every eviction trace of ``amplituhedron
+    bench``, on the bundled model (its tails and its prefill time), without the mesh phases."""
+    from amplituhedron_rs.bench import BenchConfig, build_prompts
+    from amplituhedron_rs.model import CacheOptions, load_model
+
+    parser = argparse.ArgumentParser(prog="python -m amplituhedron_rs.bench_eviction")
+    parser.add_argument("--json", metavar="PATH", help="write every run")
+    args = parser.parse_args(argv)
+    cfg = BenchConfig()
+    model = load_model(cfg.model, cache=CacheOptions(max_prefix_len=1 << 20))
+    tok = model.tokenizer
+    prompts = build_prompts(tok.encode, tok.decode, tok.chat_ids, cfg).eviction
+    tails, per_token = model_tails(model, prompts, lambda _: None)
+    result = compare_policies(
+        cfg.trace,
+        prompts,
+        tails,
+        fingerprint=model.fingerprint,
+        kv_heads=model.weights.n_kv_heads,
+        head_dim=model.weights.head_dim,
+        prefill_s_per_token=per_token,
+    )
+    print(f"prefill: {1e3 * per_token:.2f} ms per token (measured on the eviction prefixes)")
+    for name, t in result["traces"].items():
+        rates = ", ".join(f"{p} {100 * t['hit_rate'][p]:.1f} %" for p in POLICIES)
+        saved = t["saved_prefill_s"]
+        seconds_saved = ", ".join(f"{p} {saved[p]:.1f} s" for p in POLICIES)
+        print(f"{name}: hit rate {rates}; prefill saved {seconds_saved}; best {t['best']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

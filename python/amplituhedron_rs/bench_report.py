@@ -16,11 +16,30 @@ from rich.table import Table
 
 PREDICTIONS = ("p1", "p2", "p3", "p4", "p5")
 TRIGGERS = ("f1", "f2", "f3", "f4", "f5")
-TRACE_TITLES = {"luminary": "(a) Luminary basin (‖tail‖ ≈ 1)", "raw": "(b) raw model tails"}
+TRACE_TITLES = {
+    "luminary": "(a) Luminary basin (‖tail‖ ≈ 1)",
+    "raw": "(b) raw model tails",
+    "multi_tenant": "(c) multi-tenant, token hit rate",
+    "conversations": "(d) conversations, token hit rate",
+}
+#: Each eviction policy's column title and plot colour.
+POLICY_COLUMNS = (
+    ("pisot", "Pisot-guard", "#756bb1"),
+    ("lru", "LRU", "#969696"),
+    ("gdsf", "cost-aware", "#31a354"),
+)
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
+
+
+def _saved(trace: Mapping[str, Any], policy: str) -> str:
+    """Prefill a policy's hits saved on a trace: seconds if measured, else positions."""
+    seconds = trace.get("saved_prefill_s")
+    if seconds:
+        return f"{seconds[policy]:.1f} s"
+    return f"{trace['saved_positions'][policy]} positions"
 
 
 def prediction_numbers(key: str, p: Mapping[str, Any]) -> tuple[str, str]:
@@ -145,16 +164,16 @@ def summary_tables(report: Mapping[str, Any]) -> list[Table]:
 
     ev = report["eviction"]
     eviction = Table(
-        title="Pisot-guard vs LRU (same traces)", caption=escape(ev["spec"]["description"])
+        title="Eviction policies (same traces)", caption=escape(ev["spec"]["description"])
     )
-    for col in ("trace", "Pisot-guard", "LRU", "better"):
+    for col in ("trace", *(title for _, title, _ in POLICY_COLUMNS), "Pisot vs LRU", "best"):
         eviction.add_column(col)
     for name, t in ev["traces"].items():
         eviction.add_row(
             TRACE_TITLES.get(name, name),
-            _pct(t["hit_rate"]["pisot"]),
-            _pct(t["hit_rate"]["lru"]),
+            *(_pct(t["hit_rate"][p]) for p, _, _ in POLICY_COLUMNS),
             t["winner"],
+            t["best"],
         )
 
     peers = Table(title="Side by side (same prompt, same token budget)")
@@ -237,12 +256,15 @@ def write_plot(report: Mapping[str, Any], path: Path) -> None:
 
     traces = report["eviction"]["traces"]
     names = list(traces)
-    for j, (policy, colour) in enumerate((("pisot", "#756bb1"), ("lru", "#969696"))):
+    bar = width * 2 / len(POLICY_COLUMNS)
+    for j, (policy, title, colour) in enumerate(POLICY_COLUMNS):
         rates = [100 * traces[n]["hit_rate"][policy] for n in names]
-        pos = [i + (j - 0.5) * width for i in range(len(names))]
-        bars = ax3.bar(pos, rates, width, color=colour, label="Pisot-guard" if j == 0 else "LRU")
+        pos = [i + (j - (len(POLICY_COLUMNS) - 1) / 2) * bar for i in range(len(names))]
+        bars = ax3.bar(pos, rates, bar, color=colour, label=title)
         for b, r in zip(bars, rates, strict=True):
-            ax3.annotate(f"{r:.1f}", (b.get_x() + b.get_width() / 2, r), ha="center", va="bottom")
+            ax3.annotate(
+                f"{r:.0f}", (b.get_x() + b.get_width() / 2, r), ha="center", va="bottom", fontsize=7
+            )
     ax3.set_ylim(0, 125)  # room for the legend above the bars
     ax3.set_xticks(range(len(names)))
     ax3.set_xticklabels([TRACE_TITLES.get(n, n) for n in names], fontsize=8)
@@ -252,7 +274,7 @@ def write_plot(report: Mapping[str, Any], path: Path) -> None:
         f"Eviction: {spec['prefixes']} prefixes, {spec['max_entries']} entries, "
         f"{spec['accesses']}×{len(spec['seeds'])} accesses"
     )
-    ax3.legend(fontsize=8, ncol=2, loc="upper center")
+    ax3.legend(fontsize=8, ncol=len(POLICY_COLUMNS), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -350,17 +372,23 @@ def markdown(report: Mapping[str, Any], path: Path, plot: Path | str | None = No
         "",
     ]
     ev = report["eviction"]
-    out += ["## Pisot-guard vs LRU", "", ev["spec"]["description"] + ".", ""]
+    out += ["## Eviction policies", "", ev["spec"]["description"] + ".", ""]
+    for n in ("multi_tenant", "conversations"):
+        if n in ev["traces"]:
+            out += [f"{TRACE_TITLES[n]}: {ev['traces'][n]['spec']['description']}.", ""]
     rows = [
         [
             TRACE_TITLES.get(n, n),
-            f"{t['hits']['pisot']}/{t['accesses']} ({_pct(t['hit_rate']['pisot'])})",
-            f"{t['hits']['lru']}/{t['accesses']} ({_pct(t['hit_rate']['lru'])})",
+            *(_pct(t["hit_rate"][p]) for p, _, _ in POLICY_COLUMNS),
+            *(_saved(t, p) for p, _, _ in POLICY_COLUMNS),
             t["winner"],
+            t["best"],
         ]
         for n, t in ev["traces"].items()
     ]
-    out += [_md_table(["trace", "Pisot-guard", "LRU", "better"], rows), ""]
+    titles = [title for _, title, _ in POLICY_COLUMNS]
+    headers = ["trace", *titles, *(f"{t}: prefill saved" for t in titles), "Pisot vs LRU", "best"]
+    out += [_md_table(headers, rows), ""]
     out += ["## Side by side", ""]
     out += [
         _md_table(

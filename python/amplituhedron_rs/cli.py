@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--session-idle", type=float, default=300.0, metavar="SECONDS")
     serve.add_argument("--max-entries", type=int, default=4)
     serve.add_argument("--max-prefix-len", type=int, default=512)
-    serve.add_argument("--policy", choices=["pisot", "lru"], default="pisot")
+    serve.add_argument(
+        "--policy",
+        choices=["pisot", "lru", "gdsf"],
+        default=None,
+        help="eviction policy (default: the cost-aware gdsf)",
+    )
     serve.add_argument(
         "--min-prefix-reuse",
         type=int,

@@ -22,7 +22,7 @@ from amplituhedron_rs.gguf_file import ModelFile, read_model_file
 from amplituhedron_rs.tokenizer import StreamDecoder, Tokenizer
 
 FloatArray = npt.NDArray[np.float32]
-Policy = Literal["pisot", "lru"]
+Policy = Literal["pisot", "lru", "gdsf"]
 Precision = Literal["refined", "fast"]
 
 
@@ -55,7 +55,7 @@ class CacheOptions:
     max_entries: int = 4
     max_prefix_len: int = 512
     max_bytes: int | None = None
-    policy: Policy = "pisot"
+    policy: Policy | None = None  #: None: the core's default (the cost-aware "gdsf")
     #: After an exact miss, reuse the longest cached prefix of at least this many tokens
     #: (0: exact-prompt replay only).
     min_prefix_reuse: int = 16

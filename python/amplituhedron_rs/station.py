@@ -78,7 +78,7 @@ class StationSettings:
     max_entries: int = 4
     max_prefix_len: int = 512
     max_bytes: int | None = None
-    policy: Literal["pisot", "lru"] = "pisot"
+    policy: Literal["pisot", "lru", "gdsf"] | None = None  # None: the core's default
     cache_enabled: bool = True
     slots: int = 4096
     recall: int = 128

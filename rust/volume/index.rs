@@ -75,9 +75,13 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// Among `map`'s keys, the one sharing the longest prefix with `probe` and that length.
-/// A neighbour of `probe` in sorted order attains it; between two that do, the one that goes
-/// on past the shared part wins (the keys sharing a prefix `P` form a run that starts with
-/// `P` itself, so if any longer key shares as much, a neighbour does).
+///
+/// A neighbour of `probe` in sorted order attains the longest shared prefix `P`; the keys
+/// sharing it form a run that starts with `P` itself, so the run's first key that goes on past
+/// `P` (or else `P`) is found in two steps. That key is the answer: one that goes past the
+/// shared part covers all of it even if its trailing position was erased, and the first of
+/// the run is a stable choice, so repeated probes credit their hits to the same entry (a
+/// frequency-aware policy then sees the prefix's popularity rather than a share of it).
 fn closest<V: Copy>(map: &BTreeMap<Box<[u32]>, V>, probe: &[u32]) -> Option<(usize, V)> {
     let below = map
         .range::<[u32], _>((Bound::Unbounded, Bound::Included(probe)))
@@ -85,17 +89,24 @@ fn closest<V: Copy>(map: &BTreeMap<Box<[u32]>, V>, probe: &[u32]) -> Option<(usi
     let above = map
         .range::<[u32], _>((Bound::Excluded(probe), Bound::Unbounded))
         .next();
-    let score = |k: &[u32], v: V| {
-        let shared = common_prefix(k, probe);
-        ((shared, k.len() > shared), v)
-    };
-    let below = below.map(|(k, &v)| score(k, v));
-    let above = above.map(|(k, &v)| score(k, v));
-    let best = match (below, above) {
-        (Some(b), Some(a)) => Some(if a.0 > b.0 { a } else { b }),
-        (b, a) => b.or(a),
-    };
-    best.map(|((shared, _), v)| (shared, v))
+    let shared = [below, above]
+        .into_iter()
+        .flatten()
+        .map(|(k, _)| common_prefix(k, probe))
+        .max()?;
+    let run = &probe[..shared];
+    let mut first = map.range::<[u32], _>((Bound::Included(run), Bound::Unbounded));
+    let (k, &v) = first
+        .next()
+        .expect("the run holds the neighbour that attains it");
+    if k.len() > shared {
+        return Some((shared, v));
+    }
+    // `k` is `P` itself: the next key of the run, if any, goes on past it.
+    match first.next() {
+        Some((next, &w)) if next.starts_with(run) => Some((shared, w)),
+        _ => Some((shared, v)),
+    }
 }
 
 impl PrefixIndex {

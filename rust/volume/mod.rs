@@ -97,7 +97,8 @@ pub struct CacheConfig {
     pub max_prefix_len: usize,
     /// Most bytes resident in memory at once (default: unbounded).
     pub max_bytes: Option<usize>,
-    /// Victim choice when memory or disk is full (default Pisot-guard).
+    /// Victim choice when memory or disk is full (default: the cost-aware policy, which beat
+    /// LRU and Pisot-guard on every trace of the eviction bench).
     pub policy: EvictionPolicy,
     /// Directory keeping every captured volume across restarts (default: none, memory only).
     pub cache_dir: Option<PathBuf>,
@@ -111,7 +112,7 @@ impl Default for CacheConfig {
             max_entries: 4,
             max_prefix_len: 512,
             max_bytes: None,
-            policy: EvictionPolicy::PisotGuard,
+            policy: EvictionPolicy::CostAware,
             cache_dir: None,
             max_disk_bytes: None,
         }
