@@ -63,21 +63,18 @@ impl Deref for Floats {
     }
 }
 
-/// Keys and values of one block of positions, `(layers, kv_heads, positions, head_dim)`.
+/// Keys and values of one block of positions, each `(layers, kv_heads, positions,
+/// head_dim)`, held as one array: the keys, then the values (the volume file's layout too).
 pub struct KvBlock {
     positions: usize,
-    keys: Floats,
-    vals: Floats,
+    data: Floats,
 }
 
 impl KvBlock {
-    pub(super) fn new(positions: usize, keys: Floats, vals: Floats) -> Self {
-        debug_assert_eq!(keys.len(), vals.len());
-        KvBlock {
-            positions,
-            keys,
-            vals,
-        }
+    /// A block over `data`: keys then values, equally long.
+    pub(super) fn new(positions: usize, data: Floats) -> Self {
+        debug_assert!(data.len().is_multiple_of(2));
+        KvBlock { positions, data }
     }
 
     /// Copies positions `[start, start + positions)` of a `(layers, kv_heads, n, head_dim)`
@@ -92,17 +89,17 @@ impl KvBlock {
     ) -> Option<Self> {
         let run = positions * shape.head_dim;
         let n = shape.layers * shape.kv_heads * run;
-        let mut dst_keys = vec![0.0f32; n].into_boxed_slice();
-        let mut dst_vals = vec![0.0f32; n].into_boxed_slice();
+        let mut data = vec![0.0f32; 2 * n].into_boxed_slice();
+        let (dst_keys, dst_vals) = data.split_at_mut(n);
         let mut finite = true;
-        for (src, dst) in [(keys, &mut dst_keys), (vals, &mut dst_vals)] {
+        for (src, dst) in [(keys, dst_keys), (vals, dst_vals)] {
             for (i, out) in dst.chunks_exact_mut(run).enumerate() {
                 let (layer, head) = (i / shape.kv_heads, i % shape.kv_heads);
                 let from = shape.row_offset(layer, head, start);
                 finite &= copy_all_finite(&src[from..from + run], out);
             }
         }
-        finite.then(|| KvBlock::new(positions, Floats::Heap(dst_keys), Floats::Heap(dst_vals)))
+        finite.then(|| KvBlock::new(positions, Floats::Heap(data)))
     }
 
     /// Whether positions `[start, start + positions)` of a slab pair are all finite (the
@@ -128,33 +125,29 @@ impl KvBlock {
 
     /// Keys, `(layers, kv_heads, positions, head_dim)`.
     pub fn keys(&self) -> &[f32] {
-        &self.keys
+        &self.data[..self.data.len() / 2]
     }
 
     /// Values, `(layers, kv_heads, positions, head_dim)`.
     pub fn vals(&self) -> &[f32] {
-        &self.vals
+        &self.data[self.data.len() / 2..]
     }
 
     /// Bytes of keys and values.
     pub fn nbytes(&self) -> usize {
-        4 * (self.keys.len() + self.vals.len())
+        4 * self.data.len()
     }
 
     /// Whether the floats are mapped from a volume file rather than owned.
     pub fn is_mapped(&self) -> bool {
-        matches!(self.keys, Floats::Mapped { .. })
+        matches!(self.data, Floats::Mapped { .. })
     }
 
     /// A heap copy with `keys[index]` replaced by NaN (fault injection).
     pub(super) fn damaged_copy(&self, index: usize) -> Self {
-        let mut keys: Box<[f32]> = self.keys.to_vec().into_boxed_slice();
-        keys[index] = f32::NAN;
-        KvBlock::new(
-            self.positions,
-            Floats::Heap(keys),
-            Floats::Heap(self.vals.to_vec().into_boxed_slice()),
-        )
+        let mut data: Box<[f32]> = self.data.to_vec().into_boxed_slice();
+        data[index] = f32::NAN;
+        KvBlock::new(self.positions, Floats::Heap(data))
     }
 }
 

@@ -429,11 +429,7 @@ pub(super) fn mapped_parts(
         f
     };
     let blocks = block_spans(header.tokens.len())
-        .map(|(_, n)| {
-            let keys = take(row * n);
-            let vals = take(row * n);
-            KvBlock::new(n, keys, vals)
-        })
+        .map(|(_, n)| KvBlock::new(n, take(2 * row * n)))
         .collect();
     let tail = take(header.tail_len).to_vec();
     let logits = (header.logits_len > 0).then(|| take(header.logits_len).to_vec());

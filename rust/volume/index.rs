@@ -15,6 +15,7 @@
 //!   for `k` children per node, whatever the number of entries.
 //! - the exact probe uses the cache's digest map instead and compares the ids once.
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 use std::sync::Arc;
@@ -30,15 +31,73 @@ pub(super) type NodeId = u32;
 
 const NO_PARENT: NodeId = NodeId::MAX;
 
+/// Up to [`BLOCK_POSITIONS`] ids held inline, ordered as the slice they spell: a tree key
+/// compared without following a pointer (the tree's wide nodes are searched by comparing
+/// many keys).
+#[derive(Clone, Copy)]
+struct BlockIds {
+    len: u8,
+    ids: [u32; BLOCK_POSITIONS],
+}
+
+impl BlockIds {
+    fn new(ids: &[u32]) -> Self {
+        let mut inline = [0; BLOCK_POSITIONS];
+        inline[..ids.len()].copy_from_slice(ids);
+        BlockIds {
+            len: ids.len() as u8,
+            ids: inline,
+        }
+    }
+}
+
+impl BlockIds {
+    fn as_slice(&self) -> &[u32] {
+        &self.ids[..usize::from(self.len)]
+    }
+}
+
+impl Borrow<[u32]> for BlockIds {
+    fn borrow(&self) -> &[u32] {
+        self.as_slice()
+    }
+}
+
+impl PartialEq for BlockIds {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for BlockIds {}
+
+impl PartialOrd for BlockIds {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for BlockIds {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_slice().cmp(other.as_slice())
+    }
+}
+
+impl std::fmt::Debug for BlockIds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.as_slice().fmt(f)
+    }
+}
+
 #[derive(Debug)]
 struct Node {
     /// This node's B ids (empty for a root).
-    ids: Box<[u32]>,
+    ids: BlockIds,
     parent: NodeId,
     /// Children by their ids.
-    children: BTreeMap<Box<[u32]>, NodeId>,
+    children: BTreeMap<BlockIds, NodeId>,
     /// Entries whose prefix ends inside the next block, by the ids after this node.
-    ends: BTreeMap<Box<[u32]>, EntryId>,
+    ends: BTreeMap<BlockIds, EntryId>,
     /// Entries ending here or below (the node goes when none is left).
     entries_below: u32,
     /// The KV of this node's block, while a resident entry uses it.
@@ -48,7 +107,7 @@ struct Node {
 }
 
 impl Node {
-    fn new(ids: Box<[u32]>, parent: NodeId) -> Self {
+    fn new(ids: BlockIds, parent: NodeId) -> Self {
         Node {
             ids,
             parent,
@@ -82,7 +141,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 /// shared part covers all of it even if its trailing position was erased, and the first of
 /// the run is a stable choice, so repeated probes credit their hits to the same entry (a
 /// frequency-aware policy then sees the prefix's popularity rather than a share of it).
-fn closest<V: Copy>(map: &BTreeMap<Box<[u32]>, V>, probe: &[u32]) -> Option<(usize, V)> {
+fn closest<V: Copy>(map: &BTreeMap<BlockIds, V>, probe: &[u32]) -> Option<(usize, V)> {
     let below = map
         .range::<[u32], _>((Bound::Unbounded, Bound::Included(probe)))
         .next_back();
@@ -92,19 +151,19 @@ fn closest<V: Copy>(map: &BTreeMap<Box<[u32]>, V>, probe: &[u32]) -> Option<(usi
     let shared = [below, above]
         .into_iter()
         .flatten()
-        .map(|(k, _)| common_prefix(k, probe))
+        .map(|(k, _)| common_prefix(k.as_slice(), probe))
         .max()?;
     let run = &probe[..shared];
     let mut first = map.range::<[u32], _>((Bound::Included(run), Bound::Unbounded));
     let (k, &v) = first
         .next()
         .expect("the run holds the neighbour that attains it");
-    if k.len() > shared {
+    if k.as_slice().len() > shared {
         return Some((shared, v));
     }
     // `k` is `P` itself: the next key of the run, if any, goes on past it.
     match first.next() {
-        Some((next, &w)) if next.starts_with(run) => Some((shared, w)),
+        Some((next, &w)) if next.as_slice().starts_with(run) => Some((shared, w)),
         _ => Some((shared, v)),
     }
 }
@@ -121,7 +180,7 @@ impl PrefixIndex {
         let root = match self.roots.get(&namespace) {
             Some(&r) => r,
             None => {
-                let r = self.alloc(Node::new(Box::new([]), NO_PARENT));
+                let r = self.alloc(Node::new(BlockIds::new(&[]), NO_PARENT));
                 self.roots.insert(namespace, r);
                 r
             }
@@ -135,8 +194,9 @@ impl PrefixIndex {
             let child = match existing {
                 Some(c) => c,
                 None => {
-                    let c = self.alloc(Node::new(block.into(), node));
-                    self.nodes[node as usize].children.insert(block.into(), c);
+                    let c = self.alloc(Node::new(BlockIds::new(block), node));
+                    let children = &mut self.nodes[node as usize].children;
+                    children.insert(BlockIds::new(block), c);
                     c
                 }
             };
@@ -145,7 +205,9 @@ impl PrefixIndex {
             path.push(node);
         }
         let rest = &tokens[full * BLOCK_POSITIONS..];
-        let previous = self.nodes[node as usize].ends.insert(rest.into(), entry);
+        let previous = self.nodes[node as usize]
+            .ends
+            .insert(BlockIds::new(rest), entry);
         debug_assert!(previous.is_none(), "one entry per prefix and namespace");
         path.into_boxed_slice()
     }
@@ -162,13 +224,13 @@ impl PrefixIndex {
             n.entries_below -= 1;
             if n.entries_below == 0 {
                 debug_assert!(n.children.is_empty() && n.ends.is_empty() && n.block_users == 0);
-                let (parent, ids) = (n.parent, std::mem::take(&mut n.ids));
+                let (parent, ids) = (n.parent, n.ids);
                 if parent == NO_PARENT {
                     self.roots.remove(&namespace);
                 } else {
                     self.nodes[parent as usize].children.remove(&ids);
                 }
-                self.nodes[node as usize] = Node::new(Box::new([]), NO_PARENT);
+                self.nodes[node as usize] = Node::new(BlockIds::new(&[]), NO_PARENT);
                 self.free.push(node);
             }
         }
@@ -225,7 +287,7 @@ impl PrefixIndex {
     /// exactly at it.
     fn entry_past(&self, node: NodeId) -> EntryId {
         let n = &self.nodes[node as usize];
-        if let Some((_, &e)) = n.ends.iter().find(|(rest, _)| !rest.is_empty()) {
+        if let Some((_, &e)) = n.ends.iter().find(|(rest, _)| rest.len > 0) {
             return e;
         }
         match n.children.values().next() {

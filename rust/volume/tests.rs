@@ -162,7 +162,7 @@ impl SplitMix {
 fn unchecked_blocks(shape: SlabShape, keys: &[f32], vals: &[f32]) -> Vec<Arc<KvBlock>> {
     block::block_spans(shape.positions)
         .map(|(start, n)| {
-            let gather = |src: &[f32]| -> Box<[f32]> {
+            let gather = |src: &[f32]| -> Vec<f32> {
                 let run = n * shape.head_dim;
                 (0..shape.layers * shape.kv_heads)
                     .flat_map(|i| {
@@ -171,8 +171,8 @@ fn unchecked_blocks(shape: SlabShape, keys: &[f32], vals: &[f32]) -> Vec<Arc<KvB
                     })
                     .collect()
             };
-            let (k, v) = (gather(keys), gather(vals));
-            Arc::new(KvBlock::new(n, Floats::Heap(k), Floats::Heap(v)))
+            let data = [gather(keys), gather(vals)].concat().into_boxed_slice();
+            Arc::new(KvBlock::new(n, Floats::Heap(data)))
         })
         .collect()
 }
