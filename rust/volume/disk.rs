@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapOptions};
 
 use super::block::{block_spans, Floats, KvBlock, BLOCK_POSITIONS};
 use super::captured::AmplituhedronVolume;
@@ -391,8 +391,10 @@ impl DiskStore {
         }
         // SAFETY: volume files are never written after the rename that publishes them and
         // the directory is locked to this cache, so the mapping does not change under us;
-        // the length was checked just above.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Reject::Io(e.to_string()))?;
+        // the length was checked just above. Populated up front: the checksum reads every
+        // page anyway, and one read-ahead beats a fault per page.
+        let map = unsafe { MmapOptions::new().populate().map(&file) }
+            .map_err(|e| Reject::Io(e.to_string()))?;
         let start = expected.header_len();
         let header = Header::decode(&map[..FIXED], |n| {
             map.get(FIXED..FIXED + n)
