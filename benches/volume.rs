@@ -30,6 +30,9 @@ use std::time::{Duration, SystemTime};
 use amplituhedron::volume::{AmplituhedronCache, CacheConfig, VolumeData, VolumeKey};
 use criterion::{BatchSize, Criterion, Throughput};
 
+mod common;
+use common::median_ns;
+
 const PREFIX_LEN: usize = 512;
 const KV_HEADS: usize = 3;
 const HEAD_DIM: usize = 64;
@@ -133,6 +136,35 @@ impl Fixture {
     }
 }
 
+/// A station's work on a hit: the lookup, then every (layer, head) row range copied into
+/// the destinations with the finiteness check.
+fn replay_into(
+    cache: &mut AmplituhedronCache,
+    fx: &Fixture,
+    dst_keys: &mut [f32],
+    dst_vals: &mut [f32],
+) {
+    let vol = cache
+        .replay(black_box(&fx.key()))
+        .expect("valid key")
+        .expect("hit");
+    let rows = PREFIX_LEN * HEAD_DIM;
+    for layer in 0..fx.layers {
+        for head in 0..KV_HEADS {
+            let off = (layer * KV_HEADS + head) * rows;
+            vol.copy_rows_checked(
+                layer,
+                head,
+                0..PREFIX_LEN,
+                &mut dst_keys[off..off + rows],
+                &mut dst_vals[off..off + rows],
+            )
+            .expect("finite");
+        }
+    }
+    black_box((dst_keys, dst_vals));
+}
+
 fn bench_shape(c: &mut Criterion, shape: &Shape) {
     let fx = Fixture::new(shape.layers);
     let mut group = c.benchmark_group(shape.name);
@@ -155,28 +187,8 @@ fn bench_shape(c: &mut Criterion, shape: &Shape) {
 
     let mut cache = AmplituhedronCache::default();
     cache.capture(&fx.key(), fx.data()).expect("valid capture");
-    let rows = PREFIX_LEN * HEAD_DIM;
     group.bench_function("replay", |b| {
-        b.iter(|| {
-            let vol = cache
-                .replay(black_box(&fx.key()))
-                .expect("valid key")
-                .expect("hit");
-            for layer in 0..fx.layers {
-                for head in 0..KV_HEADS {
-                    let off = (layer * KV_HEADS + head) * rows;
-                    vol.copy_rows_checked(
-                        layer,
-                        head,
-                        0..PREFIX_LEN,
-                        &mut dst_keys[off..off + rows],
-                        &mut dst_vals[off..off + rows],
-                    )
-                    .expect("finite");
-                }
-            }
-            black_box((&dst_keys, &dst_vals));
-        })
+        b.iter(|| replay_into(&mut cache, &fx, &mut dst_keys, &mut dst_vals))
     });
     // (Unless a filter skipped it: the destinations are still zero then.)
     let copied = |dst: &[f32]| dst.iter().any(|&v| v != 0.0);
@@ -216,26 +228,7 @@ fn bench_shape(c: &mut Criterion, shape: &Shape) {
     disk.set_max_bytes(Some(1)).expect("valid limit");
     dst_keys.fill(0.0);
     group.bench_function("replay_disk", |b| {
-        b.iter(|| {
-            let vol = disk
-                .replay(black_box(&fx.key()))
-                .expect("valid key")
-                .expect("hit from disk");
-            for layer in 0..fx.layers {
-                for head in 0..KV_HEADS {
-                    let off = (layer * KV_HEADS + head) * rows;
-                    vol.copy_rows_checked(
-                        layer,
-                        head,
-                        0..PREFIX_LEN,
-                        &mut dst_keys[off..off + rows],
-                        &mut dst_vals[off..off + rows],
-                    )
-                    .expect("finite");
-                }
-            }
-            black_box((&dst_keys, &dst_vals));
-        })
+        b.iter(|| replay_into(&mut disk, &fx, &mut dst_keys, &mut dst_vals))
     });
     if copied(&dst_keys) {
         assert!(dst_keys == fx.keys, "the file gave back the slab exactly");
@@ -299,28 +292,9 @@ fn bench_restart(c: &mut Criterion) {
     group.finish();
 }
 
-/// Median time (ns) of `group/function` from criterion's estimates, if written this run.
-fn median_ns(group: &str, function: &str, since: SystemTime) -> Option<f64> {
-    let root = std::env::var_os("CRITERION_HOME")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("CARGO_TARGET_DIR").map(|d| PathBuf::from(d).join("criterion"))
-        })
-        .unwrap_or_else(|| PathBuf::from("target/criterion"));
-    let path = root.join(group).join(function).join("new/estimates.json");
-    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
-        return None; // stale: this run did not measure it (filtered out)
-    }
-    let json = std::fs::read_to_string(path).ok()?;
-    let median = &json[json.find("\"median\"")?..];
-    let value = &median[median.find("\"point_estimate\":")? + "\"point_estimate\":".len()..];
-    let end = value.find([',', '}'])?;
-    value[..end].trim().parse().ok()
-}
-
 fn summary(since: SystemTime) {
     println!("\nvolume bench summary (medians of this run)");
-    if let Some(ns) = median_ns("restart", "first_hit", since) {
+    if let Some(ns) = median_ns(&["restart", "first_hit"], since) {
         println!(
             "  restart to first hit ({RESTART_FILES} files of 14 layers): {:.1} ms (target < 1 s)",
             ns / 1e6
@@ -328,7 +302,7 @@ fn summary(since: SystemTime) {
     }
     for shape in &SHAPES {
         let bytes = Fixture::new(shape.layers).kv_bytes() as f64;
-        let get = |f: &str| median_ns(shape.name, f, since);
+        let get = |f: &str| median_ns(&[shape.name, f], since);
         let rate = |ns: Option<f64>| {
             ns.map_or_else(|| "n/a".to_owned(), |ns| format!("{:.2} GB/s", bytes / ns))
         };

@@ -19,12 +19,14 @@
 //! Run: `cargo bench --bench volume_index`
 
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use amplituhedron::eviction::EvictionPolicy;
 use amplituhedron::volume::{AmplituhedronCache, CacheConfig, VolumeData, VolumeKey};
 use criterion::{BenchmarkId, Criterion};
+
+mod common;
+use common::median_ns;
 
 const SIZES: [usize; 3] = [10, 1_000, 100_000];
 const PROMPT_LEN: usize = 64;
@@ -171,29 +173,6 @@ fn bench_index(c: &mut Criterion) {
     group.finish();
 }
 
-/// Median time (ns) of `group/function/param` from criterion's estimates, if written this run.
-fn median_ns(function: &str, n: usize, since: SystemTime) -> Option<f64> {
-    let root = std::env::var_os("CRITERION_HOME")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("CARGO_TARGET_DIR").map(|d| PathBuf::from(d).join("criterion"))
-        })
-        .unwrap_or_else(|| PathBuf::from("target/criterion"));
-    let path = root
-        .join("volume_index")
-        .join(function)
-        .join(n.to_string())
-        .join("new/estimates.json");
-    if std::fs::metadata(&path).ok()?.modified().ok()? < since {
-        return None;
-    }
-    let json = std::fs::read_to_string(path).ok()?;
-    let median = &json[json.find("\"median\"")?..];
-    let value = &median[median.find("\"point_estimate\":")? + "\"point_estimate\":".len()..];
-    let end = value.find([',', '}'])?;
-    value[..end].trim().parse().ok()
-}
-
 fn summary(since: SystemTime) {
     println!("\nvolume index summary (medians of this run)");
     let captures = EvictionPolicy::ALL.map(|p| format!("capture_{p}"));
@@ -201,7 +180,7 @@ fn summary(since: SystemTime) {
     for function in lookups.iter().chain(&captures) {
         let times: Vec<Option<f64>> = SIZES
             .iter()
-            .map(|&n| median_ns(function, n, since))
+            .map(|&n| median_ns(&["volume_index", function, &n.to_string()], since))
             .collect();
         let shown: Vec<String> = SIZES
             .iter()

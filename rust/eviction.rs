@@ -108,6 +108,16 @@ pub fn pisot_drift(v: &[f32]) -> f32 {
     }
 }
 
+/// Whether a cache holding `entries` entries of `bytes` bytes in all is over its limits.
+pub fn over_limits(
+    entries: usize,
+    bytes: usize,
+    max_entries: usize,
+    max_bytes: Option<usize>,
+) -> bool {
+    entries > max_entries || max_bytes.is_some_and(|m| bytes > m)
+}
+
 /// What a policy may weigh about an entry when it is stored.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EntryFacts {

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::eviction::{pisot_drift, EntryFacts, EvictionPolicy, EvictionQueue};
+use crate::eviction::{over_limits, pisot_drift, EntryFacts, EvictionPolicy, EvictionQueue};
 use crate::keys::{f32_digest, CacheKey};
 
 /// Bytes of an encoded memo key: tag (1) + weight id (8) + digest (32).
@@ -282,13 +282,15 @@ impl MatVecMemo {
     }
 
     fn evict_to_fit(&mut self, incoming_entries: usize, incoming_bytes: usize) {
+        let (max_entries, max_bytes) = (self.config.max_entries, self.config.max_bytes);
         loop {
-            let over_entries = self.entries.len() + incoming_entries > self.config.max_entries;
-            let over_bytes = self
-                .config
-                .max_bytes
-                .is_some_and(|m| self.stats.bytes + incoming_bytes > m);
-            if !(over_entries || over_bytes) {
+            let entries = self.entries.len() + incoming_entries;
+            if !over_limits(
+                entries,
+                self.stats.bytes + incoming_bytes,
+                max_entries,
+                max_bytes,
+            ) {
                 return;
             }
             let Some(victim) = self.queue.pop_victim(self.tick) else {

@@ -79,6 +79,21 @@ def served_intact(cache: ar.AmplituhedronCache, i: int, positions: int) -> bool:
     return True
 
 
+def child_script(path: Path, template: str, positions: int) -> Path:
+    """Writes a child process's script: ``template`` with the shared volume definition."""
+    path.write_text(
+        template.format(
+            volume_source=VOLUME_SOURCE,
+            layers=LAYERS,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            positions=positions,
+            fingerprint=FINGERPRINT,
+        )
+    )
+    return path
+
+
 def leftovers(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.part"))
 
@@ -110,17 +125,7 @@ WRITER_POSITIONS = 512  # 4 MiB of K+V per volume: each write takes a while
 
 def test_a_writer_killed_mid_write_never_leaves_a_served_torn_volume(tmp_path: Path) -> None:
     directory = tmp_path / "volumes"
-    script = tmp_path / "writer.py"
-    script.write_text(
-        WRITER.format(
-            volume_source=VOLUME_SOURCE,
-            layers=LAYERS,
-            heads=HEADS,
-            head_dim=HEAD_DIM,
-            positions=WRITER_POSITIONS,
-            fingerprint=FINGERPRINT,
-        )
-    )
+    script = child_script(tmp_path / "writer.py", WRITER, WRITER_POSITIONS)
     rng = np.random.default_rng(9)
     torn_kills = 0
     next_index = 0
@@ -220,17 +225,7 @@ def test_a_full_disk_fails_writes_cleanly_and_the_cache_keeps_serving(
     tmp_path: Path, small_filesystem: tuple[Path, str]
 ) -> None:
     directory, mode = small_filesystem
-    script = tmp_path / "fill.py"
-    script.write_text(
-        FULL_DISK_RUN.format(
-            volume_source=VOLUME_SOURCE,
-            layers=LAYERS,
-            heads=HEADS,
-            head_dim=HEAD_DIM,
-            positions=FULL_DISK_POSITIONS,
-            fingerprint=FINGERPRINT,
-        )
-    )
+    script = child_script(tmp_path / "fill.py", FULL_DISK_RUN, FULL_DISK_POSITIONS)
     limit = "limit" if mode.startswith("RLIMIT") else "none"
     run = subprocess.run(
         [sys.executable, str(script), str(directory), limit],

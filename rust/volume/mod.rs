@@ -57,7 +57,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock, Weak};
 
-use crate::eviction::{pisot_drift, EntryFacts, EvictionPolicy, EvictionQueue};
+use crate::eviction::{over_limits, pisot_drift, EntryFacts, EvictionPolicy, EvictionQueue};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -912,13 +912,15 @@ impl AmplituhedronCache {
     /// Evicts resident entries by policy until `incoming_entries` more entries and
     /// `incoming_bytes` more bytes fit. An evicted entry with a file stays indexed on disk.
     fn evict_memory_to_fit(&mut self, incoming_entries: usize, incoming_bytes: usize) {
+        let (max_entries, max_bytes) = (self.config.max_entries, self.config.max_bytes);
         loop {
-            let over_entries = self.memory.len() + incoming_entries > self.config.max_entries;
-            let over_bytes = self
-                .config
-                .max_bytes
-                .is_some_and(|m| self.stats.bytes + incoming_bytes > m);
-            if !(over_entries || over_bytes) {
+            let entries = self.memory.len() + incoming_entries;
+            if !over_limits(
+                entries,
+                self.stats.bytes + incoming_bytes,
+                max_entries,
+                max_bytes,
+            ) {
                 return;
             }
             let Some(victim) = self.memory.pop_victim(self.tick) else {
