@@ -474,6 +474,14 @@ enum RowSource<'a> {
         total: usize,
         offset: usize,
     },
+    /// Rows `offset..offset + n` of consecutive volume blocks of `block` positions (the last
+    /// may hold fewer), each `(keys, values)` laid out `(n_layers, kv_heads, positions,
+    /// head_dim)`.
+    Blocks {
+        blocks: &'a [(&'a [f32], &'a [f32])],
+        block: usize,
+        offset: usize,
+    },
 }
 
 /// The live KV cache of one session on one station. See the module docs.
@@ -888,6 +896,56 @@ impl DynamicRingBuffer {
         Ok(())
     }
 
+    /// Like [`write_pending_slab`](Self::write_pending_slab), but the volume is held in
+    /// consecutive blocks of `block` positions (the last may hold fewer), each `(keys,
+    /// values)` laid out `(n_layers, kv_heads, positions, head_dim)`: pending rows are
+    /// positions `offset..offset + n` of their concatenation.
+    pub fn write_pending_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[(&[f32], &[f32])],
+        block: usize,
+        offset: usize,
+    ) -> Result<(), RingError> {
+        self.check_write(layer)?;
+        let per_position = self.cfg.n_layers * self.row;
+        let mut total = 0;
+        for (b, (keys, vals)) in blocks.iter().enumerate() {
+            let positions = keys.len() / per_position.max(1);
+            let last = b + 1 == blocks.len();
+            let fits = if last {
+                (1..=block).contains(&positions)
+            } else {
+                positions == block
+            };
+            if !fits {
+                return Err(RingError::ShapeMismatch {
+                    what: "block positions",
+                    expected: block,
+                    got: positions,
+                });
+            }
+            check_lengths(per_position * positions, keys.len(), vals.len())?;
+            total += positions;
+        }
+        if offset + self.plan.n > total {
+            return Err(RingError::ShapeMismatch {
+                what: "block positions",
+                expected: offset + self.plan.n,
+                got: total,
+            });
+        }
+        self.write_rows(
+            layer,
+            RowSource::Blocks {
+                blocks,
+                block,
+                offset,
+            },
+        );
+        Ok(())
+    }
+
     /// Writes the pending chunk's K/V rows (`n × kv_heads × head_dim` each) for one layer,
     /// journaling the rows they overwrite.
     pub fn write_pending(
@@ -945,6 +1003,22 @@ impl DynamicRingBuffer {
                 } => {
                     for h in 0..self.cfg.kv_heads {
                         let src = ((layer * self.cfg.kv_heads + h) * total + offset + i) * head_dim;
+                        let d = dst + h * head_dim;
+                        self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
+                        self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
+                    }
+                }
+                RowSource::Blocks {
+                    blocks,
+                    block,
+                    offset,
+                } => {
+                    let p = offset + i;
+                    let (keys, vals) = blocks[p / block];
+                    let positions = keys.len() / (self.cfg.n_layers * row);
+                    for h in 0..self.cfg.kv_heads {
+                        let src =
+                            ((layer * self.cfg.kv_heads + h) * positions + p % block) * head_dim;
                         let d = dst + h * head_dim;
                         self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
                         self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);

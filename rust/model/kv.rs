@@ -163,17 +163,41 @@ impl SequenceKv {
         kv_len: usize,
         span: SpanType,
     ) -> Result<(), ModelError> {
+        self.append_blocks(&[(keys, vals)], stride, kv_len, span)
+    }
+
+    /// Like [`append_volume`](Self::append_volume), for a volume held in consecutive blocks
+    /// of `block` positions (the last may hold fewer), each `(keys, values)` laid out
+    /// `(layers, kv_heads, positions, head_dim)`: the first `kv_len` positions of their
+    /// concatenation, written straight from the blocks.
+    pub fn append_blocks(
+        &mut self,
+        blocks: &[(&[f32], &[f32])],
+        block: usize,
+        kv_len: usize,
+        span: SpanType,
+    ) -> Result<(), ModelError> {
         let rc = self.ring.config();
-        let (kvh, hd, layers) = (rc.kv_heads, rc.head_dim, rc.n_layers);
-        if kv_len == 0
-            || kv_len > stride
-            || keys.len() != layers * kvh * stride * hd
-            || vals.len() != keys.len()
-        {
+        let layers = rc.n_layers;
+        let per_position = layers * rc.kv_heads * rc.head_dim;
+        let mut positions = 0;
+        for (b, (keys, vals)) in blocks.iter().enumerate() {
+            let held = keys.len() / per_position.max(1);
+            let last = b + 1 == blocks.len();
+            let whole = held * per_position == keys.len() && vals.len() == keys.len();
+            if !whole || held == 0 || held > block || (!last && held != block) {
+                return Err(ModelError::Input(format!(
+                    "block {b} of the volume holds {} floats: not {layers} layers of \
+                     {} floats for {block} positions (fewer only in the last block)",
+                    keys.len(),
+                    per_position / layers.max(1)
+                )));
+            }
+            positions += held;
+        }
+        if kv_len == 0 || kv_len > positions {
             return Err(ModelError::Input(format!(
-                "{kv_len} positions of a {layers}-layer slab with stride {stride} do not fit \
-                 {} floats",
-                keys.len()
+                "{kv_len} positions of a {layers}-layer volume of {positions} positions"
             )));
         }
         let saved = self.ring.clock();
@@ -183,10 +207,8 @@ impl SequenceKv {
             self.ring
                 .begin_append(n, span, new_span)
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
-            let written = (0..layers).try_for_each(|layer| {
-                self.ring
-                    .write_pending_slab(layer, keys, vals, stride, from)
-            });
+            let written = (0..layers)
+                .try_for_each(|layer| self.ring.write_pending_blocks(layer, blocks, block, from));
             if let Err(e) = written.and_then(|()| self.ring.commit_append()) {
                 self.ring.abort_append();
                 let _ = self.ring.rollback_clock(saved);

@@ -8,7 +8,7 @@ use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
     AmplituhedronCache, AmplituhedronVolume, CacheConfig, CacheStats, CaptureOutcome,
-    DamageOutcome, OwnedVolumeData, VolumeKey,
+    DamageOutcome, OwnedVolumeData, VolumeKey, BLOCK_POSITIONS,
 };
 
 /// What a replay did to the session.
@@ -336,26 +336,14 @@ impl NativeLlamaPipeline {
     }
 }
 
-/// Writes positions `[0, kv_len)` of `vol` into a fresh sequence, block by block, through the
-/// ring's own append path in the same span pieces prefill uses, so the ring state (table,
-/// spans) equals a cold prefill's exactly. On error the sequence is reset.
+/// Writes positions `[0, kv_len)` of `vol` into a fresh sequence straight from its blocks,
+/// through the ring's own append path in the same span pieces prefill uses, so the ring state
+/// (table, spans) equals a cold prefill's exactly.
 fn splice(
     session: &mut SequenceKv,
     vol: &AmplituhedronVolume,
     kv_len: usize,
 ) -> Result<(), ModelError> {
-    for (block, n) in vol.blocks_upto(kv_len) {
-        let appended = session.append_volume(
-            block.keys(),
-            block.vals(),
-            block.positions(),
-            n,
-            SpanType::User,
-        );
-        if let Err(e) = appended {
-            session.reset();
-            return Err(e);
-        }
-    }
-    Ok(())
+    let blocks: Vec<(&[f32], &[f32])> = vol.blocks().iter().map(|b| (b.keys(), b.vals())).collect();
+    session.append_blocks(&blocks, BLOCK_POSITIONS, kv_len, SpanType::User)
 }

@@ -234,3 +234,60 @@ fn twenty_thousand_entries_answer_exactly_with_zero_false_hits() {
     assert_eq!(st.hits, u64::from(n.div_ceil(97)));
     assert_eq!(st.bytes, resident_bytes(&cache.resident()));
 }
+
+#[test]
+fn a_ring_filled_from_blocks_equals_one_filled_from_the_whole_slab() {
+    use crate::model::testing::tiny_config;
+    use crate::model::{SequenceKv, SessionConfig};
+    use crate::ring::SpanType;
+
+    let c = tiny_config();
+    let (layers, heads, head_dim) = (c.n_layers, c.n_kv_heads, c.head_dim());
+    // A small window (64 slots, 8 recall) that 150 positions wrap, pieces of 24 rows.
+    let cfg = SessionConfig {
+        slots: 64,
+        recall: 8,
+        n_sys: 4,
+        max_chunk: 24,
+    };
+    let s = Sample::with_layout((0..150).collect(), 0, layers as u16, heads, head_dim);
+    let mut cache = AmplituhedronCache::default();
+    cache.set_max_prefix_len(1000).unwrap();
+    s.capture(&mut cache).unwrap();
+    let v = s.replay(&mut cache).unwrap();
+    let blocks: Vec<(&[f32], &[f32])> = v.blocks().iter().map(|b| (b.keys(), b.vals())).collect();
+    for kv_len in [1, 16, 17, 100, 150] {
+        let mut from_blocks = SequenceKv::new(&c, 0, layers, &cfg).unwrap();
+        let mut from_slab = SequenceKv::new(&c, 0, layers, &cfg).unwrap();
+        from_blocks
+            .append_blocks(&blocks, BLOCK_POSITIONS, kv_len, SpanType::User)
+            .unwrap();
+        from_slab
+            .append_volume(&s.keys, &s.vals, 150, kv_len, SpanType::User)
+            .unwrap();
+        let (a, b) = (from_blocks.ring(), from_slab.ring());
+        assert_eq!(a.clock(), b.clock());
+        assert_eq!(a.active_slots(), b.active_slots());
+        assert_eq!(a.spans().collect::<Vec<_>>(), b.spans().collect::<Vec<_>>());
+        // The anchor positions are resident whatever wrapped: their rows are the same.
+        let m = kv_len.min(4);
+        let read = |ring: &crate::ring::DynamicRingBuffer| {
+            let mut keys = vec![0.0; layers * heads * m * head_dim];
+            let mut vals = keys.clone();
+            ring.read_logical(0, layers, m, &mut keys, &mut vals)
+                .unwrap();
+            (keys, vals)
+        };
+        assert_eq!(read(a), read(b));
+    }
+    // Blocks that do not fit the volume's shape are refused, and the ring stays as it was.
+    let mut kv = SequenceKv::new(&c, 0, layers, &cfg).unwrap();
+    let short = [(&blocks[0].0[1..], &blocks[0].1[1..])];
+    assert!(kv
+        .append_blocks(&short, BLOCK_POSITIONS, 4, SpanType::User)
+        .is_err());
+    assert!(kv
+        .append_blocks(&blocks, BLOCK_POSITIONS, 151, SpanType::User)
+        .is_err());
+    assert_eq!(kv.clock(), 0);
+}
