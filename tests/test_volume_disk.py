@@ -129,7 +129,7 @@ def test_a_writer_killed_mid_write_never_leaves_a_served_torn_volume(tmp_path: P
     rng = np.random.default_rng(9)
     torn_kills = 0
     next_index = 0
-    for _round in range(12):
+    for round_ in range(12):
         child = subprocess.Popen(
             [sys.executable, str(script), str(directory), str(next_index)],
             stdout=subprocess.PIPE,
@@ -137,7 +137,14 @@ def test_a_writer_killed_mid_write_never_leaves_a_served_torn_volume(tmp_path: P
         )
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
-        time.sleep(float(rng.uniform(0.05, 0.4)))
+        if round_ % 2:
+            time.sleep(float(rng.uniform(0.05, 0.4)))  # wherever it happens to be
+        else:
+            # As soon as a write has begun (its temporary file exists), after a random delay.
+            deadline = time.monotonic() + 10
+            while not leftovers(directory) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(float(rng.uniform(0.0, 0.002)))
         child.send_signal(signal.SIGKILL)
         child.wait()
         child.stdout.close()
