@@ -141,6 +141,13 @@ pub enum AttnError {
         /// Layers the ring holds.
         n_layers: usize,
     },
+    /// A sliding window of zero keys, or over a ring holding anchor or recall rows.
+    BadWindow {
+        /// The window asked for.
+        window: usize,
+        /// Anchor + recall rows the ring holds.
+        fixed: usize,
+    },
 }
 
 impl fmt::Display for AttnError {
@@ -172,6 +179,11 @@ impl fmt::Display for AttnError {
                     "layer {layer} out of range: the ring holds {n_layers} layers"
                 )
             }
+            AttnError::BadWindow { window, fixed } => write!(
+                f,
+                "a sliding window needs at least one key and a ring without anchor or recall \
+                 rows (window {window}, {fixed} such rows)"
+            ),
         }
     }
 }
@@ -1371,6 +1383,82 @@ pub fn attend_chunk(
     scratch: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), AttnError> {
+    let rows = ChunkRows {
+        q_fixed,
+        q_window,
+        local_k,
+        local_v,
+    };
+    attend_rows(ring, layer, rows, None, n_q_heads, scale, scratch, out)
+}
+
+/// [`attend_chunk`] for a sliding-window layer (llama.cpp's standard SWA): a row at position
+/// `p` sees only the keys at positions `p − window + 1 ..= p`, whatever else the ring still
+/// holds. The ring must have no anchors or recall rows (a local layer keeps only its window),
+/// so one query rotation `q` serves every key.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_chunk_sliding(
+    ring: &DynamicRingBuffer,
+    layer: usize,
+    window: usize,
+    q: &[f32],
+    local_k: &[f32],
+    local_v: &[f32],
+    n_q_heads: usize,
+    scale: f32,
+    scratch: &mut AttnScratch,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    if !ring.fixed_slots().is_empty() || window == 0 {
+        return Err(AttnError::BadWindow {
+            window,
+            fixed: ring.fixed_slots().len(),
+        });
+    }
+    let rows = ChunkRows {
+        q_fixed: q,
+        q_window: q,
+        local_k,
+        local_v,
+    };
+    attend_rows(
+        ring,
+        layer,
+        rows,
+        Some(window),
+        n_q_heads,
+        scale,
+        scratch,
+        out,
+    )
+}
+
+/// The per-chunk row buffers of one attention call.
+#[derive(Clone, Copy)]
+struct ChunkRows<'a> {
+    q_fixed: &'a [f32],
+    q_window: &'a [f32],
+    local_k: &'a [f32],
+    local_v: &'a [f32],
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_rows(
+    ring: &DynamicRingBuffer,
+    layer: usize,
+    rows: ChunkRows<'_>,
+    window: Option<usize>,
+    n_q_heads: usize,
+    scale: f32,
+    scratch: &mut AttnScratch,
+    out: &mut [f32],
+) -> Result<(), AttnError> {
+    let ChunkRows {
+        q_fixed,
+        q_window,
+        local_k,
+        local_v,
+    } = rows;
     let n = ring.pending_len();
     if n == 0 {
         return Err(AttnError::NoPendingAppend);
@@ -1405,14 +1493,26 @@ pub fn attend_chunk(
     let (ring_k, ring_v) = ring.layer_kv(layer);
     let isa = Isa::best();
     let row_inputs = |i: usize| {
-        let start = ring.pending_local_start(i);
+        let mut start = ring.pending_local_start(i);
+        let mut window_slots = ring.pending_window(i);
+        if let Some(w) = window {
+            // The window entries are the contiguous clocks just below the chunk's first
+            // row, so the keys older than the sliding window are a prefix of them (and then
+            // of the chunk's own rows).
+            let clock0 = ring.pending_clock(0);
+            let oldest_visible = (ring.pending_clock(i) + 1).saturating_sub(w as u64);
+            let first_window_clock = clock0 - window_slots.len() as u64;
+            let skip = oldest_visible.saturating_sub(first_window_clock) as usize;
+            window_slots = &window_slots[skip.min(window_slots.len())..];
+            start = start.max(oldest_visible.saturating_sub(clock0) as usize);
+        }
         AttnInputs {
             q_fixed: &q_fixed[i * q_row..(i + 1) * q_row],
             q_window: &q_window[i * q_row..(i + 1) * q_row],
             ring_k,
             ring_v,
             fixed_slots: ring.fixed_slots(),
-            window_slots: ring.pending_window(i),
+            window_slots,
             local_k: &local_k[start * kv_row..(i + 1) * kv_row],
             local_v: &local_v[start * kv_row..(i + 1) * kv_row],
         }

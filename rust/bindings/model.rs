@@ -12,9 +12,9 @@ use pyo3::types::PyDict;
 
 use crate::eviction::EvictionPolicy;
 use crate::model::{
-    ChunkInput, GenerationStats, LlamaConfig, LlamaWeights, LogitsWanted, ModelError,
+    Architecture, ChunkInput, GenerationStats, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
     NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
-    SessionConfig, TensorInfo,
+    SessionConfig, SlidingWindow, TensorInfo,
 };
 use crate::ring::SpanType;
 use crate::volume::CacheConfig;
@@ -49,7 +49,7 @@ fn rows_array<'py>(
     PyArray1::from_vec(py, data).reshape([rows, width])
 }
 
-/// Memory-mapped GGUF weights of a Llama-architecture model.
+/// Memory-mapped GGUF weights of a model of a supported architecture.
 #[pyclass(name = "ModelWeights", module = "amplituhedron_rs._core", frozen)]
 pub struct PyModelWeights {
     inner: Arc<LlamaWeights>,
@@ -81,16 +81,31 @@ impl PyModelWeights {
                 .extract::<T>()
                 .map_err(|_| PyValueError::new_err(format!("config[{key:?}] has the wrong type")))
         }
-        let config = LlamaConfig {
+        let sliding = match config.get_item("sliding_window")? {
+            Some(window) if !window.is_none() => Some(SlidingWindow {
+                window: window.extract().map_err(|_| {
+                    PyValueError::new_err("config[\"sliding_window\"] must be an int")
+                })?,
+                rope_base: get(config, "rope_base_local")?,
+                local: get(config, "local_layers")?,
+            }),
+            _ => None,
+        };
+        let arch: String = get(config, "arch")?;
+        let config = ModelConfig {
+            arch: Architecture::from_name(&arch).map_err(value_error)?,
             n_layers: get(config, "n_layers")?,
             hidden: get(config, "hidden")?,
             ffn: get(config, "ffn")?,
             n_heads: get(config, "n_heads")?,
             n_kv_heads: get(config, "n_kv_heads")?,
+            key_length: get(config, "head_dim")?,
             vocab: get(config, "vocab")?,
             rope_base: get(config, "rope_base")?,
             rms_eps: get(config, "rms_eps")?,
             context_len: get(config, "context_len")?,
+            attn_scale: get(config, "attn_scale")?,
+            sliding,
         };
         let table: Vec<TensorInfo> = tensors
             .into_iter()

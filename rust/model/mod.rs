@@ -22,7 +22,7 @@ mod weights;
 use std::fmt;
 use std::sync::OnceLock;
 
-pub use config::LlamaConfig;
+pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
 pub use forward::{ChunkInput, LogitsWanted, RangeSession, SessionConfig, SPAN_TOKENS};
 pub use pipeline::{GenerationStats, NativeLlamaPipeline, ReplayOutcome, StopReason};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
