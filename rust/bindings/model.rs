@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::eviction::EvictionPolicy;
+use crate::quant::GgmlType;
 use crate::model::{
     Architecture, ChunkInput, GenerationStats, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
     NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
@@ -655,7 +656,21 @@ impl PyPipeline {
     }
 }
 
+/// GGUF architectures the runtime runs (`general.architecture` values).
+#[pyfunction]
+fn supported_architectures() -> Vec<&'static str> {
+    Architecture::ALL.iter().map(|a| a.name()).collect()
+}
+
+/// ggml tensor types the runtime's kernels run, by ggml name.
+#[pyfunction]
+fn supported_tensor_types() -> Vec<String> {
+    GgmlType::ALL.iter().map(|t| format!("{t:?}")).collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
+    m.add_function(wrap_pyfunction!(supported_tensor_types, m)?)?;
     m.add_class::<PyModelWeights>()?;
     m.add_class::<PyRangeSession>()?;
     m.add_class::<PySampler>()?;
