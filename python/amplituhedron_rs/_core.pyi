@@ -470,11 +470,13 @@ def quant_matmul(
     cols: int,
     x: NDArray[np.float32],
     kernel: str | None = None,
+    refined: bool = False,
 ) -> NDArray[np.float32]:
-    """``x (n, cols) @ W.T`` → ``(n, rows)``, activations quantized to 8 bits per 32-block.
+    """``x (n, cols) @ W.T`` → ``(n, rows)``, activations quantized to 8 bits per block
+    (32 elements, or 256 for the k-quants).
 
     ``kernel`` picks one of :func:`quant_kernels` (default: the fastest); all give
-    bit-identical results.
+    bit-identical results. ``refined`` adds a second pass over the activations' residual.
     """
 
 def quant_embed(
@@ -484,3 +486,6 @@ def quant_embed(
 
 def quant_kernels() -> list[str]:
     """Matmul kernels this CPU can run, slowest first (the last is the default)."""
+
+def quant_types() -> list[tuple[str, int]]:
+    """Tensor types the kernels compute with, as ``(ggml name, ggml type id)``."""

@@ -665,7 +665,7 @@ fn supported_architectures() -> Vec<&'static str> {
 /// ggml tensor types the runtime's kernels run, by ggml name.
 #[pyfunction]
 fn supported_tensor_types() -> Vec<String> {
-    GgmlType::ALL.iter().map(|t| format!("{t:?}")).collect()
+    GgmlType::ALL.iter().map(|t| t.name().to_string()).collect()
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

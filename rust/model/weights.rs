@@ -14,14 +14,14 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use super::{ModelConfig, ModelError, Precision};
-use crate::quant::{GgmlType, QMatrix};
+use crate::quant::{unsupported_type_message, GgmlType, QMatrix};
 
 /// One entry of the tensor table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
     /// GGUF tensor name, e.g. `blk.3.attn_q.weight`.
     pub name: String,
-    /// ggml type id (0 = F32, 1 = F16, 2 = Q4_0, 3 = Q4_1, 8 = Q8_0).
+    /// ggml type id (see `quant::SUPPORTED_TYPES`).
     pub ggml_type: u32,
     /// GGUF dims, fastest-varying first: `[cols, rows]` for a matrix, `[n]` for a vector.
     pub dims: Vec<u64>,
@@ -341,7 +341,9 @@ impl LlamaWeights {
 
 fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
     let bad = |what: String| ModelError::Weights(format!("tensor {}: {what}", info.name));
-    let dtype = GgmlType::from_id(info.ggml_type).map_err(|e| bad(e.to_string()))?;
+    let dtype = GgmlType::from_id(info.ggml_type).map_err(|_| {
+        ModelError::Weights(unsupported_type_message(info.ggml_type, Some(&info.name)))
+    })?;
     let (cols, rows) = match info.dims.as_slice() {
         [n] => (*n as usize, 1usize),
         [c, r] => (*c as usize, *r as usize),
@@ -405,4 +407,36 @@ fn fingerprint(
         h.update_rayon(&bytes[e.start..e.start + e.len]);
     }
     crate::keys::digest_prefix_u64(h.finalize().as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::testing::tiny_config;
+
+    #[test]
+    fn an_unsupported_tensor_type_is_refused_by_name() {
+        // A Q4_1-sized tensor declared as IQ2_XS (17), and one with an id ggml lacks.
+        let bytes = vec![0u8; 4096];
+        for (id, expected) in [
+            (
+                17,
+                "unsupported tensor type IQ2_XS in blk.3.ffn_down.weight",
+            ),
+            (99, "unknown ggml type id 99 in blk.3.ffn_down.weight"),
+        ] {
+            let table = [TensorInfo {
+                name: "blk.3.ffn_down.weight".into(),
+                ggml_type: id,
+                dims: vec![256, 4],
+                offset: 0,
+            }];
+            let err =
+                LlamaWeights::from_bytes(bytes.clone(), tiny_config(), &table, Precision::Refined)
+                    .err()
+                    .expect("refused")
+                    .to_string();
+            assert!(err.contains(expected), "{err}");
+        }
+    }
 }

@@ -7,8 +7,8 @@ use core::arch::x86_64::*;
 use std::ops::Range;
 
 use super::activation::{block_scale, quantize_block, ActBlocks, ROUNDING_MAGIC};
-use super::format::{GgmlType, QK};
-use super::kernel::{BlockFormat, OutPtr, Q40, Q41, Q80};
+use super::format::{BlockFormat, GgmlType, Q40, Q41, Q80, QK};
+use super::kernel::OutPtr;
 use super::scalar;
 
 /// Rows per step.
@@ -40,7 +40,7 @@ pub(crate) unsafe fn quant_rect(
             (GgmlType::Q4_0, false) => rect_bw::<Q40>(data, row_bytes, act, rows, tokens, out),
             (GgmlType::Q4_1, false) => rect_bw::<Q41>(data, row_bytes, act, rows, tokens, out),
             (GgmlType::Q8_0, false) => rect_bw::<Q80>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::F32 | GgmlType::F16, _) => unreachable!("float weights take the f32 path"),
+            _ => unreachable!("no AVX-512 kernel for {dtype}"),
         }
     }
 }
@@ -269,7 +269,7 @@ unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
                     };
                 }
                 let mut isum = transpose_sum(partial);
-                if F::ZERO != 0 {
+                if F::NIBBLES && F::ZERO != 0 {
                     let offset = F::ZERO * *act.qsum.get_unchecked(i);
                     isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset));
                 }

@@ -36,16 +36,33 @@ mod avx2;
 mod avx512;
 mod format;
 mod kernel;
+mod kquant;
 mod scalar;
 #[cfg(test)]
 mod tests;
 
 pub use activation::{fold_refined, QuantScratch, QuantizedInput};
-pub use format::{quantize_weights, GgmlType, QK};
+pub use format::{ggml_type_name, quantize_weights, GgmlType, QK};
 pub use kernel::Kernel;
+pub use kquant::QK_K;
 
-/// The supported ggml types and their ids, for error messages.
-pub(crate) const SUPPORTED_TYPES: &str = "F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=8";
+/// The supported ggml types and their ids, for error messages (in [`GgmlType::ALL`] order).
+pub const SUPPORTED_TYPES: &str =
+    "F32=0, F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14";
+
+/// The message refusing ggml type id `id` (of tensor `tensor`, when known): names the type,
+/// e.g. `unsupported tensor type IQ2_XS in blk.3.ffn_down.weight (ggml type id 17; …)`.
+pub fn unsupported_type_message(id: u32, tensor: Option<&str>) -> String {
+    let place = tensor.map(|t| format!(" in {t}")).unwrap_or_default();
+    match ggml_type_name(id) {
+        Some(name) => format!(
+            "unsupported tensor type {name}{place} (ggml type id {id}; supported: {SUPPORTED_TYPES})"
+        ),
+        None => format!(
+            "unknown ggml type id {id}{place} (supported: {SUPPORTED_TYPES})"
+        ),
+    }
+}
 
 /// Errors of the quantized formats and kernels. Every check happens before any output is
 /// written, so a failed call leaves its output buffer untouched.
@@ -137,7 +154,7 @@ impl std::fmt::Display for QuantError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             QuantError::UnsupportedType { id } => {
-                write!(f, "unsupported ggml type id {id} (supported: {SUPPORTED_TYPES})")
+                f.write_str(&unsupported_type_message(*id, None))
             }
             QuantError::EmptyShape { rows, cols } => {
                 write!(f, "empty shape ({rows}, {cols}): rows and columns must be positive")
