@@ -467,12 +467,14 @@ struct Plan {
 enum RowSource<'a> {
     /// Chunk rows `(n, kv_heads, head_dim)`.
     RowMajor { keys: &'a [f32], vals: &'a [f32] },
-    /// Rows `offset..offset + n` of a volume slab `(n_layers, kv_heads, total, head_dim)`.
+    /// Rows `offset..offset + n` of layer `slab_layer` of a volume slab
+    /// `(layers, kv_heads, total, head_dim)`.
     Slab {
         keys: &'a [f32],
         vals: &'a [f32],
         total: usize,
         offset: usize,
+        slab_layer: usize,
     },
 }
 
@@ -883,6 +885,40 @@ impl DynamicRingBuffer {
                 vals,
                 total,
                 offset,
+                slab_layer: layer,
+            },
+        );
+        Ok(())
+    }
+
+    /// Like [`write_pending_slab`](Self::write_pending_slab), from the slab of this one layer
+    /// `(kv_heads, total, head_dim)` (a volume's layers may live in several rings, e.g. the
+    /// sliding-window and the global layers of a Gemma range).
+    pub fn write_pending_layer_slab(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        vals: &[f32],
+        total: usize,
+        offset: usize,
+    ) -> Result<(), RingError> {
+        self.check_write(layer)?;
+        check_lengths(self.row * total, keys.len(), vals.len())?;
+        if offset + self.plan.n > total {
+            return Err(RingError::ShapeMismatch {
+                what: "slab positions",
+                expected: offset + self.plan.n,
+                got: total,
+            });
+        }
+        self.write_rows(
+            layer,
+            RowSource::Slab {
+                keys,
+                vals,
+                total,
+                offset,
+                slab_layer: 0,
             },
         );
         Ok(())
@@ -942,9 +978,11 @@ impl DynamicRingBuffer {
                     vals,
                     total,
                     offset,
+                    slab_layer,
                 } => {
                     for h in 0..self.cfg.kv_heads {
-                        let src = ((layer * self.cfg.kv_heads + h) * total + offset + i) * head_dim;
+                        let src =
+                            ((slab_layer * self.cfg.kv_heads + h) * total + offset + i) * head_dim;
                         let d = dst + h * head_dim;
                         self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
                         self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
@@ -1074,6 +1112,7 @@ impl DynamicRingBuffer {
                         vals,
                         total: n,
                         offset,
+                        slab_layer: layer,
                     },
                 );
             }

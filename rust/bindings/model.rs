@@ -11,12 +11,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::eviction::EvictionPolicy;
-use crate::quant::GgmlType;
 use crate::model::{
     Architecture, ChunkInput, GenerationStats, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
     NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
     SessionConfig, SlidingWindow, TensorInfo,
 };
+use crate::quant::GgmlType;
 use crate::ring::SpanType;
 use crate::volume::CacheConfig;
 

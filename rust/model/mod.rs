@@ -16,6 +16,7 @@ mod config;
 mod forward;
 mod ops;
 mod pipeline;
+mod rings;
 mod sampling;
 mod weights;
 
