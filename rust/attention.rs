@@ -1361,6 +1361,19 @@ impl AttnScratch {
     pub fn blocks(&self) -> usize {
         self.buf.len() / self.per_block
     }
+
+    /// Grows the scratch (never shrinks it) to `blocks` row groups of up to `max_keys` keys,
+    /// so one scratch serves batches of rings of any size without allocating per call.
+    pub fn reserve(&mut self, blocks: usize, n_q_heads: usize, max_keys: usize) {
+        let per_block = self.per_block.max(n_q_heads * (score_stride(max_keys) + 1));
+        let blocks = blocks.max(1).max(self.blocks());
+        if per_block != self.per_block || blocks * per_block != self.buf.len() {
+            *self = AttnScratch {
+                buf: vec![0.0; blocks * per_block],
+                per_block,
+            };
+        }
+    }
 }
 
 /// Attention for every row of the ring's pending append on layer `layer`.
@@ -1383,122 +1396,123 @@ pub fn attend_chunk(
     scratch: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), AttnError> {
-    let rows = ChunkRows {
-        q_fixed,
-        q_window,
-        local_k,
-        local_v,
-    };
-    attend_rows(ring, layer, rows, None, n_q_heads, scale, scratch, out)
-}
-
-/// [`attend_chunk`] for a sliding-window layer (llama.cpp's standard SWA): a row at position
-/// `p` sees only the keys at positions `p − window + 1 ..= p`, whatever else the ring still
-/// holds. The ring must have no anchors or recall rows (a local layer keeps only its window),
-/// so one query rotation `q` serves every key.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_chunk_sliding(
-    ring: &DynamicRingBuffer,
-    layer: usize,
-    window: usize,
-    q: &[f32],
-    local_k: &[f32],
-    local_v: &[f32],
-    n_q_heads: usize,
-    scale: f32,
-    scratch: &mut AttnScratch,
-    out: &mut [f32],
-) -> Result<(), AttnError> {
-    if !ring.fixed_slots().is_empty() || window == 0 {
-        return Err(AttnError::BadWindow {
-            window,
-            fixed: ring.fixed_slots().len(),
-        });
-    }
-    let rows = ChunkRows {
-        q_fixed: q,
-        q_window: q,
-        local_k,
-        local_v,
-    };
-    attend_rows(
+    let chunk = PendingChunk {
         ring,
-        layer,
-        rows,
-        Some(window),
-        n_q_heads,
-        scale,
-        scratch,
-        out,
-    )
+        q_fixed,
+        q_window,
+        local_k,
+        local_v,
+        window: None,
+    };
+    attend_batch(&[chunk], layer, n_q_heads, scale, scratch, out)
 }
 
-/// The per-chunk row buffers of one attention call.
-#[derive(Clone, Copy)]
-struct ChunkRows<'a> {
-    q_fixed: &'a [f32],
-    q_window: &'a [f32],
-    local_k: &'a [f32],
-    local_v: &'a [f32],
+/// One sequence's pending append in a batched attention call (see [`attend_batch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PendingChunk<'a> {
+    /// The sequence's ring, with an append pending.
+    pub ring: &'a DynamicRingBuffer,
+    /// Queries rotated at their cache positions, `(n, n_q_heads, head_dim)`.
+    pub q_fixed: &'a [f32],
+    /// Queries rotated at their clocks, same layout.
+    pub q_window: &'a [f32],
+    /// The chunk's own keys, `(n, kv_heads, head_dim)`.
+    pub local_k: &'a [f32],
+    /// The chunk's own values, same layout.
+    pub local_v: &'a [f32],
+    /// A sliding-window layer (llama.cpp's standard SWA): a row at position `p` sees only
+    /// the keys at `p − window + 1 ..= p`, whatever else the ring still holds. Such a ring
+    /// has no anchor or recall rows (a sliding layer keeps only its window).
+    pub window: Option<usize>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attend_rows(
-    ring: &DynamicRingBuffer,
+/// Attention of several sequences' pending appends on layer `layer`, each over its own ring
+/// ([`attend_chunk`] per chunk, with the rows of every chunk spread over one set of
+/// threads). `out` holds the chunks' rows one after another. A row's result depends only on
+/// its own chunk's ring and rows — never on the other chunks, the grouping or the thread
+/// count — which is what keeps a batched step bit-identical to each sequence run alone.
+pub fn attend_batch(
+    chunks: &[PendingChunk<'_>],
     layer: usize,
-    rows: ChunkRows<'_>,
-    window: Option<usize>,
     n_q_heads: usize,
     scale: f32,
     scratch: &mut AttnScratch,
     out: &mut [f32],
 ) -> Result<(), AttnError> {
-    let ChunkRows {
-        q_fixed,
-        q_window,
-        local_k,
-        local_v,
-    } = rows;
-    let n = ring.pending_len();
-    if n == 0 {
+    let mut need = 0;
+    let mut total = 0;
+    let mut dims = None;
+    for chunk in chunks {
+        let ring = chunk.ring;
+        let n = ring.pending_len();
+        if n == 0 {
+            return Err(AttnError::NoPendingAppend);
+        }
+        let cfg = ring.config();
+        if layer >= cfg.n_layers {
+            return Err(AttnError::LayerOutOfRange {
+                layer,
+                n_layers: cfg.n_layers,
+            });
+        }
+        let d = AttnDims {
+            n_q_heads,
+            n_kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        d.validate()?;
+        if dims.is_some_and(|first| first != d) {
+            return Err(AttnError::BadDims(d));
+        }
+        dims = Some(d);
+        let (q_row, kv_row) = (d.q_row(), d.kv_row());
+        check_len("q_fixed", n * q_row, chunk.q_fixed.len())?;
+        check_len("q_window", n * q_row, chunk.q_window.len())?;
+        check_len("local_k", n * kv_row, chunk.local_k.len())?;
+        check_len("local_v", n * kv_row, chunk.local_v.len())?;
+        if let Some(window) = chunk.window {
+            if window == 0 || !ring.fixed_slots().is_empty() {
+                return Err(AttnError::BadWindow {
+                    window,
+                    fixed: ring.fixed_slots().len(),
+                });
+            }
+        }
+        let worst_keys = ring.fixed_slots().len() + ring.window_slots().len() + n;
+        need = need.max(scratch_len(d, worst_keys));
+        total += n;
+    }
+    let Some(dims) = dims else {
         return Err(AttnError::NoPendingAppend);
-    }
-    let cfg = ring.config();
-    if layer >= cfg.n_layers {
-        return Err(AttnError::LayerOutOfRange {
-            layer,
-            n_layers: cfg.n_layers,
-        });
-    }
-    let dims = AttnDims {
-        n_q_heads,
-        n_kv_heads: cfg.kv_heads,
-        head_dim: cfg.head_dim,
     };
-    dims.validate()?;
-    let (q_row, kv_row) = (dims.q_row(), dims.kv_row());
-    check_len("q_fixed", n * q_row, q_fixed.len())?;
-    check_len("q_window", n * q_row, q_window.len())?;
-    check_len("out", n * q_row, out.len())?;
-    check_len("local_k", n * kv_row, local_k.len())?;
-    check_len("local_v", n * kv_row, local_v.len())?;
-    let worst_keys = ring.fixed_slots().len() + ring.window_slots().len() + n;
-    let need = scratch_len(dims, worst_keys);
+    let q_row = dims.q_row();
+    check_len("out", total * q_row, out.len())?;
     if scratch.per_block < need {
         return Err(AttnError::ScratchTooSmall {
             need,
             got: scratch.per_block,
         });
     }
-    let (ring_k, ring_v) = ring.layer_kv(layer);
     let isa = Isa::best();
-    let row_inputs = |i: usize| {
+    let kv_row = dims.kv_row();
+    let row_inputs = |r: usize| {
+        // Chunks are few: a linear scan finds row `r`'s chunk and its row `i` in it.
+        let (mut chunk, mut i) = (&chunks[0], r);
+        for c in chunks {
+            chunk = c;
+            if i < c.ring.pending_len() {
+                break;
+            }
+            i -= c.ring.pending_len();
+        }
+        let ring = chunk.ring;
+        let (ring_k, ring_v) = ring.layer_kv(layer);
         let mut start = ring.pending_local_start(i);
         let mut window_slots = ring.pending_window(i);
-        if let Some(w) = window {
-            // The window entries are the contiguous clocks just below the chunk's first
-            // row, so the keys older than the sliding window are a prefix of them (and then
-            // of the chunk's own rows).
+        if let Some(w) = chunk.window {
+            // The window entries are the contiguous clocks just below the chunk's first row,
+            // so the keys older than the sliding window are a prefix of them (and then of
+            // the chunk's own rows).
             let clock0 = ring.pending_clock(0);
             let oldest_visible = (ring.pending_clock(i) + 1).saturating_sub(w as u64);
             let first_window_clock = clock0 - window_slots.len() as u64;
@@ -1507,29 +1521,29 @@ fn attend_rows(
             start = start.max(oldest_visible.saturating_sub(clock0) as usize);
         }
         AttnInputs {
-            q_fixed: &q_fixed[i * q_row..(i + 1) * q_row],
-            q_window: &q_window[i * q_row..(i + 1) * q_row],
+            q_fixed: &chunk.q_fixed[i * q_row..(i + 1) * q_row],
+            q_window: &chunk.q_window[i * q_row..(i + 1) * q_row],
             ring_k,
             ring_v,
             fixed_slots: ring.fixed_slots(),
             window_slots,
-            local_k: &local_k[start * kv_row..(i + 1) * kv_row],
-            local_v: &local_v[start * kv_row..(i + 1) * kv_row],
+            local_k: &chunk.local_k[start * kv_row..(i + 1) * kv_row],
+            local_v: &chunk.local_v[start * kv_row..(i + 1) * kv_row],
         }
     };
-    // The ring's own slot tables are in range and every length was checked above.
+    // The rings' own slot tables are in range and every length was checked above.
     let run = |first: usize, outs: &mut [f32], scratch: &mut [f32]| {
         for (r, out_row) in outs.chunks_exact_mut(q_row).enumerate() {
             run_row(isa, &row_inputs(first + r), dims, scale, scratch, out_row);
         }
     };
     let per_block = scratch.per_block;
-    let blocks = scratch.blocks().min(n);
+    let blocks = scratch.blocks().min(total);
     if blocks == 1 {
         run(0, out, &mut scratch.buf[..per_block]);
         return Ok(());
     }
-    let rows_per_block = n.div_ceil(blocks);
+    let rows_per_block = total.div_ceil(blocks);
     use rayon::prelude::*;
     out.par_chunks_mut(rows_per_block * q_row)
         .zip(scratch.buf.par_chunks_mut(per_block))

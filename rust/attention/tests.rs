@@ -775,19 +775,15 @@ fn sliding_rows_see_exactly_the_window_at_any_chunking() {
                 .flat_map(|i| crate::ring::tests::row_for(ring.pending_clock(i), 0, 2, q_row))
                 .collect();
             let mut out = vec![0.0; n * q_row];
-            attend_chunk_sliding(
-                &ring,
-                0,
-                WINDOW,
-                &q,
-                &k,
-                &v,
-                HEADS,
-                scale,
-                &mut scratch,
-                &mut out,
-            )
-            .unwrap();
+            let chunk = PendingChunk {
+                ring: &ring,
+                q_fixed: &q,
+                q_window: &q,
+                local_k: &k,
+                local_v: &v,
+                window: Some(WINDOW),
+            };
+            attend_batch(&[chunk], 0, HEADS, scale, &mut scratch, &mut out).unwrap();
             for i in 0..n {
                 outputs.insert(
                     ring.pending_clock(i),
@@ -841,19 +837,15 @@ fn sliding_attention_refuses_rings_with_fixed_rows() {
     let mut scratch = AttnScratch::new(1, HEADS, 200);
     let (q, kv) = (vec![0.0; HEADS * 64], vec![0.0; 2 * 64]);
     let mut out = vec![0.0; HEADS * 64];
-    let err = attend_chunk_sliding(
-        &ring,
-        0,
-        8,
-        &q,
-        &kv,
-        &kv,
-        HEADS,
-        1.0,
-        &mut scratch,
-        &mut out,
-    )
-    .unwrap_err();
+    let chunk = PendingChunk {
+        ring: &ring,
+        q_fixed: &q,
+        q_window: &q,
+        local_k: &kv,
+        local_v: &kv,
+        window: Some(8),
+    };
+    let err = attend_batch(&[chunk], 0, HEADS, 1.0, &mut scratch, &mut out).unwrap_err();
     assert_eq!(
         err,
         AttnError::BadWindow {

@@ -239,6 +239,13 @@ impl PyRangeSession {
         self.inner.clock()
     }
 
+    /// Physical KV slots of each layer of the range (sliding-window layers keep only their
+    /// window, global layers the session's slots).
+    #[getter]
+    fn kv_slots(&self) -> Vec<usize> {
+        self.inner.kv_slots()
+    }
+
     /// First layer of the range.
     #[getter]
     fn layer_lo(&self) -> usize {

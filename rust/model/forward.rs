@@ -1,41 +1,28 @@
-//! `forward_range`: one session's live state for a layer range, and the forward pass over it.
+//! `forward_range` for a batch: several sequences' rows through one layer range in one pass.
+//!
+//! The weights are read once per pass for every row of the batch (the matmuls take all rows
+//! together), while attention stays per sequence, over that sequence's own ring. Every kernel
+//! is batch-invariant — a row's result never depends on which other rows share the pass —
+//! so a sequence's hidden states and logits are bit-identical whether it runs alone, in a
+//! batch, chunked or whole.
+//!
+//! The three parts are kept apart, as llama.cpp keeps batch, context and per-sequence memory
+//! apart: [`LayerRange`] (weights + which layers), [`SequenceKv`] (one sequence's ring) and
+//! [`StepBuffers`] (work buffers, one set serving the whole batch, grown on demand and then
+//! reused, so steady-state steps allocate nothing).
 
 use std::sync::Arc;
 
-use super::ops::{add_in_place, rms_norm, rope_angles, rope_apply, swiglu};
-use super::{LlamaWeights, ModelError, Precision};
-use crate::attention::{attend_chunk, AttnScratch};
+use super::config::{Activation, RopeStyle};
+use super::kv::SequenceKv;
+use super::ops::{
+    add_in_place, geglu_tanh, rms_norm, rms_norm_in_place, rope_angles, rope_apply,
+    rope_apply_halves, scale_in_place, swiglu,
+};
+use super::{LlamaWeights, ModelConfig, ModelError, Precision};
+use crate::attention::{attend_batch, AttnScratch, PendingChunk};
 use crate::quant::{fold_refined, matmul, QMatrix, QuantScratch, QuantizedInput};
-use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
-
-/// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
-/// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
-/// span layout never depends on chunking. Smaller windows use half their length.
-pub const SPAN_TOKENS: u64 = 256;
-
-/// Sizes of a session's ring buffer and work buffers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SessionConfig {
-    /// Physical KV slots per layer (default 4096; at most the trained context).
-    pub slots: usize,
-    /// Recall slots reserved at the top of the ring (default 128).
-    pub recall: usize,
-    /// Locked anchor slots for the system prompt (default 0).
-    pub n_sys: usize,
-    /// Rows computed together in one prefill chunk (default 256). Results never depend on it.
-    pub max_chunk: usize,
-}
-
-impl Default for SessionConfig {
-    fn default() -> Self {
-        SessionConfig {
-            slots: 4096,
-            recall: 128,
-            n_sys: 0,
-            max_chunk: 256,
-        }
-    }
-}
+use crate::ring::SpanType;
 
 /// What a range consumes: token ids at the entry range, hidden states elsewhere.
 #[derive(Clone, Copy, Debug)]
@@ -46,11 +33,18 @@ pub enum ChunkInput<'a> {
     Hidden(&'a [f32]),
 }
 
-impl ChunkInput<'_> {
+impl<'a> ChunkInput<'a> {
     fn rows(&self, hidden: usize) -> usize {
         match self {
             ChunkInput::Tokens(t) => t.len(),
             ChunkInput::Hidden(h) => h.len() / hidden,
+        }
+    }
+
+    fn slice(&self, hidden: usize, start: usize, len: usize) -> ChunkInput<'a> {
+        match *self {
+            ChunkInput::Tokens(t) => ChunkInput::Tokens(&t[start..start + len]),
+            ChunkInput::Hidden(h) => ChunkInput::Hidden(&h[start * hidden..(start + len) * hidden]),
         }
     }
 }
@@ -62,112 +56,57 @@ pub enum LogitsWanted {
     None,
     /// Logits of the last row only.
     Last,
-    /// Logits of every row (parity tests read every prompt position).
+    /// Logits of every row (parity tests, speculative verification).
     All,
 }
 
-/// Per-session work buffers, sized once for `max_chunk` rows (no allocation per token).
-struct Workspace {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    q_fixed: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    proj: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    cos_w: Vec<f32>,
-    sin_w: Vec<f32>,
-    cos_f: Vec<f32>,
-    sin_f: Vec<f32>,
-    mm: MatmulScratch,
-    attn_scratch: AttnScratch,
+/// One sequence's part of a batched forward pass.
+pub struct Segment<'a> {
+    /// The sequence's KV; its rows are appended at its current clock.
+    pub kv: &'a mut SequenceKv,
+    /// The rows to run.
+    pub input: ChunkInput<'a>,
+    /// The semantic span the rows belong to.
+    pub span: SpanType,
+    /// Which rows get logits (exit range only).
+    pub logits: LogitsWanted,
+    /// Receives the range's output residual rows (`n × hidden`).
+    pub hidden_out: &'a mut Vec<f32>,
+    /// Receives the requested logits rows (`× vocab`).
+    pub logits_out: &'a mut Vec<f32>,
 }
 
-/// One session's live state for the layer range `[layer_lo, layer_hi)`.
-pub struct RangeSession {
+/// The layers `[layer_lo, layer_hi)` of some weights: the unit a station runs.
+#[derive(Clone)]
+pub struct LayerRange {
     weights: Arc<LlamaWeights>,
     layer_lo: usize,
     layer_hi: usize,
-    ring: DynamicRingBuffer,
-    max_chunk: usize,
-    /// Span length of this session: `SPAN_TOKENS`, or half the window if that is smaller.
-    span_tokens: u64,
-    ws: Workspace,
 }
 
-impl RangeSession {
-    /// A fresh session (clock 0) over `[layer_lo, layer_hi)` of `weights`.
+impl LayerRange {
+    /// The range `[layer_lo, layer_hi)`; it must be a non-empty part of the model.
     pub fn new(
         weights: Arc<LlamaWeights>,
         layer_lo: usize,
         layer_hi: usize,
-        cfg: &SessionConfig,
     ) -> Result<Self, ModelError> {
-        let c = weights.config().clone();
-        if layer_lo >= layer_hi || layer_hi > c.n_layers {
+        let n = weights.config().n_layers;
+        if layer_lo >= layer_hi || layer_hi > n {
             return Err(ModelError::Input(format!(
-                "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{}",
-                c.n_layers
+                "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
             )));
         }
-        if cfg.slots > c.context_len {
-            return Err(ModelError::Input(format!(
-                "{} slots exceed the trained context of {} positions: relative distances \
-                 must stay inside it",
-                cfg.slots, c.context_len
-            )));
-        }
-        if cfg.max_chunk == 0 {
-            return Err(ModelError::Input("max_chunk must be at least 1".into()));
-        }
-        let mut ring_cfg = RingConfig::new(layer_hi - layer_lo, c.n_kv_heads, c.head_dim());
-        ring_cfg.slots = cfg.slots;
-        ring_cfg.recall = cfg.recall;
-        ring_cfg.n_sys = cfg.n_sys;
-        ring_cfg.max_positions = Some(c.context_len);
-        // A chunk never spans more than the window (the ring's rule) nor more than a span.
-        let span_tokens = SPAN_TOKENS.min(ring_cfg.window_len() as u64 / 2).max(1);
-        ring_cfg.max_chunk = cfg.max_chunk.min(span_tokens as usize).max(1);
-        let ring = DynamicRingBuffer::new(ring_cfg).map_err(|e| ModelError::Ring(e.to_string()))?;
-        let n = ring.config().max_chunk;
-        let half = c.head_dim() / 2;
-        let zeros = |len: usize| vec![0.0f32; len];
-        let attn_scratch =
-            super::runtime_pool().install(|| AttnScratch::for_ring(&ring, c.n_heads));
-        let ws = Workspace {
-            x: zeros(n * c.hidden),
-            h: zeros(n * c.hidden),
-            q: zeros(n * c.hidden),
-            q_fixed: zeros(n * c.hidden),
-            k: zeros(n * c.kv_dim()),
-            v: zeros(n * c.kv_dim()),
-            attn: zeros(n * c.hidden),
-            proj: zeros(n * c.hidden),
-            gate: zeros(n * c.ffn),
-            up: zeros(n * c.ffn),
-            cos_w: zeros(n * half),
-            sin_w: zeros(n * half),
-            cos_f: zeros(n * half),
-            sin_f: zeros(n * half),
-            mm: MatmulScratch {
-                quant: QuantScratch::with_capacity(2 * n, c.ffn.max(c.hidden)),
-                stacked: Vec::with_capacity(2 * n * c.ffn.max(c.hidden)),
-                full: Vec::with_capacity(2 * n * c.ffn.max(c.hidden)),
-            },
-            attn_scratch,
-        };
-        Ok(RangeSession {
+        Ok(LayerRange {
             weights,
             layer_lo,
             layer_hi,
-            ring,
-            max_chunk: n,
-            span_tokens,
-            ws,
         })
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &Arc<LlamaWeights> {
+        &self.weights
     }
 
     /// First layer of the range.
@@ -190,183 +129,97 @@ impl RangeSession {
         self.layer_hi == self.weights.config().n_layers
     }
 
-    /// Positions processed so far (the ring's clock).
-    pub fn clock(&self) -> u64 {
-        self.ring.clock()
+    /// An empty KV ring for one sequence over this range.
+    pub fn new_kv(&self, cfg: &super::SessionConfig) -> Result<SequenceKv, ModelError> {
+        SequenceKv::new(self.weights.config(), self.layer_lo, self.layer_hi, cfg)
     }
 
-    /// The live KV ring (read-only).
-    pub fn ring(&self) -> &DynamicRingBuffer {
-        &self.ring
-    }
-
-    /// The live KV ring, for splicing a replayed volume.
-    pub fn ring_mut(&mut self) -> &mut DynamicRingBuffer {
-        &mut self.ring
-    }
-
-    /// The weights this session runs.
-    pub fn weights(&self) -> &Arc<LlamaWeights> {
-        &self.weights
-    }
-
-    /// Rows computed together in one prefill chunk.
-    pub fn max_chunk(&self) -> usize {
-        self.max_chunk
-    }
-
-    /// Forgets every position (clock 0) without giving the allocation back.
-    pub fn reset(&mut self) {
-        self.ring.reset();
-    }
-
-    /// Appends the first `kv_len` positions of a volume slab (layout
-    /// `(layers, kv_heads, stride, head_dim)`) through the ring's own append path, in the
-    /// same pieces and spans prefill would use, so the ring ends up exactly as a cold prefill
-    /// leaves it. On error the session is back where it started.
-    pub fn append_volume(
-        &mut self,
-        keys: &[f32],
-        vals: &[f32],
-        stride: usize,
-        kv_len: usize,
-        span: SpanType,
-    ) -> Result<(), ModelError> {
-        let c = self.weights.config();
-        let (kvh, hd) = (c.n_kv_heads, c.head_dim());
-        let layers = self.layer_hi - self.layer_lo;
-        if kv_len == 0
-            || kv_len > stride
-            || keys.len() != layers * kvh * stride * hd
-            || vals.len() != keys.len()
-        {
-            return Err(ModelError::Input(format!(
-                "{kv_len} positions of a {layers}-layer slab with stride {stride} do not fit \
-                 {} floats",
-                keys.len()
-            )));
-        }
-        let saved = self.ring.clock();
-        let mut from = 0;
-        while from < kv_len {
-            let (n, new_span) = self.next_piece(kv_len - from, span);
-            self.ring
-                .begin_append(n, span, new_span)
-                .map_err(|e| ModelError::Ring(e.to_string()))?;
-            for layer in 0..layers {
-                let written = self
-                    .ring
-                    .write_pending_slab(layer, keys, vals, stride, from);
-                if let Err(e) = written {
-                    self.ring.abort_append();
-                    let _ = self.ring.rollback_clock(saved);
-                    return Err(ModelError::Ring(e.to_string()));
-                }
-            }
-            if let Err(e) = self.ring.commit_append() {
-                self.ring.abort_append();
-                let _ = self.ring.rollback_clock(saved);
-                return Err(ModelError::Ring(e.to_string()));
-            }
-            from += n;
-        }
-        Ok(())
-    }
-
-    /// Undoes every position after `saved` (probe tokens); bit-exact.
-    pub fn rollback(&mut self, saved: u64) -> Result<(), ModelError> {
-        self.ring
-            .rollback_clock(saved)
-            .map_err(|e| ModelError::Ring(e.to_string()))
-    }
-
-    /// Where the next piece of an append starting at the current clock ends, and whether it
-    /// opens a new span. Pieces never cross `max_chunk`, the anchor boundary `n_sys`, or a
-    /// multiple of the span length; spans open at those fixed positions (or when the span type
-    /// changes), so the span layout — and with it span-aware eviction — never depends on
-    /// how a caller chunked its input, nor on whether positions were replayed or prefilled.
-    fn next_piece(&self, remaining: usize, span: SpanType) -> (usize, bool) {
-        let clock = self.ring.clock();
-        let n_sys = self.ring.n_sys() as u64;
-        let mut end = clock + remaining.min(self.max_chunk) as u64;
-        end = end.min((clock / self.span_tokens + 1) * self.span_tokens);
-        if clock < n_sys {
-            end = end.min(n_sys);
-        }
-        let open_same = self
-            .ring
-            .spans()
-            .last()
-            .is_some_and(|s| s.end_clock == clock && s.span_type == span);
-        let new_span = clock.is_multiple_of(self.span_tokens) || clock == n_sys || !open_same;
-        ((end - clock) as usize, new_span)
-    }
-
-    /// Runs `input` through the range, appending its positions to the ring as `span`.
+    /// Runs every segment's rows through the range, appending them to its sequence's ring.
     ///
-    /// Writes the range's output residual rows (`n × hidden`) to `hidden_out` and, for the exit
-    /// range, the requested logits rows (`× vocab`) to `logits_out`. On error nothing changes.
-    pub fn forward(
-        &mut self,
-        input: ChunkInput<'_>,
-        span: SpanType,
-        logits: LogitsWanted,
-        hidden_out: &mut Vec<f32>,
-        logits_out: &mut Vec<f32>,
+    /// Each segment is cut into the pieces its own ring allows (see
+    /// `SequenceKv::next_piece`); every round runs the next piece of every unfinished
+    /// segment together. On error nothing changes: every ring is rolled back to where it was
+    /// and the outputs are cleared.
+    pub fn forward_batch(
+        &self,
+        segments: &mut [Segment<'_>],
+        bufs: &mut StepBuffers,
     ) -> Result<(), ModelError> {
-        super::runtime_pool()
-            .install(|| self.forward_in_pool(input, span, logits, hidden_out, logits_out))
+        super::runtime_pool().install(|| self.forward_batch_in_pool(segments, bufs))
     }
 
-    fn forward_in_pool(
-        &mut self,
-        input: ChunkInput<'_>,
-        span: SpanType,
-        logits: LogitsWanted,
-        hidden_out: &mut Vec<f32>,
-        logits_out: &mut Vec<f32>,
+    fn forward_batch_in_pool(
+        &self,
+        segments: &mut [Segment<'_>],
+        bufs: &mut StepBuffers,
     ) -> Result<(), ModelError> {
         let hidden = self.weights.config().hidden;
-        self.validate_input(&input, logits)?;
-        let n = input.rows(hidden);
-        hidden_out.clear();
-        hidden_out.reserve(n * hidden);
-        logits_out.clear();
-        let saved = self.ring.clock();
-        let mut start = 0;
-        while start < n {
-            let (len, new_span) = self.next_piece(n - start, span);
-            let piece = match input {
-                ChunkInput::Tokens(t) => ChunkInput::Tokens(&t[start..start + len]),
-                ChunkInput::Hidden(h) => {
-                    ChunkInput::Hidden(&h[start * hidden..(start + len) * hidden])
+        for seg in segments.iter() {
+            self.validate(seg)?;
+        }
+        let saved: Vec<u64> = segments.iter().map(|s| s.kv.clock()).collect();
+        let total_rows: Vec<usize> = segments.iter().map(|s| s.input.rows(hidden)).collect();
+        for (seg, &n) in segments.iter_mut().zip(&total_rows) {
+            seg.hidden_out.clear();
+            seg.hidden_out.reserve(n * hidden);
+            seg.logits_out.clear();
+        }
+        let mut done = vec![0usize; segments.len()];
+        let mut round: Vec<Piece> = Vec::with_capacity(segments.len());
+        loop {
+            round.clear();
+            for (index, seg) in segments.iter().enumerate() {
+                let remaining = total_rows[index] - done[index];
+                if remaining == 0 {
+                    continue;
                 }
-            };
-            let piece_logits = match logits {
-                LogitsWanted::All => LogitsWanted::All,
-                LogitsWanted::Last if start + len == n => LogitsWanted::Last,
-                _ => LogitsWanted::None,
-            };
-            if let Err(e) = self.forward_chunk(piece, span, new_span, piece_logits, logits_out) {
-                // Leave the session as it was: undo the pieces that did run.
-                let _ = self.ring.rollback_clock(saved);
-                hidden_out.clear();
-                logits_out.clear();
+                let (len, new_span) = seg.kv.next_piece(remaining, seg.span);
+                let last = done[index] + len == total_rows[index];
+                let logits = match seg.logits {
+                    LogitsWanted::All => LogitsWanted::All,
+                    LogitsWanted::Last if last => LogitsWanted::Last,
+                    _ => LogitsWanted::None,
+                };
+                round.push(Piece {
+                    index,
+                    start: done[index],
+                    len,
+                    new_span,
+                    logits,
+                });
+            }
+            if round.is_empty() {
+                return Ok(());
+            }
+            if let Err(e) = self.run_round(segments, &round, bufs) {
+                for (seg, &clock) in segments.iter_mut().zip(&saved) {
+                    let _ = seg.kv.rollback(clock);
+                    seg.hidden_out.clear();
+                    seg.logits_out.clear();
+                }
                 return Err(e);
             }
-            hidden_out.extend_from_slice(&self.ws.x[..len * hidden]);
-            start += len;
+            let mut row = 0;
+            for p in &round {
+                let seg = &mut segments[p.index];
+                seg.hidden_out
+                    .extend_from_slice(&bufs.x[row * hidden..(row + p.len) * hidden]);
+                done[p.index] += p.len;
+                row += p.len;
+            }
         }
-        Ok(())
     }
 
-    fn validate_input(
-        &self,
-        input: &ChunkInput<'_>,
-        logits: LogitsWanted,
-    ) -> Result<(), ModelError> {
+    fn validate(&self, seg: &Segment<'_>) -> Result<(), ModelError> {
         let c = self.weights.config();
-        match input {
+        if seg.kv.layer_range() != (self.layer_lo, self.layer_hi) {
+            let (lo, hi) = seg.kv.layer_range();
+            return Err(ModelError::Input(format!(
+                "a KV ring of layers {lo}..{hi} cannot run layers {}..{}",
+                self.layer_lo, self.layer_hi
+            )));
+        }
+        match seg.input {
             ChunkInput::Tokens(t) => {
                 if !self.is_entry() {
                     return Err(ModelError::Input(format!(
@@ -405,7 +258,7 @@ impl RangeSession {
                 }
             }
         }
-        if logits != LogitsWanted::None && !self.is_exit() {
+        if seg.logits != LogitsWanted::None && !self.is_exit() {
             return Err(ModelError::Input(format!(
                 "layers {}..{} are not the exit range: no logits",
                 self.layer_lo, self.layer_hi
@@ -414,179 +267,400 @@ impl RangeSession {
         Ok(())
     }
 
-    /// One piece (at most `max_chunk` rows, one span) through every layer of the range.
-    fn forward_chunk(
-        &mut self,
-        input: ChunkInput<'_>,
-        span: SpanType,
-        new_span: bool,
-        logits: LogitsWanted,
-        logits_out: &mut Vec<f32>,
+    /// One round: the next piece of each listed segment, appended to its ring and run through
+    /// every layer together. On error every ring of the round is as it was.
+    fn run_round(
+        &self,
+        segments: &mut [Segment<'_>],
+        round: &[Piece],
+        bufs: &mut StepBuffers,
     ) -> Result<(), ModelError> {
-        let weights = Arc::clone(&self.weights);
-        let n = input.rows(weights.config().hidden);
-        self.ring
-            .begin_append(n, span, new_span)
-            .map_err(|e| ModelError::Ring(e.to_string()))?;
-        let at = logits_out.len();
-        let result = self
-            .run_layers(&weights, input, n, logits, logits_out)
-            .and_then(|()| {
-                self.ring
-                    .commit_append()
-                    .map_err(|e| ModelError::Ring(e.to_string()))
-            });
+        for (k, p) in round.iter().enumerate() {
+            let seg = &mut segments[p.index];
+            if let Err(e) = seg.kv.rings_mut().begin_append(p.len, seg.span, p.new_span) {
+                for q in &round[..k] {
+                    segments[q.index].kv.rings_mut().abort_append();
+                }
+                return Err(e);
+            }
+        }
+        let logits_at: Vec<usize> = round
+            .iter()
+            .map(|p| segments[p.index].logits_out.len())
+            .collect();
+        let result = self.run_layers(segments, round, bufs).and_then(|()| {
+            for p in round {
+                segments[p.index].kv.rings_mut().commit_append()?;
+            }
+            Ok(())
+        });
         if result.is_err() {
-            self.ring.abort_append();
-            logits_out.truncate(at);
+            for (p, &at) in round.iter().zip(&logits_at) {
+                let seg = &mut segments[p.index];
+                // Committed pieces are undone by the caller's rollback; pending ones here.
+                seg.kv.rings_mut().abort_append();
+                seg.logits_out.truncate(at);
+            }
         }
         result
     }
 
-    /// The layers of one piece after `begin_append`; the caller commits or aborts.
+    /// The layers of one round after `begin_append`; the caller commits or aborts.
     fn run_layers(
-        &mut self,
-        weights: &LlamaWeights,
-        input: ChunkInput<'_>,
-        n: usize,
-        logits: LogitsWanted,
-        logits_out: &mut Vec<f32>,
+        &self,
+        segments: &mut [Segment<'_>],
+        round: &[Piece],
+        bufs: &mut StepBuffers,
     ) -> Result<(), ModelError> {
+        let weights = &*self.weights;
         let c = weights.config();
-        let (hidden, kv_dim, hd, ffn) = (c.hidden, c.kv_dim(), c.head_dim(), c.ffn);
+        let recipe = c.recipe();
+        let (hidden, q_dim, kv_dim, hd, ffn) =
+            (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim(), c.ffn);
         let half = hd / 2;
-        let ws = &mut self.ws;
+        let n: usize = round.iter().map(|p| p.len).sum();
+        let max_keys = round
+            .iter()
+            .map(|p| segments[p.index].kv.rings().max_keys())
+            .max()
+            .unwrap_or(0);
+        bufs.reserve(c, n, max_keys);
+        let b = bufs;
         let quant_err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
         let precision = weights.precision();
-        match input {
-            ChunkInput::Tokens(ids) => weights
-                .embedding()?
-                .embed(ids, &mut ws.x[..n * hidden])
-                .map_err(quant_err)?,
-            ChunkInput::Hidden(h) => ws.x[..n * hidden].copy_from_slice(h),
-        }
-        // RoPE angles: window rotation at the absolute clock, fixed-segment rotation at the
-        // StreamingLLM cache position (identical until the window first wraps).
+        let has_local = (self.layer_lo..self.layer_hi).any(|l| c.is_local(l));
+        // Inputs, and RoPE angles: global layers rotate at the absolute clock (window) and
+        // at the StreamingLLM cache position (fixed segment; identical until the window
+        // first wraps, which is the usual case: then q_fixed is q itself); sliding layers
+        // rotate at the clock with their own base.
+        let mut row = 0;
         let mut fixed_differs = false;
-        for i in 0..n {
-            let pos = self.ring.pending_clock(i);
-            let cache_pos = self.ring.pending_cache_pos(i);
-            let r = i * half..(i + 1) * half;
-            rope_angles(
-                pos,
-                hd,
-                c.rope_base,
-                &mut ws.cos_w[r.clone()],
-                &mut ws.sin_w[r.clone()],
-            );
-            fixed_differs |= cache_pos != pos;
-            rope_angles(
-                cache_pos,
-                hd,
-                c.rope_base,
-                &mut ws.cos_f[r.clone()],
-                &mut ws.sin_f[r],
-            );
+        for p in round {
+            let seg = &segments[p.index];
+            let piece = seg.input.slice(hidden, p.start, p.len);
+            let x = &mut b.x[row * hidden..(row + p.len) * hidden];
+            match piece {
+                ChunkInput::Tokens(ids) => {
+                    weights.embedding()?.embed(ids, x).map_err(quant_err)?;
+                    if recipe.scale_embeddings {
+                        scale_in_place(x, c.embed_scale());
+                    }
+                }
+                ChunkInput::Hidden(h) => x.copy_from_slice(h),
+            }
+            let rings = seg.kv.rings();
+            for i in 0..p.len {
+                let pos = rings.pending_clock(i);
+                let cache_pos = rings.pending_cache_pos(i);
+                let r = (row + i) * half..(row + i + 1) * half;
+                rope_angles(
+                    pos,
+                    hd,
+                    c.rope_base,
+                    &mut b.cos_w[r.clone()],
+                    &mut b.sin_w[r.clone()],
+                );
+                fixed_differs |= cache_pos != pos;
+                rope_angles(
+                    cache_pos,
+                    hd,
+                    c.rope_base,
+                    &mut b.cos_f[r.clone()],
+                    &mut b.sin_f[r.clone()],
+                );
+                if let (true, Some(s)) = (has_local, &c.sliding) {
+                    rope_angles(
+                        pos,
+                        hd,
+                        s.rope_base,
+                        &mut b.cos_l[r.clone()],
+                        &mut b.sin_l[r],
+                    );
+                }
+            }
+            row += p.len;
         }
-        let scale = 1.0 / (hd as f32).sqrt();
+        let rotate = match recipe.rope_style {
+            RopeStyle::Adjacent => rope_apply,
+            RopeStyle::Halves => rope_apply_halves,
+        };
         for layer in self.layer_lo..self.layer_hi {
             let lw = weights.layer(layer)?;
             let ring_layer = layer - self.layer_lo;
+            let window = c.window_of(layer);
             rms_norm(
-                &ws.x[..n * hidden],
+                &b.x[..n * hidden],
                 lw.attn_norm,
                 c.rms_eps,
-                &mut ws.h[..n * hidden],
+                &mut b.h[..n * hidden],
             );
             {
-                let mut p = Projector::new(&ws.h[..n * hidden], n, precision, &mut ws.mm)?;
-                p.apply(&lw.wq, &mut ws.q[..n * hidden])?;
-                p.apply(&lw.wk, &mut ws.k[..n * kv_dim])?;
-                p.apply(&lw.wv, &mut ws.v[..n * kv_dim])?;
+                let mut p = Projector::new(&b.h[..n * hidden], n, precision, &mut b.mm)?;
+                p.apply(&lw.wq, &mut b.q[..n * q_dim])?;
+                p.apply(&lw.wk, &mut b.k[..n * kv_dim])?;
+                p.apply(&lw.wv, &mut b.v[..n * kv_dim])?;
             }
-            add_bias(&mut ws.q[..n * hidden], lw.bq);
-            add_bias(&mut ws.k[..n * kv_dim], lw.bk);
-            add_bias(&mut ws.v[..n * kv_dim], lw.bv);
+            add_bias(&mut b.q[..n * q_dim], lw.bq);
+            add_bias(&mut b.k[..n * kv_dim], lw.bk);
+            add_bias(&mut b.v[..n * kv_dim], lw.bv);
+            if let (Some(qn), Some(kn)) = (lw.q_norm, lw.k_norm) {
+                rms_norm_in_place(&mut b.q[..n * q_dim], qn, c.rms_eps);
+                rms_norm_in_place(&mut b.k[..n * kv_dim], kn, c.rms_eps);
+            }
+            // Sliding layers have no anchors or recall rows: one rotation serves every key.
+            let layer_fixed = fixed_differs && window.is_none();
             for i in 0..n {
                 let r = i * half..(i + 1) * half;
-                let (cw, sw) = (&ws.cos_w[r.clone()], &ws.sin_w[r.clone()]);
-                rope_apply(&mut ws.k[i * kv_dim..(i + 1) * kv_dim], hd, cw, sw);
-                let q_row = &mut ws.q[i * hidden..(i + 1) * hidden];
-                if fixed_differs {
-                    let qf = &mut ws.q_fixed[i * hidden..(i + 1) * hidden];
+                let (cw, sw) = if window.is_some() {
+                    (&b.cos_l[r.clone()], &b.sin_l[r.clone()])
+                } else {
+                    (&b.cos_w[r.clone()], &b.sin_w[r.clone()])
+                };
+                rotate(&mut b.k[i * kv_dim..(i + 1) * kv_dim], hd, cw, sw);
+                let q_row = &mut b.q[i * q_dim..(i + 1) * q_dim];
+                if layer_fixed {
+                    let qf = &mut b.q_fixed[i * q_dim..(i + 1) * q_dim];
                     qf.copy_from_slice(q_row);
-                    rope_apply(qf, hd, &ws.cos_f[r.clone()], &ws.sin_f[r]);
+                    rotate(qf, hd, &b.cos_f[r.clone()], &b.sin_f[r]);
                 }
-                rope_apply(q_row, hd, cw, sw);
+                rotate(q_row, hd, cw, sw);
             }
-            let q_fixed = if fixed_differs { &ws.q_fixed } else { &ws.q };
-            attend_chunk(
-                &self.ring,
-                ring_layer,
-                &q_fixed[..n * hidden],
-                &ws.q[..n * hidden],
-                &ws.k[..n * kv_dim],
-                &ws.v[..n * kv_dim],
-                c.n_heads,
-                scale,
-                &mut ws.attn_scratch,
-                &mut ws.attn[..n * hidden],
-            )
-            .map_err(|e| ModelError::Ring(e.to_string()))?;
-            self.ring
-                .write_pending(ring_layer, &ws.k[..n * kv_dim], &ws.v[..n * kv_dim])
+            {
+                let q_fixed = if layer_fixed { &b.q_fixed } else { &b.q };
+                let mut chunks = Vec::with_capacity(round.len());
+                let mut ring_index = 0;
+                let mut row = 0;
+                for p in round {
+                    let (qr, kr) = (
+                        row * q_dim..(row + p.len) * q_dim,
+                        row * kv_dim..(row + p.len) * kv_dim,
+                    );
+                    // Every sequence of the range places a layer in the same ring and index.
+                    let (ring, index) = segments[p.index].kv.rings().layer(ring_layer);
+                    ring_index = index;
+                    chunks.push(PendingChunk {
+                        ring,
+                        q_fixed: &q_fixed[qr.clone()],
+                        q_window: &b.q[qr],
+                        local_k: &b.k[kr.clone()],
+                        local_v: &b.v[kr],
+                        window,
+                    });
+                    row += p.len;
+                }
+                attend_batch(
+                    &chunks,
+                    ring_index,
+                    c.n_heads,
+                    c.attn_scale,
+                    &mut b.attn_scratch,
+                    &mut b.attn[..n * q_dim],
+                )
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
-            Projector::new(&ws.attn[..n * hidden], n, precision, &mut ws.mm)?
-                .apply(&lw.wo, &mut ws.proj[..n * hidden])?;
-            add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
+            }
+            let mut row = 0;
+            for p in round {
+                let kr = row * kv_dim..(row + p.len) * kv_dim;
+                segments[p.index].kv.rings_mut().write_pending(
+                    ring_layer,
+                    &b.k[kr.clone()],
+                    &b.v[kr],
+                )?;
+                row += p.len;
+            }
+            Projector::new(&b.attn[..n * q_dim], n, precision, &mut b.mm)?
+                .apply(&lw.wo, &mut b.proj[..n * hidden])?;
+            if let Some(w) = lw.post_attn_norm {
+                rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
+            }
+            add_in_place(&mut b.x[..n * hidden], &b.proj[..n * hidden]);
             rms_norm(
-                &ws.x[..n * hidden],
+                &b.x[..n * hidden],
                 lw.ffn_norm,
                 c.rms_eps,
-                &mut ws.h[..n * hidden],
+                &mut b.h[..n * hidden],
             );
             {
-                let mut p = Projector::new(&ws.h[..n * hidden], n, precision, &mut ws.mm)?;
-                p.apply(&lw.w_gate, &mut ws.gate[..n * ffn])?;
-                p.apply(&lw.w_up, &mut ws.up[..n * ffn])?;
+                let mut p = Projector::new(&b.h[..n * hidden], n, precision, &mut b.mm)?;
+                p.apply(&lw.w_gate, &mut b.gate[..n * ffn])?;
+                p.apply(&lw.w_up, &mut b.up[..n * ffn])?;
             }
-            swiglu(&mut ws.gate[..n * ffn], &ws.up[..n * ffn]);
-            Projector::new(&ws.gate[..n * ffn], n, precision, &mut ws.mm)?
-                .apply(&lw.w_down, &mut ws.proj[..n * hidden])?;
-            add_in_place(&mut ws.x[..n * hidden], &ws.proj[..n * hidden]);
+            match recipe.activation {
+                Activation::Silu => swiglu(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
+                Activation::GeluTanh => geglu_tanh(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
+            }
+            Projector::new(&b.gate[..n * ffn], n, precision, &mut b.mm)?
+                .apply(&lw.w_down, &mut b.proj[..n * hidden])?;
+            if let Some(w) = lw.post_ffn_norm {
+                rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
+            }
+            add_in_place(&mut b.x[..n * hidden], &b.proj[..n * hidden]);
         }
-        let rows = match logits {
-            LogitsWanted::None => 0..0,
-            LogitsWanted::Last => n - 1..n,
-            LogitsWanted::All => 0..n,
-        };
-        if !rows.is_empty() {
-            let head = weights.lm_head()?;
-            let (first, count) = (rows.start, rows.len());
-            rms_norm(
-                &ws.x[first * hidden..rows.end * hidden],
-                weights.output_norm(),
-                c.rms_eps,
-                &mut ws.h[..count * hidden],
-            );
-            let at = logits_out.len();
-            logits_out.resize(at + count * c.vocab, 0.0);
-            // In blocks of rows, so the refined product's scratch stays small.
-            for (i, out) in logits_out[at..]
-                .chunks_mut(LOGIT_ROWS * c.vocab)
-                .enumerate()
-            {
-                let r = out.len() / c.vocab;
-                let x = &ws.h[i * LOGIT_ROWS * hidden..(i * LOGIT_ROWS + r) * hidden];
-                Projector::new(x, r, precision, &mut ws.mm)?.apply(&head, out)?;
+        self.lm_head(segments, round, b)
+    }
+
+    /// Logits of the rows each piece asked for, appended to its segment's `logits_out`.
+    fn lm_head(
+        &self,
+        segments: &mut [Segment<'_>],
+        round: &[Piece],
+        b: &mut StepBuffers,
+    ) -> Result<(), ModelError> {
+        let weights = &*self.weights;
+        let c = weights.config();
+        let hidden = c.hidden;
+        // Gather the wanted rows, normalised, into `h` (rows of the batch, in round order).
+        let mut wanted = 0;
+        let mut row = 0;
+        for p in round {
+            let rows = match p.logits {
+                LogitsWanted::None => 0..0,
+                LogitsWanted::Last => p.len - 1..p.len,
+                LogitsWanted::All => 0..p.len,
+            };
+            for r in rows {
+                let src = (row + r) * hidden;
+                rms_norm(
+                    &b.x[src..src + hidden],
+                    weights.output_norm(),
+                    c.rms_eps,
+                    &mut b.h[wanted * hidden..(wanted + 1) * hidden],
+                );
+                wanted += 1;
             }
+            row += p.len;
+        }
+        if wanted == 0 {
+            return Ok(());
+        }
+        let head = weights.lm_head()?;
+        b.logits.resize(wanted * c.vocab, 0.0);
+        // In blocks of rows, so the refined product's scratch stays small.
+        for (i, out) in b.logits.chunks_mut(LOGIT_ROWS * c.vocab).enumerate() {
+            let r = out.len() / c.vocab;
+            let x = &b.h[i * LOGIT_ROWS * hidden..(i * LOGIT_ROWS + r) * hidden];
+            Projector::new(x, r, weights.precision(), &mut b.mm)?.apply(&head, out)?;
+        }
+        let mut at = 0;
+        for p in round {
+            let count = match p.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => p.len,
+            };
+            segments[p.index]
+                .logits_out
+                .extend_from_slice(&b.logits[at * c.vocab..(at + count) * c.vocab]);
+            at += count;
         }
         Ok(())
     }
 }
 
+/// The next piece of one segment in a round.
+struct Piece {
+    index: usize,
+    start: usize,
+    len: usize,
+    new_span: bool,
+    logits: LogitsWanted,
+}
+
 /// Rows of logits computed per LM-head call (bounds the refined product's scratch).
 const LOGIT_ROWS: usize = 16;
+
+/// Work buffers of a forward pass, shared by every sequence of a batch. They grow to the
+/// largest round seen and are then reused, so steady-state steps allocate nothing.
+pub struct StepBuffers {
+    rows: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    q_fixed: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    cos_w: Vec<f32>,
+    sin_w: Vec<f32>,
+    cos_f: Vec<f32>,
+    sin_f: Vec<f32>,
+    /// Angles at the clock with the sliding layers' RoPE base.
+    cos_l: Vec<f32>,
+    sin_l: Vec<f32>,
+    logits: Vec<f32>,
+    mm: MatmulScratch,
+    attn_scratch: AttnScratch,
+}
+
+impl StepBuffers {
+    /// Buffers for rounds of up to `rows` rows over rings of up to `max_keys` keys (they
+    /// grow later if a round needs more).
+    pub fn new(c: &ModelConfig, rows: usize, max_keys: usize) -> StepBuffers {
+        let mut b = StepBuffers {
+            rows: 0,
+            x: Vec::new(),
+            h: Vec::new(),
+            q: Vec::new(),
+            q_fixed: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            attn: Vec::new(),
+            proj: Vec::new(),
+            gate: Vec::new(),
+            up: Vec::new(),
+            cos_w: Vec::new(),
+            sin_w: Vec::new(),
+            cos_f: Vec::new(),
+            sin_f: Vec::new(),
+            cos_l: Vec::new(),
+            sin_l: Vec::new(),
+            logits: Vec::new(),
+            mm: MatmulScratch::default(),
+            attn_scratch: AttnScratch::new(1, c.n_heads, 1),
+        };
+        super::runtime_pool().install(|| b.reserve(c, rows, max_keys));
+        b
+    }
+
+    fn reserve(&mut self, c: &ModelConfig, rows: usize, max_keys: usize) {
+        let threads = rayon::current_num_threads();
+        self.attn_scratch.reserve(threads, c.n_heads, max_keys);
+        if rows <= self.rows {
+            return;
+        }
+        let half = c.head_dim() / 2;
+        let grow = |v: &mut Vec<f32>, len: usize| v.resize(len, 0.0);
+        grow(&mut self.x, rows * c.hidden);
+        grow(&mut self.h, rows * c.hidden);
+        grow(&mut self.q, rows * c.q_dim());
+        grow(&mut self.q_fixed, rows * c.q_dim());
+        grow(&mut self.k, rows * c.kv_dim());
+        grow(&mut self.v, rows * c.kv_dim());
+        grow(&mut self.attn, rows * c.q_dim());
+        grow(&mut self.proj, rows * c.hidden);
+        grow(&mut self.gate, rows * c.ffn);
+        grow(&mut self.up, rows * c.ffn);
+        grow(&mut self.cos_w, rows * half);
+        grow(&mut self.sin_w, rows * half);
+        grow(&mut self.cos_f, rows * half);
+        grow(&mut self.sin_f, rows * half);
+        grow(&mut self.cos_l, rows * half);
+        grow(&mut self.sin_l, rows * half);
+        let width = c.ffn.max(c.hidden).max(c.q_dim());
+        self.mm.quant = QuantScratch::with_capacity(2 * rows, width);
+        let need = 2 * rows * width;
+        self.mm
+            .stacked
+            .reserve(need.saturating_sub(self.mm.stacked.len()));
+        self.mm
+            .full
+            .reserve(need.saturating_sub(self.mm.full.len()));
+        self.rows = rows;
+    }
+}
 
 /// Scratch of the projections: quantization buffers and the refined product's rows.
 #[derive(Default)]

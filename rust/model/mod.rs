@@ -1,9 +1,12 @@
 //! The model runtime: a Llama-architecture decoder run on its own quantized GGUF weights.
 //!
 //! - [`LlamaWeights`]: the memory-mapped GGUF tensors and the model fingerprint.
-//! - [`RangeSession`]: one session's live state for a layer range `[layer_lo, layer_hi)` — the
-//!   unit a station runs (`forward_range`). The entry range embeds token ids, the exit range
-//!   applies the final norm and the LM head; the whole model is one range.
+//! - [`LayerRange`]: the layers `[layer_lo, layer_hi)` — the unit a station runs — and the
+//!   batched forward pass over them ([`LayerRange::forward_batch`]): many sequences' rows in
+//!   one pass, each attending over its own [`SequenceKv`] ring, with one set of
+//!   [`StepBuffers`]. The entry range embeds token ids, the exit range applies the final norm
+//!   and the LM head; the whole model is one range.
+//! - [`RangeSession`]: one sequence run alone (its KV plus its own buffers).
 //! - [`NativeLlamaPipeline`]: a range plus its volume cache and the seed's `amplituhedron_*`
 //!   calls, capturing from and splicing into the live ring buffer.
 //! - [`Sampler`]: greedy / temperature / top-k / top-p with a seed.
@@ -14,21 +17,27 @@
 
 mod config;
 mod forward;
+mod kv;
 mod ops;
 mod pipeline;
 mod rings;
 mod sampling;
+mod session;
 mod weights;
 
 use std::fmt;
 use std::sync::OnceLock;
 
 pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
-pub use forward::{ChunkInput, LogitsWanted, RangeSession, SessionConfig, SPAN_TOKENS};
+pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
+pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};
 pub use pipeline::{GenerationStats, NativeLlamaPipeline, ReplayOutcome, StopReason};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
+pub use session::RangeSession;
 pub use weights::{LayerView, LlamaWeights, TensorInfo};
 
+#[cfg(test)]
+mod gemma_tests;
 #[cfg(test)]
 pub(crate) mod testing;
 #[cfg(test)]

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::forward::{ChunkInput, LogitsWanted, RangeSession};
 use super::sampling::Sampler;
+use super::{ChunkInput, LogitsWanted, RangeSession};
 use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
@@ -274,12 +274,17 @@ impl NativeLlamaPipeline {
         if let Some(outcome) = self.cache.decline(&key, entry_bytes) {
             return Ok(outcome);
         }
+        // Sliding-window layers keep only their window: a prefix they no longer hold whole
+        // cannot be captured exactly, so it is skipped as too long for this session.
+        if let Some(max) = session.kv().rings().capture_limit().filter(|&max| n > max) {
+            return Ok(CaptureOutcome::SkippedTooLong { prefix_len: n, max });
+        }
         let mut kv_keys = vec![0.0f32; slab];
         let mut kv_vals = vec![0.0f32; slab];
         session
-            .ring()
-            .read_logical(0, layers, n, &mut kv_keys, &mut kv_vals)
-            .map_err(|e| ModelError::Ring(e.to_string()))?;
+            .kv()
+            .rings()
+            .read_prefix(n, &mut kv_keys, &mut kv_vals)?;
         let data = OwnedVolumeData {
             kv_shape,
             tail: tail.to_vec(),

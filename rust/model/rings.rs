@@ -6,7 +6,7 @@
 //! layer can still attend to: no anchors, no recall, `window + span − 1` slots rounded up
 //! to `window + span`. Its FIFO evicts whole spans of at most `span` positions, so after
 //! appending clock `c` it still holds every key from `c − window + 1`; the attention kernel
-//! masks anything older ([`crate::attention::attend_chunk_sliding`]). Keys are cached rotated
+//! masks anything older ([`crate::attention::PendingChunk::window`]). Keys are cached rotated
 //! at their absolute positions and every query is rotated at its own clock, so relative RoPE
 //! distances are exact however often the local ring wraps.
 //!
@@ -16,7 +16,7 @@
 //! `window + span` positions, minus whatever was decoded since; longer prefixes are declined
 //! (llama.cpp's own SWA cache cannot restore a longer prefix either).
 
-use super::{ModelConfig, ModelError, SPAN_TOKENS};
+use super::{ModelConfig, ModelError, SessionConfig, SPAN_TOKENS};
 use crate::ring::{DynamicRingBuffer, RingConfig, RingError, SemanticSpan, SpanType};
 
 /// Which of a range's rings holds a layer.
@@ -26,19 +26,6 @@ pub enum RingKind {
     Global,
     /// Sliding-window attention: the window plus one span.
     Local,
-}
-
-/// Ring sizes asked for by a session.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RingSizes {
-    /// Physical slots of the global ring.
-    pub slots: usize,
-    /// Recall slots of the global ring.
-    pub recall: usize,
-    /// Anchor slots of the global ring.
-    pub n_sys: usize,
-    /// Largest piece appended at once.
-    pub max_chunk: usize,
 }
 
 /// The rings of one sequence over a layer range.
@@ -64,7 +51,7 @@ impl LayerRings {
         c: &ModelConfig,
         layer_lo: usize,
         layer_hi: usize,
-        sizes: RingSizes,
+        sizes: &SessionConfig,
     ) -> Result<Self, ModelError> {
         if layer_lo >= layer_hi || layer_hi > c.n_layers {
             return Err(ModelError::Input(format!(
@@ -139,7 +126,8 @@ impl LayerRings {
         })
     }
 
-    fn rings(&self) -> impl Iterator<Item = &DynamicRingBuffer> {
+    /// Every ring of the range, the global one first.
+    pub fn all(&self) -> impl Iterator<Item = &DynamicRingBuffer> {
         self.global.iter().chain(self.local.iter())
     }
 
@@ -153,6 +141,11 @@ impl LayerRings {
             .as_ref()
             .or(self.local.as_ref())
             .expect("a range has at least one layer")
+    }
+
+    /// f32 per position of one layer's K (or V): `kv_heads × head_dim`.
+    pub fn row_len(&self) -> usize {
+        self.primary().config().row_len()
     }
 
     /// Largest piece appended at once.
@@ -190,7 +183,7 @@ impl LayerRings {
 
     /// Most keys a query can see (scratch sizing): the larger ring plus a chunk.
     pub fn max_keys(&self) -> usize {
-        self.rings().map(|r| r.slots()).max().unwrap_or(0) + self.max_chunk
+        self.all().map(|r| r.slots()).max().unwrap_or(0) + self.max_chunk
     }
 
     /// Keys a sliding layer sees (`None` for a global layer). `layer` is range-relative.
@@ -228,7 +221,7 @@ impl LayerRings {
     /// Undoes every position after `saved`, bit-exact; all or nothing.
     pub fn rollback(&mut self, saved: u64) -> Result<(), ModelError> {
         // Every ring's limit is checked first, so a refusal changes nothing.
-        for r in self.rings() {
+        for r in self.all() {
             let oldest = r.oldest_rollback_clock();
             if saved > r.clock() {
                 return Err(ring_err(RingError::FutureClock {
@@ -339,7 +332,7 @@ impl LayerRings {
         keys: &mut [f32],
         vals: &mut [f32],
     ) -> Result<(), ModelError> {
-        let block = self.primary().config().row_len() * n;
+        let block = self.row_len() * n;
         if keys.len() != block * self.place.len() || vals.len() != keys.len() {
             return Err(ModelError::Input(format!(
                 "a {n}-position slab of {} layers is {} floats, got {}",

@@ -38,6 +38,11 @@ fn fwd(
     (h, l)
 }
 
+/// Every ring's active-slot table (what attention reads).
+fn ring_state(s: &RangeSession) -> Vec<Vec<u32>> {
+    s.rings().all().map(|r| r.active_slots().to_vec()).collect()
+}
+
 /// Logits of every position, computed by one session over the whole model.
 fn all_logits(s: &mut RangeSession, tokens: &[u32]) -> Vec<f32> {
     fwd(s, tokens, SpanType::User, LogitsWanted::All).1
@@ -194,10 +199,10 @@ fn replayed_session_continues_bit_identically() {
         other => panic!("expected a hit, got {other:?}"),
     }
     assert_eq!(warm.clock(), cold.clock());
-    assert_eq!(warm.ring().active_slots(), cold.ring().active_slots());
+    assert_eq!(ring_state(&warm), ring_state(&cold));
     assert_eq!(
-        warm.ring().spans().collect::<Vec<_>>(),
-        cold.ring().spans().collect::<Vec<_>>()
+        warm.rings().spans().collect::<Vec<_>>(),
+        cold.rings().spans().collect::<Vec<_>>()
     );
     for step in 0..10u32 {
         let t = [step * 3 % 96];
@@ -246,7 +251,7 @@ fn long_streams_past_the_window_do_not_depend_on_chunking() {
     let run = |chunk: usize| {
         let mut s = session(&w, 0, 3, chunk);
         let (_h, l) = fwd(&mut s, &tokens, SpanType::User, LogitsWanted::All);
-        assert!(s.ring().active_slots().len() <= 240);
+        assert!(s.rings().all().next().unwrap().active_slots().len() <= 240);
         l
     };
     let reference = run(1);
@@ -260,7 +265,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     let w = tiny_weights(8);
     let mut s = session(&w, 0, 3, 16);
     let (mut h, mut l) = fwd(&mut s, &prompt(5, 8), SpanType::User, LogitsWanted::Last);
-    let before = (s.clock(), s.ring().active_slots().to_vec());
+    let before = (s.clock(), ring_state(&s));
     let cases: Vec<(ChunkInput<'_>, LogitsWanted, &str)> = vec![
         (ChunkInput::Tokens(&[]), LogitsWanted::Last, "no tokens"),
         (
@@ -279,7 +284,7 @@ fn bad_input_is_refused_and_changes_nothing() {
             .forward(input, SpanType::User, wanted, &mut h, &mut l)
             .unwrap_err();
         assert!(err.to_string().contains(needle), "{err}");
-        assert_eq!((s.clock(), s.ring().active_slots().to_vec()), before);
+        assert_eq!((s.clock(), ring_state(&s)), before);
     }
     let mut mid = session(&w, 1, 2, 16);
     let mut nan = vec![0.5f32; 64];
@@ -448,4 +453,155 @@ fn longest_prefix_replay_respects_threshold_salt_and_switch() {
     assert_eq!(s.clock(), 0);
     let unsalted = p.amplituhedron_replay(&mut s, &d, None).unwrap();
     assert_eq!(unsalted, ReplayOutcome::Partial { kv_len: 20 });
+}
+
+/// What one sequence produced: every hidden row and every logits row, in order.
+#[derive(Default, Debug, PartialEq)]
+struct Trace {
+    hidden: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+fn seq_config(max_chunk: usize) -> SessionConfig {
+    SessionConfig {
+        slots: 256,
+        recall: 16,
+        n_sys: 0,
+        max_chunk,
+    }
+}
+
+/// One sequence run alone: its prompt (logits of every row), then `decode` one at a time.
+fn run_alone(w: &Arc<LlamaWeights>, prompt: &[u32], decode: &[u32], max_chunk: usize) -> Trace {
+    let mut s = RangeSession::new(Arc::clone(w), 0, 3, &seq_config(max_chunk)).unwrap();
+    let mut t = Trace::default();
+    let (h, l) = fwd(&mut s, prompt, SpanType::User, LogitsWanted::All);
+    t.hidden.extend(h);
+    t.logits.extend(l);
+    for &tok in decode {
+        let (h, l) = fwd(
+            &mut s,
+            &[tok],
+            SpanType::ResponseSentence,
+            LogitsWanted::Last,
+        );
+        t.hidden.extend(h);
+        t.logits.extend(l);
+    }
+    t
+}
+
+#[test]
+fn a_batched_step_equals_each_sequence_run_alone() {
+    for precision in [Precision::Refined, Precision::Fast] {
+        let w = tiny_weights_with(21, precision);
+        let range = LayerRange::new(Arc::clone(&w), 0, 3).unwrap();
+        // Mixed lengths: one piece, several pieces, a span boundary; D joins mid-stream and
+        // B leaves early; C's pieces are cut at other places than the others'.
+        let prompts = [prompt(37, 1), prompt(5, 2), prompt(90, 3), prompt(12, 4)];
+        let decode: Vec<Vec<u32>> = (0..4).map(|s| prompt(6, 10 + s)).collect();
+        let chunks = [16, 16, 7, 16];
+        let alone: Vec<Trace> = (0..4)
+            .map(|i| run_alone(&w, &prompts[i], &decode[i], chunks[i]))
+            .collect();
+
+        let mut kvs: Vec<SequenceKv> = (0..4)
+            .map(|i| range.new_kv(&seq_config(chunks[i])).unwrap())
+            .collect();
+        let mut traces: Vec<Trace> = (0..4).map(|_| Trace::default()).collect();
+        let mut bufs = StepBuffers::new(w.config(), 4, 64);
+        // step 0: prompts of A, B, C; steps 1..: decode; D's prompt joins at step 2;
+        // B leaves after its 2nd decoded token.
+        let mut decoded = [0usize; 4];
+        for step in 0..9 {
+            let mut plan: Vec<(usize, Vec<u32>, LogitsWanted, SpanType)> = Vec::new();
+            for i in 0..4 {
+                let joined = if i == 3 { 2 } else { 0 };
+                let limit = if i == 1 { 2 } else { decode[i].len() };
+                if step == joined {
+                    plan.push((i, prompts[i].clone(), LogitsWanted::All, SpanType::User));
+                } else if step > joined && decoded[i] < limit {
+                    let tok = decode[i][decoded[i]];
+                    decoded[i] += 1;
+                    plan.push((i, vec![tok], LogitsWanted::Last, SpanType::ResponseSentence));
+                }
+            }
+            let mut outs: Vec<(Vec<f32>, Vec<f32>)> =
+                plan.iter().map(|_| Default::default()).collect();
+            {
+                let mut kv_refs: Vec<Option<&mut SequenceKv>> = kvs.iter_mut().map(Some).collect();
+                let mut segments: Vec<Segment<'_>> = plan
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .map(|((i, toks, wanted, span), (h, l))| Segment {
+                        kv: kv_refs[*i].take().unwrap(),
+                        input: ChunkInput::Tokens(toks),
+                        span: *span,
+                        logits: *wanted,
+                        hidden_out: h,
+                        logits_out: l,
+                    })
+                    .collect();
+                range.forward_batch(&mut segments, &mut bufs).unwrap();
+            }
+            for ((i, ..), (h, l)) in plan.iter().zip(outs) {
+                traces[*i].hidden.extend(h);
+                traces[*i].logits.extend(l);
+            }
+        }
+        let vocab = w.config().vocab;
+        let hidden = w.config().hidden;
+        for i in 0..4 {
+            let want = if i == 1 {
+                let rows = prompts[1].len() + 2;
+                Trace {
+                    hidden: alone[1].hidden[..rows * hidden].to_vec(),
+                    logits: alone[1].logits[..rows * vocab].to_vec(),
+                }
+            } else {
+                Trace {
+                    hidden: alone[i].hidden.clone(),
+                    logits: alone[i].logits.clone(),
+                }
+            };
+            assert!(
+                traces[i] == want,
+                "sequence {i} differs in a batch ({precision:?})"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_bad_segment_fails_the_batch_and_changes_no_ring() {
+    let w = tiny_weights(22);
+    let range = LayerRange::new(Arc::clone(&w), 0, 3).unwrap();
+    let mut a = range.new_kv(&seq_config(16)).unwrap();
+    let mut b = range.new_kv(&seq_config(16)).unwrap();
+    let mut bufs = StepBuffers::new(w.config(), 1, 1);
+    let good = prompt(20, 5);
+    let bad = [1, 2, 96]; // 96 is outside the vocabulary of 96
+    let (mut h1, mut l1, mut h2, mut l2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut segments = [
+        Segment {
+            kv: &mut a,
+            input: ChunkInput::Tokens(&good),
+            span: SpanType::User,
+            logits: LogitsWanted::Last,
+            hidden_out: &mut h1,
+            logits_out: &mut l1,
+        },
+        Segment {
+            kv: &mut b,
+            input: ChunkInput::Tokens(&bad),
+            span: SpanType::User,
+            logits: LogitsWanted::Last,
+            hidden_out: &mut h2,
+            logits_out: &mut l2,
+        },
+    ];
+    let err = range.forward_batch(&mut segments, &mut bufs).unwrap_err();
+    assert!(matches!(err, ModelError::Input(_)), "{err}");
+    assert_eq!((a.clock(), b.clock()), (0, 0));
+    assert!(h1.is_empty() && l1.is_empty());
 }
