@@ -868,8 +868,36 @@ impl DynamicRingBuffer {
         total: usize,
         offset: usize,
     ) -> Result<(), RingError> {
+        let whole = self.cfg.n_layers * self.row * total;
+        self.write_slab_rows(layer, keys, vals, total, offset, (whole, layer))
+    }
+
+    /// Like [`write_pending_slab`](Self::write_pending_slab), from the slab of this one layer
+    /// `(kv_heads, total, head_dim)` (a volume's layers may live in several rings, e.g. the
+    /// sliding-window and the global layers of a Gemma range).
+    pub fn write_pending_layer_slab(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        vals: &[f32],
+        total: usize,
+        offset: usize,
+    ) -> Result<(), RingError> {
+        self.write_slab_rows(layer, keys, vals, total, offset, (self.row * total, 0))
+    }
+
+    /// The pending rows of `layer` from positions `offset..` of layer `slab_layer` of a slab
+    /// of `expected` floats.
+    fn write_slab_rows(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        vals: &[f32],
+        total: usize,
+        offset: usize,
+        (expected, slab_layer): (usize, usize),
+    ) -> Result<(), RingError> {
         self.check_write(layer)?;
-        let expected = self.cfg.n_layers * self.row * total;
         check_lengths(expected, keys.len(), vals.len())?;
         if offset + self.plan.n > total {
             return Err(RingError::ShapeMismatch {
@@ -885,40 +913,7 @@ impl DynamicRingBuffer {
                 vals,
                 total,
                 offset,
-                slab_layer: layer,
-            },
-        );
-        Ok(())
-    }
-
-    /// Like [`write_pending_slab`](Self::write_pending_slab), from the slab of this one layer
-    /// `(kv_heads, total, head_dim)` (a volume's layers may live in several rings, e.g. the
-    /// sliding-window and the global layers of a Gemma range).
-    pub fn write_pending_layer_slab(
-        &mut self,
-        layer: usize,
-        keys: &[f32],
-        vals: &[f32],
-        total: usize,
-        offset: usize,
-    ) -> Result<(), RingError> {
-        self.check_write(layer)?;
-        check_lengths(self.row * total, keys.len(), vals.len())?;
-        if offset + self.plan.n > total {
-            return Err(RingError::ShapeMismatch {
-                what: "slab positions",
-                expected: offset + self.plan.n,
-                got: total,
-            });
-        }
-        self.write_rows(
-            layer,
-            RowSource::Slab {
-                keys,
-                vals,
-                total,
-                offset,
-                slab_layer: 0,
+                slab_layer,
             },
         );
         Ok(())
@@ -1203,9 +1198,9 @@ impl DynamicRingBuffer {
 
     // ----- rollback, pruning, recall -----------------------------------------------------
 
-    /// Undoes every position appended after `saved`: clock, spans, table and KV bytes are
-    /// exactly as they were when the clock was `saved`.
-    pub fn rollback_clock(&mut self, saved: u64) -> Result<(), RingError> {
+    /// Whether [`rollback_clock`](Self::rollback_clock)`(saved)` would be accepted (it
+    /// changes nothing); the error says why not.
+    pub fn check_rollback(&self, saved: u64) -> Result<(), RingError> {
         if self.plan.active {
             return Err(RingError::AppendPending);
         }
@@ -1219,6 +1214,13 @@ impl DynamicRingBuffer {
         if saved < oldest {
             return Err(RingError::RollbackTooFar { saved, oldest });
         }
+        Ok(())
+    }
+
+    /// Undoes every position appended after `saved`: clock, spans, table and KV bytes are
+    /// exactly as they were when the clock was `saved`.
+    pub fn rollback_clock(&mut self, saved: u64) -> Result<(), RingError> {
+        self.check_rollback(saved)?;
         let wrap = self.window_end as u64;
         let n_sys = self.cfg.n_sys as u64;
         while self.clock > saved {

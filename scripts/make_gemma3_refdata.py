@@ -38,7 +38,7 @@ PROMPTS = {
     "chat": "<start_of_turn>user\nName three planets of the solar system.<end_of_turn>\n"
     "<start_of_turn>model\n",
     "multilingual": "La capitale de la France est Paris. Die Hauptstadt von Deutschland ist",
-    "long": None,  # filled in below: ~620 tokens
+    "long": None,  # filled in below: ~700 tokens
 }
 # Texts whose tokenization must equal llama.cpp's: English, code, emoji, CJK, leading spaces,
 # special tokens, byte fallback.
@@ -61,7 +61,7 @@ def long_prompt() -> str:
         "oil-based ink and durable metal type. Within fifty years presses operated in more "
         "than two hundred cities, and the price of books fell sharply. "
     )
-    return paragraph * 9 + "In summary, the most important consequence of the printing press was"
+    return paragraph * 12 + "In summary, the most important consequence of the printing press was"
 
 
 def main() -> None:
@@ -80,10 +80,12 @@ def main() -> None:
     path = Path(gemma.assemble())
     PROMPTS["long"] = long_prompt()
 
+    # One decode call per evaluation (n_batch >= the longest prompt): the context's logits
+    # buffer holds only the last call's rows.
     llm = llama_cpp.Llama(
         str(path),
         n_ctx=2048,
-        n_batch=512,
+        n_batch=2048,
         n_threads=args.threads,
         n_threads_batch=args.threads,
         logits_all=True,
@@ -95,6 +97,7 @@ def main() -> None:
 
     def lcpp_logits(ids: list[int]) -> np.ndarray:
         """Logits of every position of a fresh run (read from the context)."""
+        assert len(ids) <= 2048, "one decode call must hold the whole prompt"
         llm.reset()
         llm.eval(ids)
         n_vocab = llm.n_vocab()
@@ -203,7 +206,7 @@ def main() -> None:
         "python": platform.python_version(),
         "hf_settings": "AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., "
         f"dtype=float32): every tensor dequantized to f32; torch.set_num_threads({args.threads})",
-        "llamacpp_settings": f"Llama(n_ctx=2048, n_batch=512, n_threads={args.threads}, "
+        "llamacpp_settings": f"Llama(n_ctx=2048, n_batch=2048, n_threads={args.threads}, "
         "logits_all=True), default f16 KV cache, CPU build",
         "token_ids": "llama.cpp tokenize(add_bos=True, special=True); both models get these ids",
         "greedy": f"argmax, {GREEDY_STEPS} steps, EOS not a stop, a fresh full run per step",

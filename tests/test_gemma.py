@@ -188,3 +188,29 @@ def test_sliding_layers_keep_only_their_window(gemma: Model) -> None:
     # slack), not the 4096 slots of the 3 global layers.
     s = gemma.new_session(0, gemma.n_layers)
     assert s.kv_slots == [768 if local else 4096 for local in gemma.file.config["local_layers"]]
+
+
+@pytest.mark.mesh
+def test_a_two_station_mesh_equals_one_process(
+    gemma: Model, gemma_path: Path, gemma_prompts: dict[str, dict[str, Any]]
+) -> None:
+    import asyncio
+
+    from amplituhedron_rs.coordinator import Coordinator
+    from amplituhedron_rs.mesh import LocalMesh
+
+    ids = gemma_prompts["chat"]["token_ids"]
+    single = gemma.generate(ids, 8, use_cache=False, stop_at_eos=False)
+
+    async def generate(spec: Any, use_cache: bool) -> tuple[list[int], bool]:
+        async with Coordinator(spec, token="gemma-mesh") as c:
+            g = await c.generate(ids, 8, use_cache=use_cache)
+            return list(g.output_ids), g.cache_hit
+
+    # Layers 0..9 and 9..18: each station holds sliding and global layers.
+    with LocalMesh(2, model_path=str(gemma_path), token="gemma-mesh") as spec:
+        cold, _ = asyncio.run(generate(spec, False))
+        first, first_hit = asyncio.run(generate(spec, True))
+        warm, warm_hit = asyncio.run(generate(spec, True))
+    assert cold == first == warm == single.output_ids
+    assert not first_hit and warm_hit

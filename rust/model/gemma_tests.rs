@@ -6,38 +6,14 @@
 use std::sync::Arc;
 
 use super::testing::{synthetic_weights, tiny_gemma_config, tiny_gemma_weights, TINY_WINDOW};
+use super::tests::{fwd, prompt, session};
 use super::*;
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, CaptureOutcome};
 
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i * 11 + salt * 17 + 3) % 96)
-        .collect()
-}
-
-fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> RangeSession {
-    let cfg = SessionConfig {
-        slots: 256,
-        recall: 16,
-        n_sys: 0,
-        max_chunk,
-    };
-    RangeSession::new(Arc::clone(w), lo, hi, &cfg).unwrap()
-}
-
-/// `(hidden rows, logits rows)` of `tokens` through `s`.
+/// `(hidden rows, logits rows)` of `tokens` through `s`, as one user span.
 fn run(s: &mut RangeSession, tokens: &[u32], wanted: LogitsWanted) -> (Vec<f32>, Vec<f32>) {
-    let (mut h, mut l) = (Vec::new(), Vec::new());
-    s.forward(
-        ChunkInput::Tokens(tokens),
-        SpanType::User,
-        wanted,
-        &mut h,
-        &mut l,
-    )
-    .unwrap();
-    (h, l)
+    fwd(s, tokens, SpanType::User, wanted)
 }
 
 fn last_logits(w: &Arc<LlamaWeights>, tokens: &[u32]) -> Vec<f32> {

@@ -222,16 +222,7 @@ impl LayerRings {
     pub fn rollback(&mut self, saved: u64) -> Result<(), ModelError> {
         // Every ring's limit is checked first, so a refusal changes nothing.
         for r in self.all() {
-            let oldest = r.oldest_rollback_clock();
-            if saved > r.clock() {
-                return Err(ring_err(RingError::FutureClock {
-                    saved,
-                    clock: r.clock(),
-                }));
-            }
-            if saved < oldest {
-                return Err(ring_err(RingError::RollbackTooFar { saved, oldest }));
-            }
+            r.check_rollback(saved).map_err(ring_err)?;
         }
         for r in self.rings_mut() {
             r.rollback_clock(saved).map_err(ring_err)?;

@@ -9,13 +9,18 @@ use super::*;
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, VolumeKey};
 
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
+pub(super) fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i * 7 + salt * 13 + 5) % 96)
         .collect()
 }
 
-fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> RangeSession {
+pub(super) fn session(
+    w: &Arc<LlamaWeights>,
+    lo: usize,
+    hi: usize,
+    max_chunk: usize,
+) -> RangeSession {
     let cfg = SessionConfig {
         slots: 256,
         recall: 16,
@@ -26,7 +31,7 @@ fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> Ran
 }
 
 /// Runs token ids through a session; returns (hidden rows, logits rows).
-fn fwd(
+pub(super) fn fwd(
     s: &mut RangeSession,
     tokens: &[u32],
     span: SpanType,
