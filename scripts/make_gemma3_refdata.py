@@ -148,7 +148,9 @@ def main() -> None:
                 "hf_matches_llamacpp": [int(i) for i in hf_ids] == ids,
             }
         )
-        print(f"tokenize {name}: {len(ids)} ids, hf equal: {tokenization[-1]['hf_matches_llamacpp']}")
+        print(
+            f"tokenize {name}: {len(ids)} ids, hf equal: {tokenization[-1]['hf_matches_llamacpp']}"
+        )
 
     prompts: list[dict[str, Any]] = []
     last_logits: dict[str, np.ndarray] = {}
@@ -163,7 +165,12 @@ def main() -> None:
         hf_greedy_ids, hf_greedy_margins = hf_greedy(ids)
         lc_greedy_ids = lcpp_greedy(ids)
         divergence = next(
-            (i for i, (a, b) in enumerate(zip(hf_greedy_ids, lc_greedy_ids)) if a != b), None
+            (
+                i
+                for i, (a, b) in enumerate(zip(hf_greedy_ids, lc_greedy_ids, strict=True))
+                if a != b
+            ),
+            None,
         )
         diff = np.abs(last_hf - last_lc)
         top5_hf = np.argsort(-last_hf)[:5]

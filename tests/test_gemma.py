@@ -79,7 +79,8 @@ def test_chat_ids_use_gemma_turns(
     with_system = gemma_tokenizer.render_chat(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     )
-    assert with_system == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    expected = "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert with_system == expected
 
 
 # --- parity with transformers and llama.cpp ---------------------------------------------

@@ -297,6 +297,7 @@ _Forwarded: TypeAlias = tuple[NDArray[np.float32], NDArray[np.float32] | None]
 
 def supported_architectures() -> list[str]: ...
 def supported_tensor_types() -> list[str]: ...
+
 @final
 class ModelWeights:
     """Memory-mapped GGUF weights of a model of a supported architecture, validated at load."""

