@@ -295,3 +295,47 @@ fn a_batch_of_sequences_past_the_window_equals_each_alone() {
     }
     assert_eq!(got, alone);
 }
+
+#[test]
+fn qwen2_needs_its_biases_and_runs_with_them() {
+    let mut c = super::testing::tiny_config();
+    c.arch = Architecture::Qwen2;
+    let w = synthetic_weights(c.clone(), 10, Precision::Refined);
+    assert!(w.layer(0).unwrap().bq.is_some());
+    let tokens = prompt(40, 10);
+    let whole = run(&mut session(&w, 0, 3, 64), &tokens, LogitsWanted::All).1;
+    assert_eq!(
+        run(&mut session(&w, 0, 3, 5), &tokens, LogitsWanted::All).1,
+        whole
+    );
+    // The same tensors read as Llama: the recipe (halves RoPE, biases) changes the logits.
+    let mut llama = c;
+    llama.arch = Architecture::Llama;
+    let as_llama = synthetic_weights(llama, 10, Precision::Refined);
+    assert_ne!(
+        run(
+            &mut session(&as_llama, 0, 3, 64),
+            &tokens,
+            LogitsWanted::All
+        )
+        .1,
+        whole
+    );
+}
+
+#[test]
+fn a_tensor_the_recipe_needs_is_named_when_missing() {
+    // A Llama file read with a Gemma 3 description: no Q/K norms.
+    let mut c = tiny_gemma_config();
+    c.arch = Architecture::Llama;
+    c.sliding = None;
+    let (bytes, table) = super::testing::synthetic_file(&c, 11);
+    let err = LlamaWeights::from_bytes(bytes, tiny_gemma_config(), &table, Precision::Refined)
+        .err()
+        .expect("the Gemma recipe needs Q/K norms");
+    assert!(
+        err.to_string()
+            .contains("missing tensor blk.0.attn_q_norm.weight"),
+        "{err}"
+    );
+}

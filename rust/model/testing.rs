@@ -88,6 +88,15 @@ pub(crate) fn synthetic_weights(
     seed: u64,
     precision: Precision,
 ) -> Arc<LlamaWeights> {
+    let (bytes, table) = synthetic_file(&c, seed);
+    Arc::new(
+        LlamaWeights::from_bytes(bytes, c, &table, precision)
+            .expect("synthetic model is well formed"),
+    )
+}
+
+/// The bytes and tensor table of a synthetic model file for `c`.
+pub(crate) fn synthetic_file(c: &ModelConfig, seed: u64) -> (Vec<u8>, Vec<TensorInfo>) {
     let recipe = c.recipe();
     let mut rng = Lcg(seed);
     let mut bytes: Vec<u8> = Vec::new();
@@ -150,8 +159,5 @@ pub(crate) fn synthetic_weights(
             push(format!("blk.{i}.post_ffw_norm.weight"), 0, h, 1, 0.1);
         }
     }
-    Arc::new(
-        LlamaWeights::from_bytes(bytes, c, &table, precision)
-            .expect("synthetic model is well formed"),
-    )
+    (bytes, table)
 }
