@@ -7,7 +7,10 @@
 //!   the LM head, 96.6 MB streamed from memory — with input quantization as the model does it;
 //! - `prefill_gemm`: 256 tokens × each layer shape (GMAC/s), and one whole layer;
 //! - `baseline`: naive dequantize-a-row-then-dot, our kernel on one thread, and memcpy / a
-//!   parallel read of the 96.6 MB as the bandwidth reference.
+//!   parallel read of the 96.6 MB as the bandwidth reference;
+//! - `small_batch`: the 210 layer matmuls of all 30 layers for n = 1, 2, 4, 8, 16 tokens
+//!   (continuous batching, speculative decoding), all-Q4_1 and all-Q8_0 layers, with inputs
+//!   quantized fast (one 8-bit pass) or refined (value + residual, folded) as the model does.
 //!
 //! Timings are noisy on a shared 2-core machine, so the summary printed at the end compares
 //! numbers measured in this same run (ratios), from criterion's own samples.
@@ -17,7 +20,7 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use amplituhedron::quant::{matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
+use amplituhedron::quant::{fold_refined, matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
 
@@ -168,22 +171,34 @@ fn decode_matvec(c: &mut Criterion) {
 
 /// Every matrix of the model, distinct allocations (so a token streams them from memory).
 struct Model {
+    dtype: GgmlType,
     layers: Vec<Vec<Vec<u8>>>,
     lm_head: Vec<u8>,
 }
 
 impl Model {
+    /// SmolLM2's layout: Q4_1 layers, Q8_0 LM head.
     fn new(rng: &mut Rng) -> Self {
-        let layers = (0..LAYERS)
+        let mut model = Self::layers_of(GgmlType::Q4_1, LAYERS, rng);
+        model.lm_head = random_weights(GgmlType::Q8_0, VOCAB, HIDDEN, rng);
+        model
+    }
+
+    /// `layers` layers of `dtype` matrices and no LM head.
+    fn layers_of(dtype: GgmlType, layers: usize, rng: &mut Rng) -> Self {
+        let layers = (0..layers)
             .map(|_| {
                 LAYER
                     .iter()
-                    .map(|&(_, rows, cols)| random_weights(GgmlType::Q4_1, rows, cols, rng))
+                    .map(|&(_, rows, cols)| random_weights(dtype, rows, cols, rng))
                     .collect()
             })
             .collect();
-        let lm_head = random_weights(GgmlType::Q8_0, VOCAB, HIDDEN, rng);
-        Self { layers, lm_head }
+        Self {
+            dtype,
+            layers,
+            lm_head: Vec::new(),
+        }
     }
 
     fn bytes(&self) -> usize {
@@ -192,7 +207,7 @@ impl Model {
 
     fn matrix(&self, layer: usize, i: usize) -> QMatrix<'_> {
         let (_, rows, cols) = LAYER[i];
-        QMatrix::new(GgmlType::Q4_1, rows, cols, &self.layers[layer][i]).unwrap()
+        QMatrix::new(self.dtype, rows, cols, &self.layers[layer][i]).unwrap()
     }
 }
 
@@ -328,13 +343,7 @@ fn prefill_gemm(c: &mut Criterion) {
         );
     }
     // One whole layer (7 distinct matrices, inputs quantized as the model does).
-    let model = Model {
-        layers: vec![LAYER
-            .iter()
-            .map(|&(_, rows, cols)| random_weights(GgmlType::Q4_1, rows, cols, &mut rng))
-            .collect()],
-        lm_head: Vec::new(),
-    };
+    let model = Model::layers_of(GgmlType::Q4_1, 1, &mut rng);
     let mut bufs = Buffers::new(n, &mut rng);
     let layer_macs: usize = LAYER.iter().map(|&(_, r, c)| r * c).sum();
     g.throughput(Throughput::Elements((layer_macs * n) as u64));
@@ -409,6 +418,161 @@ fn baselines(c: &mut Criterion) {
                 black_box(sum);
             })
         });
+    }
+    g.finish();
+}
+
+/// Token counts of the small-batch bench.
+const SMALL_BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// Buffers of the model's projections: quantization scratch, the refined residual and the
+/// refined product's `2n` rows before folding.
+#[derive(Default)]
+struct Projection {
+    scratch: QuantScratch,
+    stacked: Vec<f32>,
+    full: Vec<f32>,
+}
+
+impl Projection {
+    /// Quantizes `x` (`n` rows) once at the chosen precision and applies it to every
+    /// `(matrix, output)` pair, folding a refined product as the model does.
+    fn apply(
+        &mut self,
+        refined: bool,
+        x: &[f32],
+        n: usize,
+        targets: &mut [(QMatrix<'_>, &mut [f32])],
+    ) {
+        let Projection {
+            scratch,
+            stacked,
+            full,
+        } = self;
+        let cols = x.len() / n;
+        let input = if refined {
+            QuantizedInput::quantize_refined(x, n, cols, stacked, scratch)
+        } else {
+            QuantizedInput::quantize(x, n, cols, scratch)
+        }
+        .unwrap();
+        for (w, out) in targets.iter_mut() {
+            if refined {
+                full.resize(2 * out.len(), 0.0);
+                matmul(w, &input, full).unwrap();
+                fold_refined(full, out);
+            } else {
+                matmul(w, &input, out).unwrap();
+            }
+        }
+    }
+}
+
+/// The seven matmuls of one layer over `n` tokens at a precision.
+fn layer_matmuls_at(
+    model: &Model,
+    layer: usize,
+    n: usize,
+    refined: bool,
+    b: &mut Buffers,
+    p: &mut Projection,
+) {
+    let m = |i: usize| model.matrix(layer, i);
+    let (x, q) = (&b.x[..n * HIDDEN], &mut b.q[..n * HIDDEN]);
+    p.apply(
+        refined,
+        x,
+        n,
+        &mut [
+            (m(0), q),
+            (m(1), &mut b.k[..n * KV]),
+            (m(2), &mut b.v[..n * KV]),
+        ],
+    );
+    p.apply(
+        refined,
+        &b.q[..n * HIDDEN],
+        n,
+        &mut [(m(3), &mut b.o[..n * HIDDEN])],
+    );
+    p.apply(
+        refined,
+        &b.x[..n * HIDDEN],
+        n,
+        &mut [(m(4), &mut b.gate[..n * FFN]), (m(5), &mut b.up[..n * FFN])],
+    );
+    p.apply(
+        refined,
+        &b.ffn_x[..n * FFN],
+        n,
+        &mut [(m(6), &mut b.down[..n * HIDDEN])],
+    );
+}
+
+fn precision_name(refined: bool) -> &'static str {
+    if refined {
+        "refined"
+    } else {
+        "fast"
+    }
+}
+
+/// One cache-warm 1536×576 matrix per format, n tokens, one thread: kernel throughput
+/// without memory effects (GMAC/s), for both precisions.
+fn small_batch_kernel(c: &mut Criterion) {
+    let mut rng = Rng(6);
+    let pool = pool(1);
+    let mut g = c.benchmark_group("small_batch_kernel");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let data = random_weights(dtype, FFN, HIDDEN, &mut rng);
+        let w = QMatrix::new(dtype, FFN, HIDDEN, &data).unwrap();
+        let x = rng.floats(16 * HIDDEN);
+        let mut out = vec![0.0f32; 16 * FFN];
+        let mut proj = Projection::default();
+        for refined in [false, true] {
+            for n in SMALL_BATCHES {
+                g.throughput(Throughput::Elements((FFN * HIDDEN * n) as u64));
+                let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+                g.bench_function(&id, |b| {
+                    timed(b, &pool, &format!("kernel/{id}"), || {
+                        proj.apply(
+                            refined,
+                            &x[..n * HIDDEN],
+                            n,
+                            &mut [(w, &mut out[..n * FFN])],
+                        );
+                        black_box(&out);
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+fn small_batch(c: &mut Criterion) {
+    let mut rng = Rng(5);
+    let pool = pool(2);
+    let mut g = c.benchmark_group("small_batch");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let model = Model::layers_of(dtype, LAYERS, &mut rng);
+        let max_n = SMALL_BATCHES[SMALL_BATCHES.len() - 1];
+        let mut bufs = Buffers::new(max_n, &mut rng);
+        let mut proj = Projection::default();
+        for refined in [false, true] {
+            for n in SMALL_BATCHES {
+                g.throughput(Throughput::Elements(n as u64));
+                let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+                g.bench_function(&id, |b| {
+                    timed(b, &pool, &format!("small/{id}"), || {
+                        for layer in 0..LAYERS {
+                            layer_matmuls_at(&model, layer, n, refined, &mut bufs, &mut proj);
+                        }
+                        black_box(&bufs.down);
+                    })
+                });
+            }
+        }
     }
     g.finish();
 }
@@ -507,6 +671,40 @@ fn summary(_c: &mut Criterion) {
         f * LAYERS as f64
     );
 
+    println!("small batch: the 210 layer matmuls of 30 layers, n tokens, 2 threads (tokens/s, and speed-up of the batch over n = 1):");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for refined in [false, true] {
+            let one = median(&format!("small/{dtype}/{}/n1", precision_name(refined)));
+            let mut line = format!("  {dtype} {:<8}", precision_name(refined));
+            for n in SMALL_BATCHES {
+                let m = median(&format!("small/{dtype}/{}/n{n}", precision_name(refined)));
+                line += &format!(
+                    " n={n}: {:>6.1} ms {:>6.0}/s ({:.2}x)",
+                    m * 1e3,
+                    n as f64 / m,
+                    n as f64 * one / m
+                );
+            }
+            println!("{line}");
+        }
+    }
+
+    println!("small batch kernel: one cache-warm 1536x576 matrix, 1 thread (GMAC/s; activation passes count once):");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for refined in [false, true] {
+            let mut line = format!("  {dtype} {:<8}", precision_name(refined));
+            for n in SMALL_BATCHES {
+                let m = median(&format!("kernel/{dtype}/{}/n{n}", precision_name(refined)));
+                line += &format!(
+                    " n={n}: {:>6.1} us {:>5.1}",
+                    m * 1e6,
+                    (FFN * HIDDEN * n) as f64 / m / 1e9
+                );
+            }
+            println!("{line}");
+        }
+    }
+
     let naive_d = median("naive/decode");
     let naive_p = median("naive/prefill");
     println!("speed-up over naive dequantize-a-row-then-dot (576->1536, naive on 1 thread):");
@@ -530,6 +728,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, small_batch_kernel, small_batch, summary
 }
 criterion_main!(benches);

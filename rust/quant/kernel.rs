@@ -364,19 +364,14 @@ unsafe fn quant_rect(
 ) {
     // SAFETY: forwarded to the caller.
     unsafe {
-        match (kernel, dtype) {
+        match kernel {
             #[cfg(target_arch = "x86_64")]
-            (
-                Kernel::Avx512Vnni | Kernel::Avx512,
-                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0,
-            ) => {
+            Kernel::Avx512Vnni | Kernel::Avx512 => {
                 let vnni = kernel == Kernel::Avx512Vnni;
                 super::avx512::quant_rect(dtype, vnni, data, row_bytes, act, rows, tokens, out)
             }
             #[cfg(target_arch = "x86_64")]
-            (Kernel::Avx2, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) => {
-                super::avx2::quant_rect(dtype, data, row_bytes, act, rows, tokens, out)
-            }
+            Kernel::Avx2 => super::avx2::quant_rect(dtype, data, row_bytes, act, rows, tokens, out),
             _ => scalar_quant_rect(dtype, data, row_bytes, act, rows, tokens, out),
         }
     }
@@ -423,9 +418,20 @@ unsafe fn super_rect(
     tokens: Range<usize>,
     out: OutPtr,
 ) {
-    let _ = kernel;
     // SAFETY: forwarded to the caller.
     unsafe {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni | Kernel::Avx512 => {
+                let vnni = kernel == Kernel::Avx512Vnni;
+                return super::avx512::k_rect(dtype, vnni, data, row_bytes, act, rows, tokens, out);
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                return super::avx2::k_rect(dtype, data, row_bytes, act, rows, tokens, out)
+            }
+            _ => {}
+        }
         match dtype {
             GgmlType::Q2_K => scalar::super_rect::<Q2K>(data, row_bytes, act, rows, tokens, out),
             GgmlType::Q3_K => scalar::super_rect::<Q3K>(data, row_bytes, act, rows, tokens, out),

@@ -37,6 +37,8 @@ mod avx512;
 mod format;
 mod kernel;
 mod kquant;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod scalar;
 #[cfg(test)]
 mod tests;
