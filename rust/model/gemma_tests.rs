@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::testing::{synthetic_weights, tiny_gemma_config, tiny_gemma_weights, TINY_WINDOW};
-use super::tests::{fwd, prompt, session};
+use super::tests::{fwd, generate, pipeline, prompt, session};
 use super::*;
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, CaptureOutcome};
@@ -113,39 +113,15 @@ fn split_ranges_equal_one_process() {
     }
 }
 
-fn pipeline(w: &Arc<LlamaWeights>) -> NativeLlamaPipeline {
-    NativeLlamaPipeline::new(Arc::clone(w), 0, 4, CacheConfig::default()).unwrap()
-}
-
-fn generate(
-    p: &mut NativeLlamaPipeline,
-    s: &mut RangeSession,
-    tokens: &[u32],
-    use_cache: bool,
-) -> GenerationStats {
-    let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
-    p.generate(
-        s,
-        tokens,
-        24,
-        &mut sampler,
-        &[],
-        use_cache,
-        &mut |_| true,
-        &mut |_, _| true,
-    )
-    .unwrap()
-}
-
 #[test]
 fn cache_on_equals_cache_off_and_decoding_slides_past_the_window() {
     let w = tiny_gemma_weights(4);
     let tokens = prompt(100, 4);
-    let mut p = pipeline(&w);
+    let mut p = pipeline(&w, 0, 4);
     let mut s = session(&w, 0, 4, 64);
-    let cold = generate(&mut p, &mut s, &tokens, false);
-    let first = generate(&mut p, &mut s, &tokens, true);
-    let warm = generate(&mut p, &mut s, &tokens, true);
+    let cold = generate(&mut p, &mut s, &tokens, 24, false);
+    let first = generate(&mut p, &mut s, &tokens, 24, true);
+    let warm = generate(&mut p, &mut s, &tokens, 24, true);
     assert!(!first.cache_hit && warm.cache_hit);
     assert_eq!(warm.replayed_tokens, tokens.len());
     // 24 decoded tokens take the session past the local ring's 132 slots.
@@ -157,13 +133,13 @@ fn cache_on_equals_cache_off_and_decoding_slides_past_the_window() {
 fn longest_prefix_replay_equals_a_cold_prefill() {
     let w = tiny_gemma_weights(5);
     let system = prompt(60, 5);
-    let mut p = pipeline(&w);
+    let mut p = pipeline(&w, 0, 4);
     let mut s = session(&w, 0, 4, 64);
-    generate(&mut p, &mut s, &system, true);
+    generate(&mut p, &mut s, &system, 24, true);
     let mut question = system[..50].to_vec();
     question.extend(prompt(30, 9));
-    let cold = generate(&mut p, &mut session(&w, 0, 4, 64), &question, false);
-    let warm = generate(&mut p, &mut s, &question, true);
+    let cold = generate(&mut p, &mut session(&w, 0, 4, 64), &question, 24, false);
+    let warm = generate(&mut p, &mut s, &question, 24, true);
     assert_eq!(warm.replayed_tokens, 50);
     assert_eq!(warm.output_ids, cold.output_ids);
 }
@@ -171,7 +147,7 @@ fn longest_prefix_replay_equals_a_cold_prefill() {
 #[test]
 fn a_prefix_the_sliding_ring_no_longer_holds_is_not_captured() {
     let w = tiny_gemma_weights(6);
-    let mut p = pipeline(&w);
+    let mut p = pipeline(&w, 0, 4);
     p.amplituhedron_set_max_prefix_len(1024).unwrap();
     let hidden = w.config().hidden;
     // Longer than the local ring: its first positions are gone.

@@ -139,11 +139,11 @@ fn rollback_after_a_probe_gives_identical_next_logits() {
     assert_eq!(run(true), run(false));
 }
 
-fn pipeline(w: &Arc<LlamaWeights>, lo: usize, hi: usize) -> NativeLlamaPipeline {
+pub(super) fn pipeline(w: &Arc<LlamaWeights>, lo: usize, hi: usize) -> NativeLlamaPipeline {
     NativeLlamaPipeline::new(Arc::clone(w), lo, hi, CacheConfig::default()).unwrap()
 }
 
-fn generate(
+pub(super) fn generate(
     p: &mut NativeLlamaPipeline,
     s: &mut RangeSession,
     tokens: &[u32],
