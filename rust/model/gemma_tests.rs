@@ -9,7 +9,7 @@ use super::testing::{synthetic_weights, tiny_gemma_config, tiny_gemma_weights, T
 use super::tests::{fwd, generate, pipeline, prompt, session};
 use super::*;
 use crate::ring::SpanType;
-use crate::volume::{CacheConfig, CaptureOutcome};
+use crate::volume::CaptureOutcome;
 
 /// `(hidden rows, logits rows)` of `tokens` through `s`, as one user span.
 fn run(s: &mut RangeSession, tokens: &[u32], wanted: LogitsWanted) -> (Vec<f32>, Vec<f32>) {
