@@ -4,6 +4,7 @@
 //! everything else is plain Rust, testable with `cargo test` alone.
 
 pub mod attention;
+pub mod engine;
 pub mod eviction;
 pub mod keys;
 pub mod memo;

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import amplituhedron_rs as ar
-from amplituhedron_rs import _core
 from amplituhedron_rs.model import Model, SessionOptions
 
 pytestmark = pytest.mark.model
@@ -184,11 +183,9 @@ def test_seeded_sampling_is_reproducible(model: Model, prompts: dict[str, Any]) 
 def test_generation_stops_at_a_stop_id(model: Model, prompts: dict[str, Any]) -> None:
     ids = prompts["sentence"]["token_ids"]
     first = prompts["sentence"]["hf_greedy16_ids"][0]
-    r = model.pipeline.generate(
-        model.new_session(0, model.n_layers), ids, 16, _core.Sampler(), stop_ids=[first]
-    )
-    assert list(r.output_ids) == [first]
-    assert r.stop_reason == "stop"
+    g = model.generate(ids, 16, stop_ids=[first])
+    assert g.output_ids == [first]
+    assert g.stop_reason == "stop"
 
 
 def test_streaming_yields_the_generated_text(model: Model, prompts: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 Sections are kept per core module (volume, oracle, ring, model) so they stay easy to find.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, final
 
 import numpy as np
@@ -373,7 +373,7 @@ class Sampler:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> Sampler: ...
-    def sample(self, logits: NDArray[np.float32]) -> int: ...
+    def sample(self, logits: NDArray[np.float32], index: int) -> int: ...
 
 @final
 class ReplayResult:
@@ -387,23 +387,6 @@ class ReplayResult:
     def tail(self) -> NDArray[np.float32] | None: ...
     @property
     def logits(self) -> NDArray[np.float32] | None: ...
-
-@final
-class GenerationResult:
-    """Timings and verdicts of one generation."""
-
-    @property
-    def output_ids(self) -> list[int]: ...
-    @property
-    def cache_hit(self) -> bool: ...
-    @property
-    def replayed_tokens(self) -> int: ...
-    @property
-    def prefill_ms(self) -> float: ...
-    @property
-    def decode_ms(self) -> float: ...
-    @property
-    def stop_reason(self) -> Literal["stop", "length", "cancelled"]: ...
 
 @final
 class NativeLlamaPipeline:
@@ -447,17 +430,129 @@ class NativeLlamaPipeline:
     def amplituhedron_inject_fault(
         self, tokens: Sequence[int], position: int, salt: str | None = None
     ) -> bool: ...
-    def generate(
+
+# --- continuous batching -----------------------------------------------------------------
+
+@final
+class EngineEvent:
+    """A token (``kind == "token"``) or the end of a sequence (``kind == "finished"``)."""
+
+    @property
+    def kind(self) -> Literal["token", "finished"]: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def token(self) -> int | None: ...
+    @property
+    def index(self) -> int | None: ...
+    @property
+    def logits(self) -> NDArray[np.float32] | None: ...
+    @property
+    def reason(self) -> Literal["stop", "length", "cancelled", "error"] | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def stats(self) -> dict[str, int | float | bool] | None: ...
+
+@final
+class EngineAdmission:
+    """A new sequence an external executor must prepare (open sessions, replay the cache)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def prompt(self) -> list[int]: ...
+    @property
+    def greedy(self) -> bool: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def salt(self) -> str | None: ...
+    @property
+    def use_cache(self) -> bool: ...
+    @property
+    def sample_first(self) -> bool: ...
+
+@final
+class EngineEntry:
+    """One sequence's rows of a planned step; ``tokens[0]`` sits at position ``start``."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def kind(self) -> Literal["prefill", "decode"]: ...
+    @property
+    def last(self) -> bool: ...
+    @property
+    def emit(self) -> bool: ...
+
+@final
+class Engine:
+    """The continuous-batching engine (thread-safe): over an in-process executor, or for an
+    external executor (:meth:`external`)."""
+
+    def __new__(
+        cls,
+        pipeline: NativeLlamaPipeline,
+        *,
+        slots: int,
+        recall: int,
+        n_sys: int,
+        max_chunk: int,
+        max_running: int,
+        max_queue: int,
+        step_tokens: int,
+    ) -> Engine: ...
+    def submit(
         self,
-        session: RangeSession,
-        tokens: Sequence[int],
+        prompt: Sequence[int],
         max_new_tokens: int,
-        sampler: Sampler,
+        *,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
         stop_ids: Sequence[int] = ...,
+        salt: str | None = None,
         use_cache: bool = True,
-        on_token: Callable[[int], object] | None = None,
-        on_prefill: Callable[[int, int], object] | None = None,
-    ) -> GenerationResult: ...
+        draft_max: int | None = None,
+        want_logits: bool = False,
+    ) -> int: ...
+    @staticmethod
+    def external(*, max_running: int, max_queue: int, step_tokens: int) -> Engine: ...
+    def plan_admissions(self) -> list[EngineAdmission]: ...
+    def admitted(
+        self, results: Sequence[tuple[int, int, int | None, str | None]]
+    ) -> list[EngineEvent]: ...
+    def plan_batch(self) -> list[EngineEntry]: ...
+    def complete(
+        self, emitted: Sequence[Sequence[int]], error: str | None = None
+    ) -> list[EngineEvent]: ...
+    def take_released(self) -> list[int]: ...
+    def cancel(self, seq: int) -> EngineEvent | None: ...
+    def step(self) -> list[EngineEvent]: ...
+    def prefilled(self, seq: int) -> int | None: ...
+    @property
+    def has_work(self) -> bool: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def live_sequences(self) -> int | None: ...
+    @property
+    def limits(self) -> tuple[int, int, int]: ...
 
 # --- quantized kernels -------------------------------------------------------------------
 

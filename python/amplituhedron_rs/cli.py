@@ -139,10 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument("--json", action="store_true", help="print JSON")
 
-    from amplituhedron_rs import bench, bench_mesh, bench_model
+    from amplituhedron_rs import bench, bench_mesh, bench_model, bench_serve, bench_spec
 
     bm = sub.add_parser("bench-model", help="the runtime vs llama.cpp on the same GGUF")
     bench_model.add_arguments(bm)
+    bserve = sub.add_parser(
+        "bench-serve", help="streaming clients 1..16 against the server (and llama.cpp's)"
+    )
+    bench_serve.add_arguments(bserve)
+    bspec = sub.add_parser(
+        "bench-spec", help="speculative decoding (prompt lookup) against plain decoding"
+    )
+    bench_spec.add_arguments(bspec)
     bmesh = sub.add_parser("bench-mesh", help="per-hop overhead, cold vs warm over K stations")
     bench_mesh.add_arguments(bmesh)
     fals = sub.add_parser(
@@ -153,6 +161,40 @@ def build_parser() -> argparse.ArgumentParser:
         "LRU eviction, the Lean oracle parity suite, and peers side by side.",
     )
     bench.add_arguments(fals)
+
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server with continuous batching",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and "
+        "/metrics. Requests are batched continuously and share the volume cache.",
+    )
+    srv.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[k for k in [os.environ.get("AMPLITUHEDRON_API_KEY")] if k],
+        metavar="KEY",
+        help="accepted API key (repeatable; env AMPLITUHEDRON_API_KEY); none: open",
+    )
+    srv.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences per step")
+    srv.add_argument("--max-queue", type=int, default=64, metavar="M", help="waiting requests")
+    srv.add_argument(
+        "--step-tokens",
+        type=int,
+        default=64,
+        metavar="T",
+        help="rows per step: decode rows first, then prompt chunks (bounds inter-token latency)",
+    )
+    srv.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    srv.add_argument(
+        "--draft",
+        choices=["prompt-lookup", "off"],
+        default="off",
+        help="speculative decoding for requests that do not choose (greedy output unchanged)",
+    )
+    srv.add_argument("--draft-max", type=int, default=8, metavar="K")
 
     mesh = sub.add_parser("mesh", help="local meshes").add_subparsers(
         dest="mesh_command", required=True
@@ -365,6 +407,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_station(a)
         if a.command == "mesh":
             return _cmd_mesh_up(a)
+        if a.command == "serve":
+            from amplituhedron_rs.serve import ServeOptions, serve
+
+            serve(
+                ServeOptions(
+                    model_path=a.model,
+                    host=a.host,
+                    port=a.port,
+                    api_keys=a.api_key,
+                    max_batch=a.max_batch,
+                    max_queue=a.max_queue,
+                    step_tokens=a.step_tokens,
+                    precision=a.precision,
+                    draft=a.draft == "prompt-lookup",
+                    draft_max=a.draft_max,
+                )
+            )
+            return 0
         if a.command == "bench-model":
             from amplituhedron_rs import bench_model
 
@@ -373,6 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from amplituhedron_rs import bench
 
             return bench.main(a)
+        if a.command == "bench-serve":
+            from amplituhedron_rs import bench_serve
+
+            return bench_serve.main(a)
+        if a.command == "bench-spec":
+            from amplituhedron_rs import bench_spec
+
+            return bench_spec.main(a)
         if a.command == "bench-mesh":
             from amplituhedron_rs import bench_mesh
 

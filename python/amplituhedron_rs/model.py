@@ -38,6 +38,17 @@ class SessionOptions:
 
 
 @dataclass(frozen=True)
+class BatchOptions:
+    """Continuous batching: sequences running at once, requests waiting, rows per step."""
+
+    max_running: int = 8
+    max_queue: int = 64
+    #: Rows per step: decode rows first, then prompt chunks with the rest. Larger is faster
+    #: for one long prompt; smaller bounds the other streams' inter-token latency.
+    step_tokens: int = 256
+
+
+@dataclass(frozen=True)
 class CacheOptions:
     """Volume-cache bounds (SPEC §2 defaults)."""
 
@@ -64,6 +75,9 @@ class Generation:
     decode_ms: float
     stop_reason: str
     cache: dict[str, int] = field(default_factory=dict)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    verify_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's ``--json`` shape."""
@@ -77,6 +91,9 @@ class Generation:
             "replayed_tokens": self.replayed_tokens,
             "stop_reason": self.stop_reason,
             "cache": self.cache,
+            "draft_proposed": self.draft_proposed,
+            "draft_accepted": self.draft_accepted,
+            "verify_steps": self.verify_steps,
         }
 
 
@@ -115,6 +132,7 @@ class Model:
         session: SessionOptions | None = None,
         cache: CacheOptions | None = None,
         precision: Precision = "refined",
+        batch: BatchOptions | None = None,
     ) -> None:
         self.file = model_file
         self.session_options = session or SessionOptions()
@@ -128,7 +146,18 @@ class Model:
         )
         self.n_layers: int = int(model_file.config["n_layers"])
         self.pipeline = self.new_pipeline(0, self.n_layers, cache)
-        self._session = self.new_session(0, self.n_layers)
+        o, b = self.session_options, batch or BatchOptions()
+        #: The continuous-batching engine every generation goes through (one loop).
+        self.engine = _core.Engine(
+            self.pipeline,
+            slots=o.slots,
+            recall=o.recall,
+            n_sys=o.n_sys,
+            max_chunk=o.max_chunk,
+            max_running=b.max_running,
+            max_queue=b.max_queue,
+            step_tokens=b.step_tokens,
+        )
 
     # --- construction helpers (also used by stations) ---------------------------------
     def new_pipeline(
@@ -217,6 +246,9 @@ class Model:
         seed: int = 0,
         use_cache: bool = True,
         stop_at_eos: bool = True,
+        stop_ids: Sequence[int] | None = None,
+        draft: Literal["prompt-lookup"] | None = None,
+        draft_max: int = 8,
         stream: Callable[[str], None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
     ) -> Generation:
@@ -224,43 +256,68 @@ class Model:
 
         Greedy unless a temperature/top-k/top-p is given (or ``greedy=False``). With the cache
         on, a prompt seen before skips prefill entirely: its volume is replayed into the live
-        ring and the first token comes from the cached logits. ``stream`` receives text pieces
-        as they are generated; ``on_prefill(done, total)`` reports prefill progress.
+        ring and the first token comes from the cached logits. ``draft="prompt-lookup"``
+        speculates (greedy output is bit-identical to plain decoding). ``stream`` receives
+        text pieces as they are generated; ``on_prefill(done, total)`` reports prefill
+        progress.
         """
         prompt = _as_ids(ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampler = _core.Sampler(**sampling_params(greedy, temperature, top_k, top_p, seed))
+        if draft not in (None, "prompt-lookup"):
+            raise ValueError(f"draft must be None or 'prompt-lookup', got {draft!r}")
+        sampling = sampling_params(greedy, temperature, top_k, top_p, seed)
         decoder = StreamDecoder(self.tokenizer) if stream is not None else None
-
-        def on_token(token: int) -> None:
-            if decoder is not None and stream is not None:
-                piece = decoder.push(token)
-                if piece:
-                    stream(piece)
-
-        stops = [self.eos_id] if (stop_at_eos and self.eos_id is not None) else []
-        r = self.pipeline.generate(
-            self._session,
+        if stop_ids is None:
+            stop_ids = [self.eos_id] if (stop_at_eos and self.eos_id is not None) else []
+        seq = self.engine.submit(
             prompt,
             max_new_tokens,
-            sampler,
-            stop_ids=stops,
+            **sampling,
+            stop_ids=list(stop_ids),
             use_cache=use_cache,
-            on_token=on_token,
-            on_prefill=on_prefill,
+            draft_max=draft_max if draft else None,
         )
-        out = list(r.output_ids)
+        out: list[int] = []
+        finished = None
+        try:
+            while finished is None:
+                for ev in self.engine.step():
+                    if ev.seq != seq:
+                        continue
+                    if ev.kind == "finished":
+                        finished = ev
+                    elif ev.token is not None:
+                        out.append(ev.token)
+                        if decoder is not None and stream is not None:
+                            piece = decoder.push(ev.token)
+                            if piece:
+                                stream(piece)
+                if finished is None and on_prefill is not None and not out:
+                    done = self.engine.prefilled(seq)
+                    if done is not None:
+                        on_prefill(done, len(prompt))
+        except BaseException:
+            # Ctrl-C or a callback's error: the sequence stops and its KV is freed.
+            self.engine.cancel(seq)
+            self.engine.step()
+            raise
+        if finished.reason == "error":
+            raise ValueError(finished.error)
+        stats = finished.stats or {}
         return Generation(
             prompt_ids=prompt,
             output_ids=out,
             text=self.tokenizer.decode(out, skip_special=True),
-            cache_hit=bool(r.cache_hit),
-            replayed_tokens=int(r.replayed_tokens),
-            prefill_ms=float(r.prefill_ms),
-            decode_ms=float(r.decode_ms),
-            stop_reason=str(r.stop_reason),
+            cache_hit=bool(stats.get("cache_hit")),
+            replayed_tokens=int(stats.get("cached_tokens", 0)),
+            prefill_ms=float(stats.get("prefill_ms", 0.0)),
+            decode_ms=float(stats.get("decode_ms", 0.0)),
+            stop_reason=str(finished.reason),
             cache=self.cache_stats(),
+            draft_proposed=int(stats.get("draft_proposed", 0)),
+            draft_accepted=int(stats.get("draft_accepted", 0)),
+            verify_steps=int(stats.get("verify_steps", 0)),
         )
 
     # --- cache ---------------------------------------------------------------------------
@@ -278,6 +335,7 @@ def load_model(
     session: SessionOptions | None = None,
     cache: CacheOptions | None = None,
     precision: Precision = "refined",
+    batch: BatchOptions | None = None,
 ) -> Model:
     """Loads a GGUF of a supported architecture (llama, qwen2, gemma3): a path, a known name
     (``"smollm2-135m"``, ``"gemma3-270m"``), or the bundled SmolLM2-135M-Instruct by default.
@@ -286,4 +344,6 @@ def load_model(
     ``precision="refined"`` (default) quantizes activations in two 8-bit passes for logits
     within a few hundredths of an f32 implementation; ``"fast"`` uses one pass, as llama.cpp.
     """
-    return Model(read_model_file(path), session=session, cache=cache, precision=precision)
+    return Model(
+        read_model_file(path), session=session, cache=cache, precision=precision, batch=batch
+    )

@@ -792,7 +792,7 @@ def create_app(station: Station) -> FastAPI:
                     live.prompt_logits = lg[-1]
                 if sample:
                     assert live.sampler is not None
-                    token = int(live.sampler.sample(lg[-1]))
+                    token = int(live.sampler.sample(lg[-1], clock))
         station.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
@@ -856,11 +856,11 @@ def create_app(station: Station) -> FastAPI:
         if not station.is_exit:
             raise StationError(400, "only the exit station samples")
         live = station.get_session(session_id)
-        with live.use(session_id):
+        with live.use(session_id) as session:
             if live.last_logits is None:
                 raise StationError(409, f"session {session_id!r} has no logits yet")
             assert live.sampler is not None
-            return {"token": int(live.sampler.sample(live.last_logits))}
+            return {"token": int(live.sampler.sample(live.last_logits, int(session.clock)))}
 
     app.add_middleware(DecodeFastPath, handler=decode_step, limit=s.max_body_bytes)
 

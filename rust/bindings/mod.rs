@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod engine;
 mod model;
 mod oracle;
 mod quant;
@@ -17,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     oracle::register(m)?;
     ring::register(m)?;
     model::register(m)?;
+    engine::register(m)?;
     quant::register(m)?;
     Ok(())
 }

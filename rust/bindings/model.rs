@@ -1,18 +1,18 @@
 //! Bindings of the model runtime: weights, range sessions, the pipeline, the sampler.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::eviction::EvictionPolicy;
 use crate::model::{
-    Architecture, ChunkInput, GenerationStats, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
+    Architecture, ChunkInput, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
     NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
     SessionConfig, SlidingWindow, TensorInfo,
 };
@@ -342,8 +342,9 @@ impl PySampler {
         Ok(PySampler { inner })
     }
 
-    /// Picks the next token from float32 logits.
-    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>) -> PyResult<u32> {
+    /// Picks the token for position `index` (prompt length + tokens before it) from float32
+    /// logits. A pure function of the logits, the parameters, the seed and `index`.
+    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>, index: u64) -> PyResult<u32> {
         let owned;
         let values = match logits.as_slice() {
             Ok(s) => s,
@@ -353,7 +354,7 @@ impl PySampler {
             }
         };
         self.inner
-            .sample(values)
+            .sample(values, index)
             .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 }
@@ -372,39 +373,21 @@ pub struct PyReplayResult {
     logits: Option<Py<PyArray1<f32>>>,
 }
 
-/// Timings and verdicts of one generation.
+/// A layer range with its own volume cache (seed 000 §2, one-for-one). Thread-safe: the
+/// pipeline sits behind a lock shared with any engine built on it.
 #[pyclass(
-    name = "GenerationResult",
+    name = "NativeLlamaPipeline",
     module = "amplituhedron_rs._core",
-    frozen,
-    get_all
+    frozen
 )]
-pub struct PyGenerationResult {
-    output_ids: Vec<u32>,
-    cache_hit: bool,
-    replayed_tokens: usize,
-    prefill_ms: f64,
-    decode_ms: f64,
-    stop_reason: String,
-}
-
-impl From<GenerationStats> for PyGenerationResult {
-    fn from(s: GenerationStats) -> Self {
-        PyGenerationResult {
-            output_ids: s.output_ids,
-            cache_hit: s.cache_hit,
-            replayed_tokens: s.replayed_tokens,
-            prefill_ms: s.prefill_ms,
-            decode_ms: s.decode_ms,
-            stop_reason: s.stop_reason.as_str().to_string(),
-        }
-    }
-}
-
-/// A layer range with its own volume cache (seed 000 §2, one-for-one).
-#[pyclass(name = "NativeLlamaPipeline", module = "amplituhedron_rs._core")]
 pub struct PyPipeline {
-    inner: NativeLlamaPipeline,
+    pub(crate) inner: Arc<Mutex<NativeLlamaPipeline>>,
+}
+
+impl PyPipeline {
+    fn lock(&self) -> MutexGuard<'_, NativeLlamaPipeline> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 #[pymethods]
@@ -434,63 +417,65 @@ impl PyPipeline {
         };
         let inner = NativeLlamaPipeline::new(Arc::clone(&weights.inner), layer_lo, layer_hi, cache)
             .map_err(value_error)?;
-        Ok(PyPipeline { inner })
+        Ok(PyPipeline {
+            inner: Arc::new(Mutex::new(inner)),
+        })
     }
 
     /// `(layer_lo, layer_hi)`.
     #[getter]
     fn layer_range(&self) -> (usize, usize) {
-        self.inner.layer_range()
+        self.lock().layer_range()
     }
 
-    fn amplituhedron_enable(&mut self, on: bool) {
-        self.inner.amplituhedron_enable(on);
+    fn amplituhedron_enable(&self, on: bool) {
+        self.lock().amplituhedron_enable(on);
     }
 
-    fn amplituhedron_set_max_entries(&mut self, n: usize) -> PyResult<()> {
-        self.inner
+    fn amplituhedron_set_max_entries(&self, n: usize) -> PyResult<()> {
+        self.lock()
             .amplituhedron_set_max_entries(n)
             .map_err(value_error)
     }
 
-    fn amplituhedron_set_max_prefix_len(&mut self, n: usize) -> PyResult<()> {
-        self.inner
+    fn amplituhedron_set_max_prefix_len(&self, n: usize) -> PyResult<()> {
+        self.lock()
             .amplituhedron_set_max_prefix_len(n)
             .map_err(value_error)
     }
 
     #[pyo3(signature = (n))]
-    fn amplituhedron_set_max_bytes(&mut self, n: Option<usize>) -> PyResult<()> {
-        self.inner
+    fn amplituhedron_set_max_bytes(&self, n: Option<usize>) -> PyResult<()> {
+        self.lock()
             .amplituhedron_set_max_bytes(n)
             .map_err(value_error)
     }
 
     /// Longest-prefix replay threshold: after an exact miss, reuse a cached volume sharing
     /// at least `n` leading tokens (0: exact-prompt replay only; default 16).
-    fn amplituhedron_set_min_prefix_reuse(&mut self, n: usize) {
-        self.inner.amplituhedron_set_min_prefix_reuse(n);
+    fn amplituhedron_set_min_prefix_reuse(&self, n: usize) {
+        self.lock().amplituhedron_set_min_prefix_reuse(n);
     }
 
     /// The longest-prefix replay threshold (0: off).
     #[getter]
     fn min_prefix_reuse(&self) -> usize {
-        self.inner.min_prefix_reuse()
+        self.lock().min_prefix_reuse()
     }
 
-    fn amplituhedron_clear(&mut self) {
-        self.inner.amplituhedron_clear();
+    fn amplituhedron_clear(&self) {
+        self.lock().amplituhedron_clear();
     }
 
     /// Counters: hits, misses, evictions, entries, bytes, …
     fn amplituhedron_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner.amplituhedron_stats().as_pairs())
+        stats_dict(py, &self.lock().amplituhedron_stats().as_pairs())
     }
 
     /// Whether the cache is on.
     #[getter]
     fn amplituhedron_enabled(&self) -> bool {
-        self.inner.cache().is_enabled()
+        self.lock().cache().is_enabled()
     }
 
     /// The tail residual stored under `prefix_hash`, or None.
@@ -499,7 +484,7 @@ impl PyPipeline {
         py: Python<'py>,
         prefix_hash: u64,
     ) -> Option<Bound<'py, PyArray1<f32>>> {
-        self.inner
+        self.lock()
             .amplituhedron_tail(prefix_hash)
             .map(|t| PyArray1::from_vec(py, t))
     }
@@ -508,7 +493,7 @@ impl PyPipeline {
     /// volume. Returns the entry's bytes, or 0 when the cache declined (disabled, too long…).
     #[pyo3(signature = (session, tokens, tail, logits=None, salt=None))]
     fn amplituhedron_capture(
-        &mut self,
+        &self,
         py: Python<'_>,
         session: PyRef<'_, PyRangeSession>,
         tokens: Vec<u32>,
@@ -518,11 +503,10 @@ impl PyPipeline {
     ) -> PyResult<usize> {
         let tail = tail.as_array().to_vec();
         let logits = logits.map(|l| l.as_array().to_vec());
-        let pipeline = &mut self.inner;
-        let session = &session.inner;
+        let session = session.inner.kv();
         let outcome = py
             .detach(|| {
-                pipeline.amplituhedron_capture(
+                self.lock().amplituhedron_capture(
                     session,
                     &tokens,
                     &tail,
@@ -537,16 +521,18 @@ impl PyPipeline {
     /// Splices the volume of `tokens` into a fresh session: a ReplayResult, or None on a miss.
     #[pyo3(signature = (session, tokens, salt=None))]
     fn amplituhedron_replay(
-        &mut self,
+        &self,
         py: Python<'_>,
         mut session: PyRefMut<'_, PyRangeSession>,
         tokens: Vec<u32>,
         salt: Option<String>,
     ) -> PyResult<Option<PyReplayResult>> {
-        let pipeline = &mut self.inner;
-        let session = &mut session.inner;
+        let session = session.inner.kv_mut();
         let outcome = py
-            .detach(|| pipeline.amplituhedron_replay(session, &tokens, salt.as_deref()))
+            .detach(|| {
+                self.lock()
+                    .amplituhedron_replay(session, &tokens, salt.as_deref())
+            })
             .map_err(value_error)?;
         Ok(match outcome {
             ReplayOutcome::Miss => None,
@@ -569,97 +555,14 @@ impl PyPipeline {
     /// volume of `tokens` with NaN. Returns whether an entry was found.
     #[pyo3(signature = (tokens, position, salt=None))]
     fn amplituhedron_inject_fault(
-        &mut self,
+        &self,
         tokens: Vec<u32>,
         position: usize,
         salt: Option<String>,
     ) -> PyResult<bool> {
-        self.inner
+        self.lock()
             .amplituhedron_inject_fault(&tokens, position, salt.as_deref())
             .map_err(value_error)
-    }
-
-    /// Single-process generation over the whole model (see `Model.generate`).
-    #[pyo3(signature = (session, tokens, max_new_tokens, sampler, stop_ids=Vec::new(), use_cache=true, on_token=None, on_prefill=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn generate(
-        &mut self,
-        py: Python<'_>,
-        mut session: PyRefMut<'_, PyRangeSession>,
-        tokens: Vec<u32>,
-        max_new_tokens: usize,
-        mut sampler: PyRefMut<'_, PySampler>,
-        stop_ids: Vec<u32>,
-        use_cache: bool,
-        on_token: Option<Py<PyAny>>,
-        on_prefill: Option<Py<PyAny>>,
-    ) -> PyResult<PyGenerationResult> {
-        let pipeline = &mut self.inner;
-        let session = &mut session.inner;
-        let sampler = &mut sampler.inner;
-        // The first Python exception raised by a callback (or a pending signal) cancels the
-        // generation and is re-raised here.
-        let (result, callback_error) = py.detach(|| {
-            let callback_error: std::sync::Mutex<Option<PyErr>> = std::sync::Mutex::new(None);
-            let mut token_cb = |t: u32| -> bool {
-                Python::attach(|py| {
-                    let r = py.check_signals().and_then(|_| match &on_token {
-                        Some(cb) => cb.call1(py, (t,)).map(|_| ()),
-                        None => Ok(()),
-                    });
-                    match r {
-                        Ok(()) => true,
-                        Err(e) => {
-                            callback_error
-                                .lock()
-                                .expect("callback error slot")
-                                .get_or_insert(e);
-                            false
-                        }
-                    }
-                })
-            };
-            let mut prefill_cb = |done: usize, total: usize| -> bool {
-                Python::attach(|py| {
-                    let r = py.check_signals().and_then(|_| match &on_prefill {
-                        Some(cb) => cb.call1(py, (done, total)).map(|_| ()),
-                        None => Ok(()),
-                    });
-                    match r {
-                        Ok(()) => true,
-                        Err(e) => {
-                            callback_error
-                                .lock()
-                                .expect("callback error slot")
-                                .get_or_insert(e);
-                            false
-                        }
-                    }
-                })
-            };
-            let result = pipeline.generate(
-                session,
-                &tokens,
-                max_new_tokens,
-                sampler,
-                &stop_ids,
-                use_cache,
-                &mut token_cb,
-                &mut prefill_cb,
-            );
-            (
-                result,
-                callback_error.into_inner().expect("callback error slot"),
-            )
-        });
-        if let Some(e) = callback_error {
-            return Err(e);
-        }
-        match result {
-            Ok(stats) => Ok(stats.into()),
-            Err(ModelError::Ring(m)) => Err(PyRuntimeError::new_err(m)),
-            Err(e) => Err(value_error(e)),
-        }
     }
 }
 
@@ -682,7 +585,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRangeSession>()?;
     m.add_class::<PySampler>()?;
     m.add_class::<PyReplayResult>()?;
-    m.add_class::<PyGenerationResult>()?;
     m.add_class::<PyPipeline>()?;
     Ok(())
 }

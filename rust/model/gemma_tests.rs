@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::testing::{synthetic_weights, tiny_gemma_config, tiny_gemma_weights, TINY_WINDOW};
-use super::tests::{fwd, generate, pipeline, prompt, session};
+use super::tests::{fwd, pipeline, prompt, session, Runner};
 use super::*;
 use crate::ring::SpanType;
 use crate::volume::CaptureOutcome;
@@ -117,11 +117,10 @@ fn split_ranges_equal_one_process() {
 fn cache_on_equals_cache_off_and_decoding_slides_past_the_window() {
     let w = tiny_gemma_weights(4);
     let tokens = prompt(100, 4);
-    let mut p = pipeline(&w, 0, 4);
-    let mut s = session(&w, 0, 4, 64);
-    let cold = generate(&mut p, &mut s, &tokens, 24, false);
-    let first = generate(&mut p, &mut s, &tokens, 24, true);
-    let warm = generate(&mut p, &mut s, &tokens, 24, true);
+    let mut r = Runner::new(&w);
+    let cold = r.generate(&tokens, 24, false);
+    let first = r.generate(&tokens, 24, true);
+    let warm = r.generate(&tokens, 24, true);
     assert!(!first.cache_hit && warm.cache_hit);
     assert_eq!(warm.replayed_tokens, tokens.len());
     // 24 decoded tokens take the session past the local ring's 132 slots.
@@ -133,13 +132,12 @@ fn cache_on_equals_cache_off_and_decoding_slides_past_the_window() {
 fn longest_prefix_replay_equals_a_cold_prefill() {
     let w = tiny_gemma_weights(5);
     let system = prompt(60, 5);
-    let mut p = pipeline(&w, 0, 4);
-    let mut s = session(&w, 0, 4, 64);
-    generate(&mut p, &mut s, &system, 24, true);
+    let mut r = Runner::new(&w);
+    r.generate(&system, 24, true);
     let mut question = system[..50].to_vec();
     question.extend(prompt(30, 9));
-    let cold = generate(&mut p, &mut session(&w, 0, 4, 64), &question, 24, false);
-    let warm = generate(&mut p, &mut s, &question, 24, true);
+    let cold = r.generate(&question, 24, false);
+    let warm = r.generate(&question, 24, true);
     assert_eq!(warm.replayed_tokens, 50);
     assert_eq!(warm.output_ids, cold.output_ids);
 }
@@ -155,7 +153,7 @@ fn a_prefix_the_sliding_ring_no_longer_holds_is_not_captured() {
     let mut s = session(&w, 0, 4, 64);
     let (h, l) = run(&mut s, &long, LogitsWanted::Last);
     let outcome = p
-        .amplituhedron_capture(&s, &long, &h[h.len() - hidden..], Some(&l), None)
+        .amplituhedron_capture(s.kv(), &long, &h[h.len() - hidden..], Some(&l), None)
         .unwrap();
     assert_eq!(
         outcome,
@@ -172,7 +170,7 @@ fn a_prefix_the_sliding_ring_no_longer_holds_is_not_captured() {
         run(&mut s, &[t], LogitsWanted::Last);
     }
     let late = p
-        .amplituhedron_capture(&s, &short, &h[h.len() - hidden..], Some(&l), None)
+        .amplituhedron_capture(s.kv(), &short, &h[h.len() - hidden..], Some(&l), None)
         .unwrap();
     assert!(
         matches!(late, CaptureOutcome::SkippedTooLong { .. }),
@@ -183,7 +181,7 @@ fn a_prefix_the_sliding_ring_no_longer_holds_is_not_captured() {
     let mut s = session(&w, 0, 4, 64);
     let (h, l) = run(&mut s, &short, LogitsWanted::Last);
     let stored = p
-        .amplituhedron_capture(&s, &short, &h[h.len() - hidden..], Some(&l), None)
+        .amplituhedron_capture(s.kv(), &short, &h[h.len() - hidden..], Some(&l), None)
         .unwrap();
     assert!(
         matches!(stored, CaptureOutcome::Stored { .. }),
@@ -191,7 +189,7 @@ fn a_prefix_the_sliding_ring_no_longer_holds_is_not_captured() {
     );
     let mut fresh = session(&w, 0, 4, 64);
     assert!(matches!(
-        p.amplituhedron_replay(&mut fresh, &short, None).unwrap(),
+        p.amplituhedron_replay(fresh.kv_mut(), &short, None).unwrap(),
         ReplayOutcome::Hit { .. }
     ));
 }

@@ -9,7 +9,8 @@
 //! - [`RangeSession`]: one sequence run alone (its KV plus its own buffers).
 //! - [`NativeLlamaPipeline`]: a range plus its volume cache and the seed's `amplituhedron_*`
 //!   calls, capturing from and splicing into the live ring buffer.
-//! - [`Sampler`]: greedy / temperature / top-k / top-p with a seed.
+//! - [`Sampler`]: greedy / temperature / top-k / top-p with a seed, and speculative
+//!   verification; generation itself is the engine's ([`crate::engine`]).
 //!
 //! Every kernel is batch-invariant (a row's result never depends on how many rows are computed
 //! with it), so chunked prefill equals unchunked, cache-on equals cache-off, and a mesh of
@@ -31,7 +32,7 @@ use std::sync::OnceLock;
 pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
 pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};
-pub use pipeline::{GenerationStats, NativeLlamaPipeline, ReplayOutcome, StopReason};
+pub use pipeline::{NativeLlamaPipeline, ReplayOutcome};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
 pub use session::RangeSession;
 pub use weights::{LayerView, LlamaWeights, TensorInfo};

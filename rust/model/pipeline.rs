@@ -2,10 +2,8 @@
 //! calls (seed 000 §2), capturing from and splicing into a session's live ring.
 
 use std::sync::Arc;
-use std::time::Instant;
 
-use super::sampling::Sampler;
-use super::{ChunkInput, LogitsWanted, RangeSession};
+use super::SequenceKv;
 use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
@@ -27,45 +25,6 @@ pub enum ReplayOutcome {
     /// Only the first `kv_len` positions were spliced in (the volume had been erased once
     /// after damage): the caller prefills the rest.
     Partial { kv_len: usize },
-}
-
-/// Why a generation stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    /// A stop id (EOS) was sampled.
-    Stop,
-    /// `max_new_tokens` were generated.
-    Length,
-    /// A callback asked to stop (e.g. Ctrl-C while streaming).
-    Cancelled,
-}
-
-impl StopReason {
-    /// `"stop"` or `"length"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StopReason::Stop => "stop",
-            StopReason::Length => "length",
-            StopReason::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// Timings and verdicts of one generation.
-#[derive(Clone, Debug, PartialEq)]
-pub struct GenerationStats {
-    /// Sampled ids (a sampled stop id is included).
-    pub output_ids: Vec<u32>,
-    /// True when the whole prompt came from the volume cache (no prefill at all).
-    pub cache_hit: bool,
-    /// Prompt positions that were replayed rather than prefilled.
-    pub replayed_tokens: usize,
-    /// Wall time from the start to the first token's logits (replay or prefill).
-    pub prefill_ms: f64,
-    /// Wall time of the decode loop.
-    pub decode_ms: f64,
-    /// Why generation stopped.
-    pub stop_reason: StopReason,
 }
 
 /// A layer range with its own volume cache.
@@ -137,20 +96,22 @@ impl NativeLlamaPipeline {
         }
     }
 
-    fn check_session(&self, session: &RangeSession) -> Result<(), ModelError> {
-        if (session.layer_lo(), session.layer_hi()) != (self.layer_lo, self.layer_hi)
-            || !Arc::ptr_eq(session.weights(), &self.weights)
+    fn check_kv(&self, kv: &SequenceKv) -> Result<(), ModelError> {
+        let c = self.weights.config();
+        if kv.layer_range() != (self.layer_lo, self.layer_hi) || kv.rings().row_len() != c.kv_dim()
         {
+            let (lo, hi) = kv.layer_range();
             return Err(ModelError::Input(format!(
-                "the session runs layers {}..{} of other weights or another range than this \
+                "the session holds layers {lo}..{hi} of another model or range than this \
                  pipeline ({}..{})",
-                session.layer_lo(),
-                session.layer_hi(),
-                self.layer_lo,
-                self.layer_hi
+                self.layer_lo, self.layer_hi
             )));
         }
         Ok(())
+    }
+
+    fn is_exit(&self) -> bool {
+        self.layer_hi == self.weights.config().n_layers
     }
 
     /// `amplituhedron_enable`.
@@ -226,13 +187,13 @@ impl NativeLlamaPipeline {
     /// path); the prefix positions must still be resident in the ring.
     pub fn amplituhedron_capture(
         &mut self,
-        session: &RangeSession,
+        session: &SequenceKv,
         tokens: &[u32],
         tail: &[f32],
         logits: Option<&[f32]>,
         salt: Option<&str>,
     ) -> Result<CaptureOutcome, ModelError> {
-        self.check_session(session)?;
+        self.check_kv(session)?;
         let c = self.weights.config();
         if tokens.is_empty() {
             return Err(ModelError::Input(
@@ -253,7 +214,7 @@ impl NativeLlamaPipeline {
                 c.hidden
             )));
         }
-        if logits.is_some() && !session.is_exit() {
+        if logits.is_some() && !self.is_exit() {
             return Err(ModelError::Input(
                 "only the exit range stores logits".into(),
             ));
@@ -276,15 +237,12 @@ impl NativeLlamaPipeline {
         }
         // Sliding-window layers keep only their window: a prefix they no longer hold whole
         // cannot be captured exactly, so it is skipped as too long for this session.
-        if let Some(max) = session.kv().rings().capture_limit().filter(|&max| n > max) {
+        if let Some(max) = session.rings().capture_limit().filter(|&max| n > max) {
             return Ok(CaptureOutcome::SkippedTooLong { prefix_len: n, max });
         }
         let mut kv_keys = vec![0.0f32; slab];
         let mut kv_vals = vec![0.0f32; slab];
-        session
-            .kv()
-            .rings()
-            .read_prefix(n, &mut kv_keys, &mut kv_vals)?;
+        session.rings().read_prefix(n, &mut kv_keys, &mut kv_vals)?;
         let data = OwnedVolumeData {
             kv_shape,
             tail: tail.to_vec(),
@@ -302,11 +260,11 @@ impl NativeLlamaPipeline {
     /// entry (`Miss`). The session is untouched on a miss.
     pub fn amplituhedron_replay(
         &mut self,
-        session: &mut RangeSession,
+        session: &mut SequenceKv,
         tokens: &[u32],
         salt: Option<&str>,
     ) -> Result<ReplayOutcome, ModelError> {
-        self.check_session(session)?;
+        self.check_kv(session)?;
         if tokens.is_empty() {
             return Err(ModelError::Input("an empty prefix has no volume".into()));
         }
@@ -356,7 +314,7 @@ impl NativeLlamaPipeline {
     /// seeds), so e.g. a new question under a cached system prompt prefills only itself.
     fn replay_longest_prefix(
         &mut self,
-        session: &mut RangeSession,
+        session: &mut SequenceKv,
         key: &VolumeKey<'_>,
     ) -> Result<ReplayOutcome, ModelError> {
         if self.min_prefix_reuse == 0 {
@@ -387,149 +345,5 @@ impl NativeLlamaPipeline {
             SpanType::User,
         )?;
         Ok(ReplayOutcome::Partial { kv_len: usable })
-    }
-
-    /// Single-process generation over the whole model (this pipeline must span every layer).
-    ///
-    /// Replays the prompt's volume when cached (no prefill at all on a full hit: the first
-    /// token is sampled from the cached logits), otherwise prefills in chunks (reporting
-    /// progress) and captures the volume; then decodes one token at a time.
-    #[allow(clippy::too_many_arguments)]
-    pub fn generate(
-        &mut self,
-        session: &mut RangeSession,
-        prompt: &[u32],
-        max_new_tokens: usize,
-        sampler: &mut Sampler,
-        stop_ids: &[u32],
-        use_cache: bool,
-        on_token: &mut (dyn FnMut(u32) -> bool + Send),
-        on_prefill: &mut (dyn FnMut(usize, usize) -> bool + Send),
-    ) -> Result<GenerationStats, ModelError> {
-        self.check_session(session)?;
-        if !(session.is_entry() && session.is_exit()) {
-            return Err(ModelError::Input(
-                "generate needs a pipeline over the whole model; use a coordinator for ranges"
-                    .into(),
-            ));
-        }
-        if prompt.is_empty() {
-            return Err(ModelError::Input(
-                "the prompt is empty: a volume needs at least one token".into(),
-            ));
-        }
-        let vocab = self.weights.config().vocab;
-        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            // Checked before the cache is consulted, so a bad prompt changes no counter.
-            return Err(ModelError::Input(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
-        session.reset();
-        let started = Instant::now();
-        let mut hidden = Vec::new();
-        let mut logits = Vec::new();
-        let use_cache = use_cache && self.cache.is_enabled();
-        let replay = if use_cache {
-            self.amplituhedron_replay(session, prompt, None)?
-        } else {
-            ReplayOutcome::Miss
-        };
-        let (cache_hit, replayed) = match replay {
-            ReplayOutcome::Hit {
-                logits: Some(cached),
-                ..
-            } => {
-                logits = cached;
-                (true, prompt.len())
-            }
-            ReplayOutcome::Hit { logits: None, .. } => {
-                // A volume without logits cannot seed sampling: start over cold.
-                session.reset();
-                (false, 0)
-            }
-            ReplayOutcome::Partial { kv_len } => (false, kv_len),
-            ReplayOutcome::Miss => (false, 0),
-        };
-        if !cache_hit {
-            let total = prompt.len();
-            let mut done = replayed;
-            if !on_prefill(done, total) {
-                return Ok(cancelled(session, started));
-            }
-            while done < total {
-                // Progress is reported per `max_chunk` piece; results never depend on it.
-                let end = (done + session.max_chunk()).min(total);
-                let wanted = if end == total {
-                    LogitsWanted::Last
-                } else {
-                    LogitsWanted::None
-                };
-                session.forward(
-                    ChunkInput::Tokens(&prompt[done..end]),
-                    SpanType::User,
-                    wanted,
-                    &mut hidden,
-                    &mut logits,
-                )?;
-                done = end;
-                if !on_prefill(done, total) {
-                    return Ok(cancelled(session, started));
-                }
-            }
-            if use_cache {
-                let tail_at = hidden.len() - self.weights.config().hidden;
-                let tail = hidden[tail_at..].to_vec();
-                // Refusals (too long, disabled…) are counted in the cache's stats; a failed
-                // capture never fails the generation that produced it.
-                let _ = self.amplituhedron_capture(session, prompt, &tail, Some(&logits), None);
-            }
-        }
-        let prefill_ms = started.elapsed().as_secs_f64() * 1e3;
-        let decode_start = Instant::now();
-        let mut output = Vec::with_capacity(max_new_tokens);
-        let mut stop_reason = StopReason::Length;
-        for step in 0..max_new_tokens {
-            let token = sampler.sample(&logits)?;
-            output.push(token);
-            if !on_token(token) {
-                stop_reason = StopReason::Cancelled;
-                break;
-            }
-            if stop_ids.contains(&token) {
-                stop_reason = StopReason::Stop;
-                break;
-            }
-            if step + 1 == max_new_tokens {
-                break;
-            }
-            session.forward(
-                ChunkInput::Tokens(&[token]),
-                SpanType::ResponseSentence,
-                LogitsWanted::Last,
-                &mut hidden,
-                &mut logits,
-            )?;
-        }
-        Ok(GenerationStats {
-            output_ids: output,
-            cache_hit,
-            replayed_tokens: replayed,
-            prefill_ms,
-            decode_ms: decode_start.elapsed().as_secs_f64() * 1e3,
-            stop_reason,
-        })
-    }
-}
-
-fn cancelled(session: &mut RangeSession, started: Instant) -> GenerationStats {
-    session.reset();
-    GenerationStats {
-        output_ids: Vec::new(),
-        cache_hit: false,
-        replayed_tokens: 0,
-        prefill_ms: started.elapsed().as_secs_f64() * 1e3,
-        decode_ms: 0.0,
-        stop_reason: StopReason::Cancelled,
     }
 }

@@ -2,10 +2,11 @@
 //! chunked = unchunked, split ranges = one range, cache-on = cache-off, rollback exact,
 //! erasure, bad input refused without side effects.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::testing::{tiny_config, tiny_weights, tiny_weights_with};
 use super::*;
+use crate::engine::{step, Engine, EngineConfig, Event, FinishReason, LocalExecutor, Request};
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, VolumeKey};
 
@@ -143,41 +144,92 @@ pub(super) fn pipeline(w: &Arc<LlamaWeights>, lo: usize, hi: usize) -> NativeLla
     NativeLlamaPipeline::new(Arc::clone(w), lo, hi, CacheConfig::default()).unwrap()
 }
 
-pub(super) fn generate(
-    p: &mut NativeLlamaPipeline,
-    s: &mut RangeSession,
-    tokens: &[u32],
-    n: usize,
-    use_cache: bool,
-) -> GenerationStats {
-    let mut sampler = Sampler::new(SamplingParams::default()).unwrap();
-    p.generate(
-        s,
-        tokens,
-        n,
-        &mut sampler,
-        &[],
-        use_cache,
-        &mut |_| true,
-        &mut |_, _| true,
-    )
-    .unwrap()
+/// The whole model behind the engine, as the runtime runs it.
+pub(super) struct Runner {
+    pipeline: Arc<Mutex<NativeLlamaPipeline>>,
+    engine: Mutex<Engine>,
+    ex: LocalExecutor,
+}
+
+/// What a generation gave.
+pub(super) struct GenOut {
+    pub(super) output_ids: Vec<u32>,
+    pub(super) cache_hit: bool,
+    pub(super) replayed_tokens: usize,
+}
+
+impl Runner {
+    pub(super) fn new(w: &Arc<LlamaWeights>) -> Runner {
+        let pipeline = Arc::new(Mutex::new(pipeline(w, 0, w.config().n_layers)));
+        let cfg = SessionConfig {
+            slots: 256,
+            recall: 16,
+            n_sys: 0,
+            max_chunk: 16,
+        };
+        let ex = LocalExecutor::new(Arc::clone(&pipeline), cfg, 1).unwrap();
+        let engine = Mutex::new(Engine::new(EngineConfig::default()).unwrap());
+        Runner {
+            pipeline,
+            engine,
+            ex,
+        }
+    }
+
+    pub(super) fn p(&self) -> MutexGuard<'_, NativeLlamaPipeline> {
+        self.pipeline.lock().unwrap()
+    }
+
+    pub(super) fn generate(&mut self, tokens: &[u32], n: usize, use_cache: bool) -> GenOut {
+        self.generate_with(tokens, n, use_cache, SamplingParams::default())
+    }
+
+    fn generate_with(
+        &mut self,
+        tokens: &[u32],
+        n: usize,
+        use_cache: bool,
+        sampling: SamplingParams,
+    ) -> GenOut {
+        let req = Request {
+            use_cache,
+            sampling,
+            ..Request::greedy(tokens.to_vec(), n)
+        };
+        let id = self.engine.lock().unwrap().submit(req).unwrap();
+        let mut output_ids = Vec::new();
+        loop {
+            for ev in step(&self.engine, &mut self.ex) {
+                match ev {
+                    Event::Token { seq, token, .. } if seq == id => output_ids.push(token),
+                    Event::Finished { seq, reason, stats } if seq == id => {
+                        assert!(!matches!(reason, FinishReason::Error(_)), "{reason:?}");
+                        return GenOut {
+                            output_ids,
+                            cache_hit: stats.cache_hit,
+                            replayed_tokens: stats.cached_tokens,
+                        };
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
 }
 
 #[test]
 fn cache_on_equals_cache_off_and_skips_prefill() {
     let w = tiny_weights(4);
     let tokens = prompt(50, 4);
-    let mut p = pipeline(&w, 0, 3);
-    let mut s = session(&w, 0, 3, 16);
-    let cold = generate(&mut p, &mut s, &tokens, 20, false);
-    let first = generate(&mut p, &mut s, &tokens, 20, true);
-    let warm = generate(&mut p, &mut s, &tokens, 20, true);
+    let mut r = Runner::new(&w);
+    let cold = r.generate(&tokens, 20, false);
+    let first = r.generate(&tokens, 20, true);
+    let warm = r.generate(&tokens, 20, true);
     assert!(!first.cache_hit && warm.cache_hit);
     assert_eq!(warm.replayed_tokens, tokens.len());
     assert_eq!(cold.output_ids, first.output_ids);
     assert_eq!(cold.output_ids, warm.output_ids);
-    let stats = p.amplituhedron_stats();
+    let stats = r.p().amplituhedron_stats();
     assert_eq!((stats.hits, stats.entries), (1, 1));
 }
 
@@ -190,10 +242,13 @@ fn replayed_session_continues_bit_identically() {
     let (h, l) = fwd(&mut cold, &tokens, SpanType::User, LogitsWanted::Last);
     let tail = h[h.len() - w.config().hidden..].to_vec();
     let logits = l.clone();
-    p.amplituhedron_capture(&cold, &tokens, &tail, Some(&logits), None)
+    p.amplituhedron_capture(cold.kv(), &tokens, &tail, Some(&logits), None)
         .unwrap();
     let mut warm = session(&w, 0, 3, 16);
-    match p.amplituhedron_replay(&mut warm, &tokens, None).unwrap() {
+    match p
+        .amplituhedron_replay(warm.kv_mut(), &tokens, None)
+        .unwrap()
+    {
         ReplayOutcome::Hit {
             tail: t,
             logits: Some(cached),
@@ -221,9 +276,8 @@ fn replayed_session_continues_bit_identically() {
 fn a_damaged_trailing_position_is_erased_once_then_the_entry_is_cleared() {
     let w = tiny_weights(6);
     let tokens = prompt(20, 6);
-    let mut p = pipeline(&w, 0, 3);
-    let mut s = session(&w, 0, 3, 16);
-    let reference = generate(&mut p, &mut s, &tokens, 8, true);
+    let mut r = Runner::new(&w);
+    let reference = r.generate(&tokens, 8, true);
     let key = VolumeKey {
         model_fingerprint: w.fingerprint(),
         tokens: &tokens,
@@ -232,20 +286,24 @@ fn a_damaged_trailing_position_is_erased_once_then_the_entry_is_cleared() {
         salt: None,
     };
     // Damage at the trailing position: trimmed once, the last token is prefilled again.
-    assert!(p.cache_mut().inject_fault(&key, tokens.len() - 1).unwrap());
-    let trimmed = generate(&mut p, &mut s, &tokens, 8, true);
+    assert!(r
+        .p()
+        .cache_mut()
+        .inject_fault(&key, tokens.len() - 1)
+        .unwrap());
+    let trimmed = r.generate(&tokens, 8, true);
     assert!(!trimmed.cache_hit);
     assert_eq!(trimmed.replayed_tokens, tokens.len() - 1);
     assert_eq!(trimmed.output_ids, reference.output_ids);
     // The regenerated full volume replaced the trimmed one.
-    let warm = generate(&mut p, &mut s, &tokens, 8, true);
+    let warm = r.generate(&tokens, 8, true);
     assert!(warm.cache_hit);
     // Deeper damage clears the entry (and only it): a cold run with the same output.
-    assert!(p.cache_mut().inject_fault(&key, 3).unwrap());
-    let cleared = generate(&mut p, &mut s, &tokens, 8, true);
+    assert!(r.p().cache_mut().inject_fault(&key, 3).unwrap());
+    let cleared = r.generate(&tokens, 8, true);
     assert_eq!((cleared.cache_hit, cleared.replayed_tokens), (false, 0));
     assert_eq!(cleared.output_ids, reference.output_ids);
-    assert!(p.amplituhedron_stats().erasures >= 2);
+    assert!(r.p().amplituhedron_stats().erasures >= 2);
 }
 
 #[test]
@@ -306,13 +364,13 @@ fn bad_input_is_refused_and_changes_nothing() {
     }
     let mut p = pipeline(&w, 0, 3);
     assert!(p
-        .amplituhedron_capture(&s, &[], &[0.0; 64], None, None)
+        .amplituhedron_capture(s.kv(), &[], &[0.0; 64], None, None)
         .is_err());
     assert!(p
-        .amplituhedron_capture(&s, &prompt(9, 8), &[0.0; 64], None, None)
+        .amplituhedron_capture(s.kv(), &prompt(9, 8), &[0.0; 64], None, None)
         .is_err());
     assert!(p
-        .amplituhedron_capture(&s, &prompt(5, 8), &[0.0; 3], None, None)
+        .amplituhedron_capture(s.kv(), &prompt(5, 8), &[0.0; 3], None, None)
         .is_err());
     assert_eq!(p.amplituhedron_stats().entries, 0);
     assert!(RangeSession::new(Arc::clone(&w), 2, 2, &SessionConfig::default()).is_err());
@@ -343,22 +401,8 @@ fn sampled_generation_is_reproducible_and_cache_invariant() {
         top_p: 0.95,
         seed: 1234,
     };
-    let mut p = pipeline(&w, 0, 3);
-    let mut s = session(&w, 0, 3, 16);
-    let mut run = |use_cache| {
-        let mut sampler = Sampler::new(params.clone()).unwrap();
-        p.generate(
-            &mut s,
-            &tokens,
-            24,
-            &mut sampler,
-            &[],
-            use_cache,
-            &mut |_| true,
-            &mut |_, _| true,
-        )
-        .unwrap()
-    };
+    let mut r = Runner::new(&w);
+    let mut run = |use_cache| r.generate_with(&tokens, 24, use_cache, params.clone());
     let cold = run(false);
     let _capture = run(true);
     let warm = run(true);
@@ -376,7 +420,7 @@ fn captures_the_cache_declines_are_reported_not_errors() {
     let mut p = pipeline(&w, 0, 3);
     p.amplituhedron_set_max_prefix_len(4).unwrap();
     let too_long = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert!(matches!(
         too_long,
@@ -386,16 +430,16 @@ fn captures_the_cache_declines_are_reported_not_errors() {
     p.amplituhedron_set_max_prefix_len(512).unwrap();
     p.amplituhedron_enable(false);
     let off = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert_eq!(off, crate::volume::CaptureOutcome::Disabled);
     p.amplituhedron_enable(true);
     let stored = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert!(stored.cached_bytes() > 0);
     let again = p
-        .amplituhedron_capture(&s, &tokens, &tail, Some(&l), None)
+        .amplituhedron_capture(s.kv(), &tokens, &tail, Some(&l), None)
         .unwrap();
     assert!(matches!(
         again,
@@ -411,22 +455,21 @@ fn longest_prefix_replay_reuses_a_shared_prefix_bit_exactly() {
     let with = |tail: &[u32]| [shared.as_slice(), tail].concat();
     let a = with(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
     let b = with(&[50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]);
-    let mut p = pipeline(&w, 0, 3);
-    let mut s = session(&w, 0, 3, 16);
-    let cold_b = generate(&mut p, &mut s, &b, 12, false);
-    generate(&mut p, &mut s, &a, 4, true); // captures A
-    let warm_b = generate(&mut p, &mut s, &b, 12, true);
+    let mut r = Runner::new(&w);
+    let cold_b = r.generate(&b, 12, false);
+    r.generate(&a, 4, true); // captures A
+    let warm_b = r.generate(&b, 12, true);
     assert!(!warm_b.cache_hit);
     assert_eq!(warm_b.replayed_tokens, shared.len());
     assert_eq!(warm_b.output_ids, cold_b.output_ids);
-    assert_eq!(p.amplituhedron_stats().prefix_hits, 1);
+    assert_eq!(r.p().amplituhedron_stats().prefix_hits, 1);
     // B was captured in full: now an exact hit.
-    assert!(generate(&mut p, &mut s, &b, 12, true).cache_hit);
+    assert!(r.generate(&b, 12, true).cache_hit);
 
     // A prompt that is a strict prefix of a cached one reuses all but its last position.
     let short = a[..30].to_vec();
-    let cold = generate(&mut p, &mut s, &short, 6, false);
-    let warm = generate(&mut p, &mut s, &short, 6, true);
+    let cold = r.generate(&short, 6, false);
+    let warm = r.generate(&short, 6, true);
     assert_eq!(warm.replayed_tokens, 29);
     assert_eq!(warm.output_ids, cold.output_ids);
 }
@@ -437,26 +480,27 @@ fn longest_prefix_replay_respects_threshold_salt_and_switch() {
     let shared = prompt(20, 15);
     let a = [shared.as_slice(), &[1, 2, 3]].concat();
     let b = [shared.as_slice(), &[7, 8, 9]].concat();
-    let mut p = pipeline(&w, 0, 3);
+    let mut r = Runner::new(&w);
     let mut s = session(&w, 0, 3, 16);
-    generate(&mut p, &mut s, &a, 2, true);
+    r.generate(&a, 2, true);
     // Below the threshold: no reuse.
-    p.amplituhedron_set_min_prefix_reuse(21);
-    assert_eq!(generate(&mut p, &mut s, &b, 2, true).replayed_tokens, 0);
+    r.p().amplituhedron_set_min_prefix_reuse(21);
+    assert_eq!(r.generate(&b, 2, true).replayed_tokens, 0);
     // Switched off: no reuse.
-    p.amplituhedron_set_min_prefix_reuse(0);
+    r.p().amplituhedron_set_min_prefix_reuse(0);
     let c = [shared.as_slice(), &[11, 12, 13]].concat();
-    assert_eq!(generate(&mut p, &mut s, &c, 2, true).replayed_tokens, 0);
+    assert_eq!(r.generate(&c, 2, true).replayed_tokens, 0);
     // A salted probe never reuses an unsalted volume.
-    p.amplituhedron_set_min_prefix_reuse(4);
+    r.p().amplituhedron_set_min_prefix_reuse(4);
     let d = [shared.as_slice(), &[21, 22, 23]].concat();
     s.reset();
-    let salted = p
-        .amplituhedron_replay(&mut s, &d, Some("tenant-b"))
+    let salted = r
+        .p()
+        .amplituhedron_replay(s.kv_mut(), &d, Some("tenant-b"))
         .unwrap();
     assert_eq!(salted, ReplayOutcome::Miss);
     assert_eq!(s.clock(), 0);
-    let unsalted = p.amplituhedron_replay(&mut s, &d, None).unwrap();
+    let unsalted = r.p().amplituhedron_replay(s.kv_mut(), &d, None).unwrap();
     assert_eq!(unsalted, ReplayOutcome::Partial { kv_len: 20 });
 }
 

@@ -1,0 +1,132 @@
+"""The scheduler front: hands requests to the engine and streams its events back.
+
+The engine (Rust) does the scheduling — continuous batching, chunked prefill under a step
+budget, admission through the volume cache. This front only owns the loop that steps it:
+a dedicated thread calls ``engine.step()`` (the GIL is released while the model runs) while
+the event loop submits and cancels; each step's events are delivered to the requests'
+asyncio queues in one hand-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from amplituhedron_rs import _core
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What the engine needs to run one request."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: dict[str, Any]
+    stop_ids: list[int] = field(default_factory=list)
+    salt: str | None = None
+    use_cache: bool = True
+    draft_max: int | None = None
+
+
+class RequestStream:
+    """The events of one submitted request, ending with its ``finished`` event."""
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.queue: asyncio.Queue[_core.EngineEvent] = asyncio.Queue()
+        self.finished: _core.EngineEvent | None = None
+
+    async def events(self) -> AsyncIterator[_core.EngineEvent]:
+        while self.finished is None:
+            ev = await self.queue.get()
+            if ev.kind == "finished":
+                self.finished = ev
+            yield ev
+
+
+class EngineFront:
+    """Steps an engine in a background thread and routes its events to request streams."""
+
+    def __init__(self, engine: _core.Engine) -> None:
+        self.engine = engine
+        self._streams: dict[int, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.steps = 0
+
+    def start(self) -> None:
+        """Starts the stepping thread (call from the event loop that awaits the streams)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="amplituhedron-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, p: GenerationParams) -> RequestStream:
+        """Queues a request. Raises ValueError (bad request) or RuntimeError (queue full);
+        nothing is queued then."""
+        with self._wake:
+            seq = self.engine.submit(
+                p.prompt,
+                p.max_new_tokens,
+                **p.sampling,
+                stop_ids=p.stop_ids,
+                salt=p.salt,
+                use_cache=p.use_cache,
+                draft_max=p.draft_max,
+            )
+            stream = RequestStream(seq)
+            self._streams[seq] = stream
+            self._wake.notify()
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Stops a request (its client left): its KV is freed at the next step."""
+        with self._wake:
+            self._streams.pop(stream.seq, None)
+            self.engine.cancel(stream.seq)
+            self._wake.notify()
+
+    @property
+    def live_requests(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self.engine.has_work:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+            events = self.engine.step()
+            self.steps += 1
+            if not events:
+                continue
+            deliveries = []
+            with self._lock:
+                for ev in events:
+                    stream = self._streams.get(ev.seq)
+                    if stream is None:
+                        continue  # cancelled meanwhile
+                    if ev.kind == "finished":
+                        del self._streams[ev.seq]
+                    deliveries.append((stream, ev))
+            if deliveries and self._loop is not None:
+                self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, _core.EngineEvent]]) -> None:
+    for stream, ev in deliveries:
+        stream.queue.put_nowait(ev)

@@ -1,0 +1,72 @@
+"""Prometheus series of the server: requests, tokens, cache hits, queue, latencies."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from amplituhedron_rs.serve.frontend import EngineFront
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ServeMetrics:
+    """One registry per server (several servers in one process never collide)."""
+
+    def __init__(self, front: EngineFront) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "amplituhedron_serve"
+        self.requests = Counter(f"{p}_requests", "Requests accepted", ["endpoint"], registry=r)
+        self.rejected = Counter(f"{p}_rejected", "Requests refused: queue full", registry=r)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(f"{p}_generation_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter(
+            f"{p}_cached_tokens", "Prompt tokens served from a replayed volume", registry=r
+        )
+        self.cache_hits = Counter(
+            f"{p}_cache_hits", "Requests whose whole prompt was replayed", registry=r
+        )
+        self.finished_by = Counter(
+            f"{p}_finished", "Sequences finished, by reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Time to first token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            f"{p}_inter_token_seconds", "Time between tokens", registry=r, buckets=_ITL_BUCKETS
+        )
+        self.latency = Histogram(
+            f"{p}_request_seconds", "Request latency", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        waiting = Gauge(f"{p}_queue_waiting", "Requests waiting for a place", registry=r)
+        waiting.set_function(lambda: front.engine.waiting)
+        running = Gauge(f"{p}_running", "Sequences running", registry=r)
+        running.set_function(lambda: front.engine.running)
+        live = Gauge(
+            f"{p}_live_sequences", "Sequences holding KV (0 when idle: nothing leaked)", registry=r
+        )
+        live.set_function(lambda: front.engine.live_sequences or 0)
+
+    def finished(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        stats: Mapping[str, int | float | bool],
+        reason: str,
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(int(stats.get("cached_tokens", 0)))
+        if stats.get("cache_hit"):
+            self.cache_hits.inc()
+        self.finished_by.labels(reason).inc()
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

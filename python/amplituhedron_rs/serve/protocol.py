@@ -1,0 +1,170 @@
+"""The OpenAI wire format: request bodies (validated) and the shapes of the replies.
+
+Only what the server implements is accepted: a parameter it cannot honour (``n > 1``,
+``logprobs``, penalties, tools…) is a 400 that names it, never silently ignored. Unknown
+extra fields are ignored, as OpenAI's own server does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+class TextPart(BaseModel):
+    """One text part of a message's content (``{"type": "text", "text": …}``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Role
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints. ``temperature`` absent or 0 means greedy (the
+    runtime's one greedy rule); any other value samples."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0, le=U32_MAX)
+    seed: int | None = Field(default=None, ge=0, le=U64_MAX)
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    #: Speculative decoding for this request (an extension): "prompt-lookup" or "off"; the
+    #: server's default when absent.
+    draft: Literal["prompt-lookup", "off"] | None = None
+    user: str | None = None
+    # Accepted only at their neutral value.
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    logprobs: StrictBool | int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _supported(self) -> _SamplingFields:
+        if self.n != 1:
+            raise ValueError("n: only n = 1 is supported")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
+        if self.logprobs:
+            raise ValueError("logprobs: not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_supported(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only text is supported")
+        return self
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[str]
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: StrictBool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_supported(self) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt: must not be empty")
+            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+                raise ValueError("prompt: only one prompt per request is supported")
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return self
+
+
+# --- replies ---------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

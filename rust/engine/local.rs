@@ -1,0 +1,285 @@
+//! The in-process executor: every sequence's KV ring in this process, one batched forward
+//! pass per step over the whole model, the volume cache of [`NativeLlamaPipeline`].
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
+use super::request::SeqId;
+use super::EngineError;
+use crate::model::{
+    ChunkInput, LayerRange, LogitsWanted, ModelError, NativeLlamaPipeline, ReplayOutcome, Sampler,
+    Segment, SequenceKv, SessionConfig, StepBuffers,
+};
+use crate::ring::SpanType;
+
+struct LocalSeq {
+    kv: SequenceKv,
+    sampler: Sampler,
+    prompt: Vec<u32>,
+    salt: Option<String>,
+    use_cache: bool,
+    want_logits: bool,
+}
+
+/// Runs batches in this process over a pipeline that spans the whole model. The pipeline
+/// (its volume cache) is shared: its owner may configure or inspect the cache between steps.
+pub struct LocalExecutor {
+    pipeline: Arc<Mutex<NativeLlamaPipeline>>,
+    range: LayerRange,
+    session: SessionConfig,
+    seqs: HashMap<SeqId, LocalSeq>,
+    /// Rings of released sequences, reset, reused so a new sequence pays no page faults.
+    pool: Vec<SequenceKv>,
+    max_pooled: usize,
+    bufs: StepBuffers,
+    hidden: Vec<Vec<f32>>,
+    logits: Vec<Vec<f32>>,
+}
+
+impl LocalExecutor {
+    /// An executor over `pipeline` (which must span every layer) whose sequences get rings
+    /// shaped by `session`; up to `max_pooled` released rings are kept for reuse.
+    pub fn new(
+        pipeline: Arc<Mutex<NativeLlamaPipeline>>,
+        session: SessionConfig,
+        max_pooled: usize,
+    ) -> Result<LocalExecutor, EngineError> {
+        let (weights, (lo, hi)) = {
+            let p = lock(&pipeline);
+            (Arc::clone(p.weights()), p.layer_range())
+        };
+        if (lo, hi) != (0, weights.config().n_layers) {
+            return Err(EngineError::Input(format!(
+                "an in-process executor needs every layer, not {lo}..{hi}: use a mesh for ranges"
+            )));
+        }
+        let range = LayerRange::new(weights, lo, hi)?;
+        // Validate the ring geometry once, up front.
+        let probe = range.new_kv(&session)?;
+        let bufs = StepBuffers::new(
+            range.weights().config(),
+            probe.max_chunk(),
+            probe.rings().max_keys(),
+        );
+        Ok(LocalExecutor {
+            pipeline,
+            range,
+            session,
+            seqs: HashMap::new(),
+            pool: vec![probe],
+            max_pooled,
+            bufs,
+            hidden: Vec::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    /// The pipeline (its volume cache), locked.
+    pub fn pipeline(&self) -> MutexGuard<'_, NativeLlamaPipeline> {
+        lock(&self.pipeline)
+    }
+
+    /// The ring geometry of new sequences.
+    pub fn session_config(&self) -> &SessionConfig {
+        &self.session
+    }
+
+    /// Sequences holding a ring.
+    pub fn live(&self) -> usize {
+        self.seqs.len()
+    }
+
+    fn take_kv(&mut self) -> Result<SequenceKv, ModelError> {
+        match self.pool.pop() {
+            Some(kv) => Ok(kv),
+            None => self.range.new_kv(&self.session),
+        }
+    }
+
+    fn admit_one(&mut self, a: &Admission) -> Result<Admitted, EngineError> {
+        let vocab = self.range.weights().config().vocab;
+        if let Some(bad) = a.prompt.iter().find(|&&t| t as usize >= vocab) {
+            // Checked before the cache is consulted, so a bad prompt changes no counter.
+            return Err(EngineError::Input(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let mut sampler =
+            Sampler::new(a.sampling.clone()).map_err(|e| EngineError::Input(e.to_string()))?;
+        let mut kv = self.take_kv()?;
+        let mut admitted = Admitted::default();
+        let replay = {
+            let mut pipeline = lock(&self.pipeline);
+            if a.use_cache && pipeline.cache().is_enabled() {
+                pipeline.amplituhedron_replay(&mut kv, &a.prompt, a.salt.as_deref())
+            } else {
+                Ok(ReplayOutcome::Miss)
+            }
+        };
+        match replay {
+            Ok(ReplayOutcome::Hit {
+                logits: Some(logits),
+                ..
+            }) => {
+                admitted.cached_tokens = a.prompt.len();
+                if a.sample_first {
+                    let index = a.prompt.len() as u64;
+                    let token = sampler.sample(&logits, index).map_err(|e| {
+                        EngineError::Executor(format!("sampling a cached token: {e}"))
+                    })?;
+                    admitted.first_token = Some(token);
+                    admitted.first_logits = a.want_logits.then_some(logits);
+                }
+            }
+            // A volume without logits cannot seed sampling: start over cold.
+            Ok(ReplayOutcome::Hit { logits: None, .. }) | Ok(ReplayOutcome::Miss) => kv.reset(),
+            Ok(ReplayOutcome::Partial { kv_len }) => admitted.cached_tokens = kv_len,
+            Err(e) => {
+                kv.reset();
+                self.pool.push(kv);
+                return Err(e.into());
+            }
+        }
+        self.seqs.insert(
+            a.seq,
+            LocalSeq {
+                kv,
+                sampler,
+                prompt: a.prompt.clone(),
+                salt: a.salt.clone(),
+                use_cache: a.use_cache,
+                want_logits: a.want_logits,
+            },
+        );
+        Ok(admitted)
+    }
+
+    /// Captures the prompt's volume after its last chunk ran: this sequence's own KV, its
+    /// own last hidden row and its own logits (a failed capture never fails the sequence).
+    fn capture(&mut self, seq: SeqId, tail: &[f32], logits: &[f32]) {
+        let Some(s) = self.seqs.get(&seq) else { return };
+        let mut pipeline = lock(&self.pipeline);
+        if !s.use_cache || !pipeline.cache().is_enabled() {
+            return;
+        }
+        // Refusals (too long, disabled…) are counted in the cache's stats.
+        let _ =
+            pipeline.amplituhedron_capture(&s.kv, &s.prompt, tail, Some(logits), s.salt.as_deref());
+    }
+}
+
+impl Executor for LocalExecutor {
+    fn admit(&mut self, admissions: &[Admission]) -> Vec<Result<Admitted, EngineError>> {
+        admissions.iter().map(|a| self.admit_one(a)).collect()
+    }
+
+    fn run(&mut self, batch: &[BatchEntry]) -> Result<Vec<EntryOutcome>, EngineError> {
+        let hidden_w = self.range.weights().config().hidden;
+        let vocab = self.range.weights().config().vocab;
+        // Every entry's sequence must exist and be at (or past) its start: positions past
+        // it are drafts the previous step rejected.
+        for e in batch {
+            let s = self.seqs.get_mut(&e.seq).ok_or_else(|| {
+                EngineError::Executor(format!("sequence {} has no KV here", e.seq))
+            })?;
+            let clock = s.kv.clock() as usize;
+            if clock > e.start {
+                s.kv.rollback(e.start as u64)?;
+            } else if clock < e.start {
+                return Err(EngineError::Executor(format!(
+                    "sequence {} holds {clock} positions, the step starts at {}",
+                    e.seq, e.start
+                )));
+            }
+        }
+        self.hidden.resize_with(batch.len(), Vec::new);
+        self.logits.resize_with(batch.len(), Vec::new);
+        {
+            // One mutable borrow of each entry's KV: entries name distinct sequences.
+            let mut kvs: HashMap<SeqId, &mut SequenceKv> = self
+                .seqs
+                .iter_mut()
+                .map(|(&id, s)| (id, &mut s.kv))
+                .collect();
+            let mut segments = Vec::with_capacity(batch.len());
+            for ((e, h), l) in batch.iter().zip(&mut self.hidden).zip(&mut self.logits) {
+                let kv = kvs.remove(&e.seq).ok_or_else(|| {
+                    EngineError::Executor(format!("sequence {} appears twice in a batch", e.seq))
+                })?;
+                let (span, logits) = match e.kind {
+                    EntryKind::Prefill { last: false, .. } => (SpanType::User, LogitsWanted::None),
+                    EntryKind::Prefill { last: true, .. } => (SpanType::User, LogitsWanted::Last),
+                    EntryKind::Decode if e.tokens.len() == 1 => {
+                        (SpanType::ResponseSentence, LogitsWanted::Last)
+                    }
+                    EntryKind::Decode => (SpanType::ResponseSentence, LogitsWanted::All),
+                };
+                segments.push(Segment {
+                    kv,
+                    input: ChunkInput::Tokens(&e.tokens),
+                    span,
+                    logits,
+                    hidden_out: h,
+                    logits_out: l,
+                });
+            }
+            self.range.forward_batch(&mut segments, &mut self.bufs)?;
+        }
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for (k, e) in batch.iter().enumerate() {
+            let logits = std::mem::take(&mut self.logits[k]);
+            let mut out = EntryOutcome::default();
+            match e.kind {
+                EntryKind::Prefill { last: false, .. } => {}
+                EntryKind::Prefill { last: true, emit } => {
+                    let tail_at = self.hidden[k].len() - hidden_w;
+                    let tail = self.hidden[k][tail_at..].to_vec();
+                    self.capture(e.seq, &tail, &logits);
+                    if emit {
+                        let s = self.seqs.get_mut(&e.seq).expect("checked above");
+                        let index = (e.start + e.tokens.len()) as u64;
+                        let token = s
+                            .sampler
+                            .sample(&logits, index)
+                            .map_err(|err| EngineError::Executor(err.to_string()))?;
+                        out.emitted.push(token);
+                        out.logits = s.want_logits.then_some(logits);
+                    }
+                }
+                EntryKind::Decode => {
+                    let s = self.seqs.get_mut(&e.seq).expect("checked above");
+                    s.sampler
+                        .verify(
+                            &logits,
+                            vocab,
+                            &e.tokens[1..],
+                            (e.start + 1) as u64,
+                            &mut out.emitted,
+                        )
+                        .map_err(|err| EngineError::Executor(err.to_string()))?;
+                    if s.want_logits {
+                        out.logits = Some(logits[..out.emitted.len() * vocab].to_vec());
+                    }
+                }
+            }
+            outcomes.push(out);
+        }
+        Ok(outcomes)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        if let Some(mut s) = self.seqs.remove(&seq) {
+            if self.pool.len() < self.max_pooled {
+                s.kv.reset();
+                self.pool.push(s.kv);
+            }
+        }
+    }
+}
+
+/// The pipeline's lock. A panic while it was held cannot leave the cache half-updated (every
+/// cache operation validates before it writes), so a poisoned lock is still usable.
+fn lock(p: &Mutex<NativeLlamaPipeline>) -> MutexGuard<'_, NativeLlamaPipeline> {
+    p.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

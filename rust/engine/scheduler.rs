@@ -1,0 +1,499 @@
+//! The engine: requests, the waiting queue, the running set, and the plan of each step.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use super::draft::DraftController;
+use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
+use super::request::{Event, FinishReason, Request, SeqId, SeqStats};
+use super::EngineError;
+
+/// Bounds of the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Sequences running (decoding or prefilling) at once: the largest batch.
+    pub max_running: usize,
+    /// Requests waiting for a place; beyond it `submit` answers [`EngineError::QueueFull`].
+    pub max_queue: usize,
+    /// Rows per step: every running sequence's decode rows first, then prompt chunks with
+    /// what is left. Bounds a step's latency, so a long prompt never stalls the streams.
+    pub step_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_running: 8,
+            max_queue: 64,
+            step_tokens: 64,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the bounds: every running sequence must fit a step with one row.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        if self.max_running == 0 {
+            return Err(EngineError::Input("max_running must be at least 1".into()));
+        }
+        if self.step_tokens < self.max_running {
+            return Err(EngineError::Input(format!(
+                "step_tokens ({}) must be at least max_running ({}): every running sequence \
+                 decodes one row per step",
+                self.step_tokens, self.max_running
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+enum Phase {
+    Queued,
+    /// Prompt positions `[0, next)` are in the KV.
+    Prefill {
+        next: usize,
+    },
+    /// `pending` (the last emitted token) has not been run yet.
+    Decode,
+}
+
+#[derive(Debug)]
+struct Sequence {
+    req: Request,
+    phase: Phase,
+    /// Prompt followed by every emitted token.
+    tokens: Vec<u32>,
+    drafter: Option<DraftController>,
+    stats: SeqStats,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    /// Drafts sent with the sequence's entry in the step under way.
+    in_flight_drafts: usize,
+}
+
+impl Sequence {
+    fn emitted(&self) -> usize {
+        self.tokens.len() - self.req.prompt.len()
+    }
+}
+
+/// The continuous-batching engine. See the module docs of [`crate::engine`].
+///
+/// With an in-process executor, call [`step`]. An asynchronous executor (the mesh) drives
+/// the same state machine in its own loop: [`Engine::plan_admissions`] →
+/// [`Engine::admitted`] → [`Engine::plan_batch`] → [`Engine::complete`], releasing
+/// [`Engine::take_released`] as it goes.
+#[derive(Debug)]
+pub struct Engine {
+    cfg: EngineConfig,
+    seqs: HashMap<SeqId, Sequence>,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    released: Vec<SeqId>,
+    next_id: SeqId,
+    draft_buf: Vec<u32>,
+}
+
+impl Engine {
+    /// An empty engine.
+    pub fn new(cfg: EngineConfig) -> Result<Engine, EngineError> {
+        cfg.validate()?;
+        Ok(Engine {
+            cfg,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            released: Vec::new(),
+            next_id: 1,
+            draft_buf: Vec::new(),
+        })
+    }
+
+    /// The bounds.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Queues a request. Refused (nothing queued) when it is invalid or the queue is full.
+    pub fn submit(&mut self, req: Request) -> Result<SeqId, EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::Input(
+                "the prompt is empty: a volume needs at least one token".into(),
+            ));
+        }
+        req.sampling
+            .validate()
+            .map_err(|e| EngineError::Input(e.to_string()))?;
+        if let Some(d) = &req.draft {
+            d.validate().map_err(EngineError::Input)?;
+        }
+        if self.waiting.len() >= self.cfg.max_queue {
+            return Err(EngineError::QueueFull {
+                waiting: self.waiting.len(),
+                max_queue: self.cfg.max_queue,
+            });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = Sequence {
+            tokens: req.prompt.clone(),
+            drafter: req.draft.as_ref().map(DraftController::new),
+            stats: SeqStats {
+                prompt_tokens: req.prompt.len(),
+                ..SeqStats::default()
+            },
+            req,
+            phase: Phase::Queued,
+            submitted: Instant::now(),
+            admitted: None,
+            first_token: None,
+            in_flight_drafts: 0,
+        };
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Cancels a sequence (waiting or running); its KV is released at the next step. Returns
+    /// its `Finished` event, or None when it is unknown or already finished.
+    pub fn cancel(&mut self, seq: SeqId) -> Option<Event> {
+        self.seqs
+            .contains_key(&seq)
+            .then(|| self.finish(seq, FinishReason::Cancelled))
+    }
+
+    /// Requests waiting for a place.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences admitted and not finished.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Prompt positions of `seq` already in its KV (replayed or prefilled), or None when it
+    /// is unknown or finished: progress reports for long prompts.
+    pub fn prefilled(&self, seq: SeqId) -> Option<usize> {
+        let s = self.seqs.get(&seq)?;
+        Some(match s.phase {
+            Phase::Queued => 0,
+            Phase::Prefill { next } => next,
+            Phase::Decode => s.req.prompt.len(),
+        })
+    }
+
+    /// Whether anything is left to do (waiting, running, or KV to release).
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty() || !self.released.is_empty()
+    }
+
+    /// Sequences whose KV the executor should free now.
+    pub fn take_released(&mut self) -> Vec<SeqId> {
+        std::mem::take(&mut self.released)
+    }
+
+    /// Moves waiting requests into the running set while there is room; the executor must
+    /// [`Executor::admit`] them and hand the results to [`Engine::admitted`].
+    pub fn plan_admissions(&mut self) -> Vec<Admission> {
+        let mut out = Vec::new();
+        while self.running.len() < self.cfg.max_running {
+            let Some(id) = self.waiting.pop_front() else {
+                break;
+            };
+            let seq = self.seqs.get_mut(&id).expect("waiting sequences exist");
+            seq.admitted = Some(Instant::now());
+            seq.stats.queue_ms = ms(seq.submitted, Instant::now());
+            seq.phase = Phase::Prefill { next: 0 };
+            self.running.push(id);
+            out.push(Admission {
+                seq: id,
+                prompt: seq.req.prompt.clone(),
+                sampling: seq.req.sampling.clone(),
+                salt: seq.req.salt.clone(),
+                use_cache: seq.req.use_cache,
+                sample_first: seq.req.max_new_tokens > 0,
+                want_logits: seq.req.want_logits,
+            });
+        }
+        out
+    }
+
+    /// Applies admission results (one per admission, in order).
+    pub fn admitted(
+        &mut self,
+        admissions: &[Admission],
+        results: Vec<Result<Admitted, EngineError>>,
+    ) -> Vec<Event> {
+        let mut events = Vec::new();
+        for (a, result) in admissions.iter().zip(results) {
+            let Some(seq) = self.seqs.get_mut(&a.seq) else {
+                // Cancelled meanwhile: its KV (if any) is freed by the release list.
+                continue;
+            };
+            match result {
+                Err(e) => events.push(self.finish(a.seq, FinishReason::Error(e.to_string()))),
+                Ok(adm) => {
+                    let n = seq.req.prompt.len();
+                    seq.stats.cached_tokens = adm.cached_tokens.min(n);
+                    match adm.first_token {
+                        Some(token) if adm.cached_tokens == n => {
+                            seq.stats.cache_hit = true;
+                            seq.phase = Phase::Decode;
+                            let logits = adm.first_logits.map(|l| vec![l]);
+                            events.extend(self.emit(a.seq, &[token], logits));
+                        }
+                        _ if adm.cached_tokens == n && seq.req.max_new_tokens == 0 => {
+                            seq.stats.cache_hit = true;
+                            events.push(self.finish(a.seq, FinishReason::Length));
+                        }
+                        _ => {
+                            // Keep at least the last prompt position to run: its logits
+                            // give the first token.
+                            let next = adm.cached_tokens.min(n - 1);
+                            seq.phase = Phase::Prefill { next };
+                            seq.stats.cached_tokens = next;
+                        }
+                    }
+                }
+            }
+        }
+        events
+    }
+
+    /// Plans one batch under the step budget: decode rows (and drafts) of every decoding
+    /// sequence, then prompt chunks in admission order with the rows left.
+    pub fn plan_batch(&mut self) -> Vec<BatchEntry> {
+        let mut budget = self.cfg.step_tokens;
+        let mut batch = Vec::new();
+        let decoding: Vec<SeqId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| matches!(self.seqs[id].phase, Phase::Decode))
+            .collect();
+        // Rows the other decoding sequences still need, so drafts never crowd them out.
+        let mut reserved = decoding.len();
+        for id in decoding {
+            reserved -= 1;
+            let seq = self.seqs.get_mut(&id).expect("running sequences exist");
+            let start = seq.tokens.len() - 1;
+            let mut tokens = vec![seq.tokens[start]];
+            // Drafts beyond the last token the request may still emit are wasted rows.
+            let useful = seq.req.max_new_tokens.saturating_sub(seq.emitted() + 1);
+            let room = budget.saturating_sub(1 + reserved);
+            if let Some(d) = seq.drafter.as_mut() {
+                d.draft(&seq.tokens, useful.min(room), &mut self.draft_buf);
+                tokens.extend_from_slice(&self.draft_buf);
+            }
+            seq.in_flight_drafts = tokens.len() - 1;
+            budget -= tokens.len();
+            batch.push(BatchEntry {
+                seq: id,
+                start,
+                tokens,
+                kind: EntryKind::Decode,
+            });
+        }
+        for &id in &self.running {
+            if budget == 0 {
+                break;
+            }
+            let seq = self.seqs.get_mut(&id).expect("running sequences exist");
+            let Phase::Prefill { next } = seq.phase else {
+                continue;
+            };
+            let n = seq.req.prompt.len();
+            let end = (next + budget).min(n);
+            budget -= end - next;
+            batch.push(BatchEntry {
+                seq: id,
+                start: next,
+                tokens: seq.req.prompt[next..end].to_vec(),
+                kind: EntryKind::Prefill {
+                    last: end == n,
+                    emit: end == n && seq.req.max_new_tokens > 0,
+                },
+            });
+        }
+        batch
+    }
+
+    /// Applies the outcome of a batch planned by [`Engine::plan_batch`]. On an executor
+    /// error every sequence of the batch finishes with that error (no token is emitted after
+    /// a failure).
+    pub fn complete(
+        &mut self,
+        batch: &[BatchEntry],
+        outcome: Result<Vec<EntryOutcome>, EngineError>,
+    ) -> Vec<Event> {
+        let mut events = Vec::new();
+        let outcomes = match outcome {
+            Ok(o) if o.len() == batch.len() => o,
+            Ok(o) => {
+                let msg = format!(
+                    "the executor answered {} outcomes for a batch of {}",
+                    o.len(),
+                    batch.len()
+                );
+                return self.fail_batch(batch, &msg);
+            }
+            Err(e) => return self.fail_batch(batch, &e.to_string()),
+        };
+        for (entry, out) in batch.iter().zip(outcomes) {
+            let Some(seq) = self.seqs.get_mut(&entry.seq) else {
+                continue; // cancelled while the step ran
+            };
+            match entry.kind {
+                EntryKind::Prefill { last, emit } => {
+                    let end = entry.start + entry.tokens.len();
+                    seq.phase = Phase::Prefill { next: end };
+                    if last && !emit {
+                        events.push(self.finish(entry.seq, FinishReason::Length));
+                    } else if last {
+                        seq.phase = Phase::Decode;
+                        let logits = split_rows(out.logits, out.emitted.len());
+                        events.extend(self.emit(entry.seq, &out.emitted, logits));
+                    }
+                }
+                EntryKind::Decode => {
+                    let proposed = std::mem::take(&mut seq.in_flight_drafts);
+                    if proposed > 0 {
+                        let accepted = out.emitted.len().saturating_sub(1);
+                        seq.stats.draft_proposed += proposed;
+                        seq.stats.draft_accepted += accepted;
+                        seq.stats.verify_steps += 1;
+                        if let Some(d) = seq.drafter.as_mut() {
+                            d.observe(proposed, accepted);
+                        }
+                    }
+                    let logits = split_rows(out.logits, out.emitted.len());
+                    events.extend(self.emit(entry.seq, &out.emitted, logits));
+                }
+            }
+        }
+        events
+    }
+
+    fn fail_batch(&mut self, batch: &[BatchEntry], msg: &str) -> Vec<Event> {
+        batch
+            .iter()
+            .filter(|e| self.seqs.contains_key(&e.seq))
+            .map(|e| e.seq)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|seq| self.finish(seq, FinishReason::Error(msg.to_string())))
+            .collect()
+    }
+
+    /// Appends emitted tokens, stopping at a stop id or the length limit.
+    fn emit(&mut self, id: SeqId, tokens: &[u32], logits: Option<Vec<Vec<f32>>>) -> Vec<Event> {
+        let mut events = Vec::new();
+        let mut logits = logits.map(Vec::into_iter);
+        let mut reason = None;
+        {
+            let seq = self.seqs.get_mut(&id).expect("emitting sequences exist");
+            if tokens.is_empty() {
+                reason = Some(FinishReason::Error(
+                    "the executor emitted no token for a decode step".into(),
+                ));
+            }
+            for &token in tokens {
+                let index = seq.emitted();
+                seq.tokens.push(token);
+                seq.first_token.get_or_insert_with(Instant::now);
+                events.push(Event::Token {
+                    seq: id,
+                    token,
+                    index,
+                    logits: logits.as_mut().and_then(Iterator::next),
+                });
+                if seq.req.stop_ids.contains(&token) {
+                    reason = Some(FinishReason::Stop);
+                    break;
+                }
+                if seq.emitted() >= seq.req.max_new_tokens {
+                    reason = Some(FinishReason::Length);
+                    break;
+                }
+            }
+        }
+        if let Some(r) = reason {
+            events.push(self.finish(id, r));
+        }
+        events
+    }
+
+    fn finish(&mut self, id: SeqId, reason: FinishReason) -> Event {
+        let mut seq = self.seqs.remove(&id).expect("finishing sequences exist");
+        let now = Instant::now();
+        if let Some(admitted) = seq.admitted {
+            let first = seq.first_token.unwrap_or(now);
+            seq.stats.prefill_ms = ms(admitted, first);
+            seq.stats.decode_ms = ms(first, now);
+        } else {
+            seq.stats.queue_ms = ms(seq.submitted, now);
+        }
+        seq.stats.output_tokens = seq.emitted();
+        if let Some(i) = self.waiting.iter().position(|&w| w == id) {
+            self.waiting.remove(i);
+        }
+        if let Some(i) = self.running.iter().position(|&r| r == id) {
+            self.running.remove(i);
+            self.released.push(id);
+        }
+        Event::Finished {
+            seq: id,
+            reason,
+            stats: seq.stats,
+        }
+    }
+}
+
+/// One whole step with an in-process executor: release, admit, run one batch.
+///
+/// The engine is locked only to plan and to apply results, never while the executor runs,
+/// so other threads can submit and cancel requests during a step.
+pub fn step(engine: &Mutex<Engine>, ex: &mut dyn Executor) -> Vec<Event> {
+    let lock = || {
+        engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    let (released, admissions) = {
+        let mut e = lock();
+        (e.take_released(), e.plan_admissions())
+    };
+    for seq in released {
+        ex.release(seq);
+    }
+    let mut events = Vec::new();
+    if !admissions.is_empty() {
+        let results = ex.admit(&admissions);
+        events.extend(lock().admitted(&admissions, results));
+    }
+    let batch = lock().plan_batch();
+    if !batch.is_empty() {
+        let outcome = ex.run(&batch);
+        events.extend(lock().complete(&batch, outcome));
+    }
+    for seq in lock().take_released() {
+        ex.release(seq);
+    }
+    events
+}
+
+fn split_rows(logits: Option<Vec<f32>>, rows: usize) -> Option<Vec<Vec<f32>>> {
+    let l = logits?;
+    if rows == 0 || l.len() % rows != 0 {
+        return None;
+    }
+    Some(l.chunks(l.len() / rows).map(<[f32]>::to_vec).collect())
+}
+
+fn ms(from: Instant, to: Instant) -> f64 {
+    to.saturating_duration_since(from).as_secs_f64() * 1e3
+}

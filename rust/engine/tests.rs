@@ -1,0 +1,400 @@
+//! The engine's invariants on the synthetic model: one request through the engine equals a
+//! plain decoding loop; batched equals alone (joins, leaves, mixed lengths, greedy and
+//! seeded); cache on equals off; speculative equals plain greedy; bounds and cancellation.
+
+use std::sync::{Arc, Mutex};
+
+use super::*;
+use crate::model::testing::{tiny_weights, tiny_weights_with};
+use crate::model::{
+    argmax, ChunkInput, LlamaWeights, LogitsWanted, NativeLlamaPipeline, Precision, RangeSession,
+    SamplingParams, SessionConfig,
+};
+use crate::ring::SpanType;
+use crate::volume::{CacheConfig, VolumeKey};
+
+fn session_cfg() -> SessionConfig {
+    SessionConfig {
+        slots: 256,
+        recall: 16,
+        n_sys: 0,
+        max_chunk: 32,
+    }
+}
+
+fn executor(w: &Arc<LlamaWeights>) -> LocalExecutor {
+    let pipeline = NativeLlamaPipeline::new(Arc::clone(w), 0, 3, CacheConfig::default()).unwrap();
+    LocalExecutor::new(Arc::new(Mutex::new(pipeline)), session_cfg(), 4).unwrap()
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 11 + salt * 17 + 3) % 96)
+        .collect()
+}
+
+/// What one sequence produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Output {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    reason: Option<FinishReason>,
+    stats: SeqStats,
+}
+
+/// Runs the engine until every sequence finishes; returns each one's output.
+fn drain(engine: &mut Engine, ex: &mut LocalExecutor) -> std::collections::HashMap<SeqId, Output> {
+    let fresh = Engine::new(engine.config().clone()).unwrap();
+    let shared = Mutex::new(std::mem::replace(engine, fresh));
+    let mut outs: std::collections::HashMap<SeqId, Output> = Default::default();
+    let mut steps = 0;
+    while shared.lock().unwrap().has_work() {
+        steps += 1;
+        assert!(steps < 10_000, "the engine does not make progress");
+        for ev in step(&shared, ex) {
+            match ev {
+                Event::Token {
+                    seq, token, logits, ..
+                } => {
+                    let o = outs.entry(seq).or_default();
+                    o.tokens.push(token);
+                    o.logits.extend(logits);
+                }
+                Event::Finished { seq, reason, stats } => {
+                    let o = outs.entry(seq).or_default();
+                    o.reason = Some(reason);
+                    o.stats = stats;
+                }
+            }
+        }
+    }
+    *engine = shared.into_inner().unwrap();
+    outs
+}
+
+fn run_one(w: &Arc<LlamaWeights>, req: Request) -> Output {
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(w);
+    let id = engine.submit(req).unwrap();
+    drain(&mut engine, &mut ex).remove(&id).unwrap()
+}
+
+fn request(prompt: Vec<u32>, max_new: usize, sampling: SamplingParams) -> Request {
+    Request {
+        sampling,
+        use_cache: false,
+        want_logits: true,
+        ..Request::greedy(prompt, max_new)
+    }
+}
+
+fn seeded(seed: u64) -> SamplingParams {
+    SamplingParams {
+        greedy: false,
+        temperature: 0.8,
+        top_k: 0,
+        top_p: 0.95,
+        seed,
+    }
+}
+
+/// The reference: a plain loop over one session (prefill, then one token at a time).
+fn plain_greedy(
+    w: &Arc<LlamaWeights>,
+    prompt: &[u32],
+    max_new: usize,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut s = RangeSession::new(Arc::clone(w), 0, 3, &session_cfg()).unwrap();
+    let (mut h, mut l) = (Vec::new(), Vec::new());
+    s.forward(
+        ChunkInput::Tokens(prompt),
+        SpanType::User,
+        LogitsWanted::Last,
+        &mut h,
+        &mut l,
+    )
+    .unwrap();
+    let mut tokens = Vec::new();
+    let mut logits = Vec::new();
+    for _ in 0..max_new {
+        let t = argmax(&l);
+        tokens.push(t);
+        logits.push(l.clone());
+        s.forward(
+            ChunkInput::Tokens(&[t]),
+            SpanType::ResponseSentence,
+            LogitsWanted::Last,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+    }
+    (tokens, logits)
+}
+
+#[test]
+fn one_request_equals_a_plain_decoding_loop() {
+    for precision in [Precision::Refined, Precision::Fast] {
+        let w = tiny_weights_with(31, precision);
+        let p = prompt(45, 1);
+        let out = run_one(&w, request(p.clone(), 12, SamplingParams::default()));
+        let (tokens, logits) = plain_greedy(&w, &p, 12);
+        assert_eq!(out.tokens, tokens);
+        assert!(out.logits == logits, "logits differ ({precision:?})");
+        assert_eq!(out.reason, Some(FinishReason::Length));
+        assert_eq!(out.stats.output_tokens, 12);
+    }
+}
+
+#[test]
+fn batched_requests_equal_each_request_alone() {
+    let w = tiny_weights(32);
+    let reqs: Vec<Request> = (0..7)
+        .map(|i| {
+            let sampling = if i % 2 == 0 {
+                SamplingParams::default()
+            } else {
+                seeded(i as u64)
+            };
+            request(prompt(5 + 13 * i, i as u32), 3 + 2 * i, sampling)
+        })
+        .collect();
+    let alone: Vec<Output> = reqs.iter().map(|r| run_one(&w, r.clone())).collect();
+    // Three running at a time with a small step budget: later requests join while earlier
+    // ones decode, prompts are chunked across steps, and sequences leave at different times.
+    let cfg = EngineConfig {
+        max_running: 3,
+        max_queue: 16,
+        step_tokens: 20,
+    };
+    let mut engine = Engine::new(cfg).unwrap();
+    let mut ex = executor(&w);
+    let ids: Vec<SeqId> = reqs
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    let mut outs = drain(&mut engine, &mut ex);
+    for (i, id) in ids.iter().enumerate() {
+        let got = outs.remove(id).unwrap();
+        assert_eq!(got.tokens, alone[i].tokens, "request {i}: tokens");
+        assert!(got.logits == alone[i].logits, "request {i}: logits");
+    }
+    assert_eq!(ex.live(), 0, "every sequence's KV was released");
+}
+
+#[test]
+fn cache_on_equals_cache_off_and_skips_prefill() {
+    let w = tiny_weights(33);
+    let p = prompt(40, 3);
+    let cold = run_one(&w, request(p.clone(), 8, SamplingParams::default()));
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(&w);
+    let cached = |r: Request| Request {
+        use_cache: true,
+        ..r
+    };
+    let a = engine
+        .submit(cached(request(p.clone(), 8, SamplingParams::default())))
+        .unwrap();
+    let first = drain(&mut engine, &mut ex).remove(&a).unwrap();
+    let b = engine
+        .submit(cached(request(p.clone(), 8, SamplingParams::default())))
+        .unwrap();
+    let second = drain(&mut engine, &mut ex).remove(&b).unwrap();
+    assert!(!first.stats.cache_hit && second.stats.cache_hit);
+    assert_eq!(second.stats.cached_tokens, p.len());
+    assert_eq!(first.tokens, cold.tokens);
+    assert_eq!(second.tokens, cold.tokens);
+    assert!(
+        second.logits == cold.logits,
+        "a replayed prompt gives the same logits"
+    );
+    // Longest-prefix reuse: a longer prompt sharing the first 40 tokens.
+    let mut longer = p.clone();
+    longer.extend(prompt(9, 4));
+    let c = engine
+        .submit(cached(request(
+            longer.clone(),
+            6,
+            SamplingParams::default(),
+        )))
+        .unwrap();
+    let partial = drain(&mut engine, &mut ex).remove(&c).unwrap();
+    assert_eq!(partial.stats.cached_tokens, p.len());
+    assert!(!partial.stats.cache_hit);
+    let reference = run_one(&w, request(longer, 6, SamplingParams::default()));
+    assert_eq!(partial.tokens, reference.tokens);
+    assert!(partial.logits == reference.logits);
+}
+
+/// A prompt made of a repeated phrase: prompt lookup has plenty to propose.
+fn copy_heavy_prompt() -> Vec<u32> {
+    let phrase = prompt(12, 9);
+    phrase.iter().cycle().take(60).copied().collect()
+}
+
+#[test]
+fn speculative_greedy_equals_plain_greedy_tokens_and_logits() {
+    let w = tiny_weights(34);
+    for p in [copy_heavy_prompt(), prompt(30, 5)] {
+        let plain = run_one(&w, request(p.clone(), 40, SamplingParams::default()));
+        let spec = run_one(
+            &w,
+            Request {
+                draft: Some(DraftConfig::default()),
+                ..request(p.clone(), 40, SamplingParams::default())
+            },
+        );
+        assert_eq!(spec.tokens, plain.tokens);
+        assert!(spec.logits == plain.logits, "speculation changed a logit");
+        assert!(spec.stats.draft_proposed >= spec.stats.draft_accepted);
+    }
+    // On the copy-heavy prompt the drafts are used.
+    let spec = run_one(
+        &w,
+        Request {
+            draft: Some(DraftConfig::default()),
+            ..request(copy_heavy_prompt(), 40, SamplingParams::default())
+        },
+    );
+    assert!(spec.stats.draft_accepted > 0, "{:?}", spec.stats);
+    assert!(
+        spec.stats.verify_steps < 39,
+        "fewer steps than tokens: {:?}",
+        spec.stats
+    );
+}
+
+#[test]
+fn speculation_in_a_batch_with_sampled_and_plain_neighbours() {
+    let w = tiny_weights(35);
+    let spec = |p: Vec<u32>, s: SamplingParams| Request {
+        draft: Some(DraftConfig::default()),
+        ..request(p, 24, s)
+    };
+    let reqs = vec![
+        spec(copy_heavy_prompt(), SamplingParams::default()),
+        request(prompt(20, 6), 24, seeded(3)),
+        spec(prompt(33, 7), seeded(4)),
+    ];
+    let alone: Vec<Output> = reqs.iter().map(|r| run_one(&w, r.clone())).collect();
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(&w);
+    let ids: Vec<SeqId> = reqs
+        .into_iter()
+        .map(|r| engine.submit(r).unwrap())
+        .collect();
+    let mut outs = drain(&mut engine, &mut ex);
+    for (i, id) in ids.iter().enumerate() {
+        let got = outs.remove(id).unwrap();
+        assert_eq!(got.tokens, alone[i].tokens, "request {i}");
+        assert!(got.logits == alone[i].logits, "request {i}");
+    }
+}
+
+#[test]
+fn a_volume_captured_with_speculation_is_byte_identical() {
+    let w = tiny_weights(36);
+    let p = copy_heavy_prompt();
+    let volume_of = |draft: Option<DraftConfig>| {
+        let mut engine = Engine::new(EngineConfig::default()).unwrap();
+        let mut ex = executor(&w);
+        let req = Request {
+            draft,
+            use_cache: true,
+            ..request(p.clone(), 30, SamplingParams::default())
+        };
+        engine.submit(req).unwrap();
+        drain(&mut engine, &mut ex);
+        let key = VolumeKey {
+            model_fingerprint: w.fingerprint(),
+            tokens: &p,
+            layer_lo: 0,
+            layer_hi: 3,
+            salt: None,
+        };
+        let vol = ex.pipeline().cache_mut().replay(&key).unwrap().unwrap();
+        (
+            vol.kv_keys().to_vec(),
+            vol.kv_vals().to_vec(),
+            vol.tail().map(<[f32]>::to_vec),
+            vol.logits().map(<[f32]>::to_vec),
+        )
+    };
+    let plain = volume_of(None);
+    let spec = volume_of(Some(DraftConfig::default()));
+    assert!(plain == spec);
+}
+
+#[test]
+fn stop_ids_zero_tokens_and_bad_prompts() {
+    let w = tiny_weights(37);
+    let p = prompt(20, 8);
+    let (greedy, _) = plain_greedy(&w, &p, 10);
+    let stop = greedy[4];
+    let first_stop = greedy.iter().position(|&t| t == stop).unwrap();
+    let out = run_one(
+        &w,
+        Request {
+            stop_ids: vec![stop],
+            ..request(p.clone(), 10, SamplingParams::default())
+        },
+    );
+    assert_eq!(out.tokens, greedy[..=first_stop]);
+    assert_eq!(out.reason, Some(FinishReason::Stop));
+    let none = run_one(&w, request(p.clone(), 0, SamplingParams::default()));
+    assert!(none.tokens.is_empty());
+    assert_eq!(none.reason, Some(FinishReason::Length));
+    let bad = run_one(&w, request(vec![1, 2, 500], 4, SamplingParams::default()));
+    assert!(matches!(bad.reason, Some(FinishReason::Error(ref m)) if m.contains("500")));
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    assert!(matches!(
+        engine.submit(request(Vec::new(), 4, SamplingParams::default())),
+        Err(EngineError::Input(_))
+    ));
+    assert!(
+        !engine.has_work(),
+        "a refused request leaves nothing behind"
+    );
+}
+
+#[test]
+fn a_full_queue_refuses_and_cancellation_frees_the_kv() {
+    let w = tiny_weights(38);
+    let cfg = EngineConfig {
+        max_running: 1,
+        max_queue: 2,
+        step_tokens: 8,
+    };
+    let mut engine = Engine::new(cfg).unwrap();
+    let mut ex = executor(&w);
+    let a = engine
+        .submit(request(prompt(10, 1), 50, SamplingParams::default()))
+        .unwrap();
+    let b = engine
+        .submit(request(prompt(10, 2), 5, SamplingParams::default()))
+        .unwrap();
+    let err = engine.submit(request(prompt(10, 3), 5, SamplingParams::default()));
+    assert!(matches!(err, Err(EngineError::QueueFull { .. })));
+    let shared = Mutex::new(engine);
+    for _ in 0..4 {
+        step(&shared, &mut ex);
+    }
+    let mut engine = shared.into_inner().unwrap();
+    assert_eq!(ex.live(), 1);
+    assert!(matches!(
+        engine.cancel(a),
+        Some(Event::Finished {
+            reason: FinishReason::Cancelled,
+            ..
+        })
+    ));
+    assert!(engine.cancel(a).is_none(), "cancelling twice is a no-op");
+    let outs = drain(&mut engine, &mut ex);
+    assert_eq!(
+        outs[&b].tokens.len(),
+        5,
+        "the queued request runs after the cancel"
+    );
+    assert_eq!(ex.live(), 0);
+}

@@ -1,0 +1,371 @@
+"""The OpenAI-compatible server, as a real process on loopback, through the official
+``openai`` client: replies plain and streamed, stops, seeds, the prefix cache, batching
+invariance under concurrency, cancellation, back-pressure, bad parameters, and a bounded
+load test."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from amplituhedron_rs.gguf_file import read_model_file
+from amplituhedron_rs.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.model, pytest.mark.serve]
+
+KEY = "test-key-1"
+SYSTEM = (
+    "You are a careful assistant for a weather service. Answer briefly, in plain English, "
+    "and never invent a forecast you were not given."
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def client(self, key: str = KEY, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.split()[-1])
+        raise AssertionError(f"no metric {name}")
+
+    def model(self) -> str:
+        return str(self.client().models.list().data[0].id)
+
+
+@contextlib.contextmanager
+def start_server(*args: str) -> Iterator[Server]:
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "amplituhedron_rs.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        *args,
+    ]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up in 120 s")
+            time.sleep(0.2)
+        yield Server(url, proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with start_server("--max-batch", "8", "--max-queue", "64") as srv:
+        yield srv
+
+
+def chat(c: openai.OpenAI, model: str, user: str, **kw: Any) -> Any:
+    return c.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        **kw,
+    )
+
+
+def streamed_text(c: openai.OpenAI, model: str, user: str, **kw: Any) -> tuple[str, Any, str]:
+    """Text, usage and finish reason of a streamed chat completion."""
+    parts: list[str] = []
+    usage = None
+    finish = ""
+    for chunk in chat(c, model, user, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(parts), usage, finish
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (
+            server.metric("amplituhedron_serve_live_sequences") == 0
+            and server.metric("amplituhedron_serve_running") == 0
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError("sequences are still holding KV")
+
+
+# --- replies ---------------------------------------------------------------------------------
+
+
+def test_plain_and_streamed_replies_agree(server: Server) -> None:
+    c, m = server.client(), server.model()
+    plain = chat(c, m, "Is it raining?", max_tokens=24)
+    text, usage, finish = streamed_text(c, m, "Is it raining?", max_tokens=24)
+    assert plain.choices[0].message.content == text
+    assert text.strip()
+    assert plain.choices[0].finish_reason == finish
+    assert finish in ("stop", "length")
+    assert usage is not None
+    assert usage.completion_tokens == plain.usage.completion_tokens > 0
+    assert usage.prompt_tokens == plain.usage.prompt_tokens > 20
+    assert plain.object == "chat.completion"
+
+
+def test_completions_take_text_or_token_ids(server: Server) -> None:
+    c, m = server.client(), server.model()
+    by_text = c.completions.create(model=m, prompt="The capital of France is", max_tokens=6)
+    ids = Tokenizer(read_model_file()).encode("The capital of France is")
+    by_ids = c.completions.create(model=m, prompt=ids, max_tokens=6)
+    assert by_text.usage is not None
+    assert by_text.usage.prompt_tokens == len(ids)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.choices[0].finish_reason == "length"
+    assert by_text.usage.completion_tokens == 6
+
+
+def test_stop_sequences_cut_the_text_and_say_stop(server: Server) -> None:
+    c, m = server.client(), server.model()
+    full = chat(c, m, "List three colours.", max_tokens=30).choices[0].message.content
+    assert full and len(full) > 12
+    stop = full[8:12]
+    cut = chat(c, m, "List three colours.", max_tokens=30, stop=[stop])
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed, _, finish = streamed_text(c, m, "List three colours.", max_tokens=30, stop=stop)
+    assert streamed == full[: full.index(stop)]
+    assert finish == "stop"
+
+
+def test_a_seed_makes_sampling_reproducible(server: Server) -> None:
+    c, m = server.client(), server.model()
+    kw: dict[str, Any] = {"max_tokens": 16, "temperature": 0.9, "top_p": 0.95}
+    a = chat(c, m, "Tell me a fact.", seed=11, **kw).choices[0].message.content
+    b = chat(c, m, "Tell me a fact.", seed=11, **kw).choices[0].message.content
+    others = {
+        chat(c, m, "Tell me a fact.", seed=s, **kw).choices[0].message.content for s in (1, 2, 3)
+    }
+    assert a == b
+    assert others - {a}, "other seeds never changed the text"
+
+
+def test_a_repeated_system_prompt_is_served_from_the_cache(server: Server) -> None:
+    c, m = server.client(), server.model()
+    chat(c, m, "What is fog?", max_tokens=4)
+    again = chat(c, m, "And what is hail?", max_tokens=4)
+    details = again.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens >= 16
+    assert details.cached_tokens < again.usage.prompt_tokens
+    exact = chat(c, m, "And what is hail?", max_tokens=4)
+    assert exact.usage.prompt_tokens_details.cached_tokens == exact.usage.prompt_tokens
+
+
+def test_cache_salt_isolates_tenants(server: Server) -> None:
+    c, m = server.client(), server.model()
+    chat(c, m, "Is it windy?", max_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    same = chat(c, m, "Is it windy?", max_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    other = chat(c, m, "Is it windy?", max_tokens=2, extra_body={"cache_salt": "tenant-b"})
+    assert same.usage.prompt_tokens_details.cached_tokens == same.usage.prompt_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+# --- concurrency -----------------------------------------------------------------------------
+
+
+def test_eight_concurrent_streams_each_equal_their_solo_run(server: Server) -> None:
+    c, m = server.client(), server.model()
+    asks = [f"Describe weather number {i} in a few words." for i in range(8)]
+    kws: list[dict[str, Any]] = [
+        {"max_tokens": 12 + 3 * i}
+        if i % 2 == 0
+        else {"max_tokens": 14, "temperature": 0.7, "seed": i}
+        for i in range(8)
+    ]
+    solo = [streamed_text(c, m, a, **kw)[0] for a, kw in zip(asks, kws, strict=True)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        together = list(
+            pool.map(lambda ak: streamed_text(c, m, ak[0], **ak[1])[0], zip(asks, kws, strict=True))
+        )
+    assert together == solo
+    wait_idle(server)
+
+
+def test_a_client_that_disconnects_cancels_its_request(server: Server) -> None:
+    m = server.model()
+    before = server.metric("amplituhedron_serve_generation_tokens_total")
+    body = {
+        "model": m,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+        "max_tokens": 3000,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as h,
+        h.stream(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got >= 3:
+                break
+    wait_idle(server)
+    generated = server.metric("amplituhedron_serve_generation_tokens_total") - before
+    assert generated < 500, f"{generated} tokens generated after the client left"
+
+
+def test_bad_parameters_get_openai_errors(server: Server) -> None:
+    m = server.model()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    msgs = [{"role": "user", "content": "hi"}]
+    bad_bodies: list[tuple[dict[str, Any], str | None]] = [
+        ({"model": m, "messages": msgs, "n": 2}, "n"),
+        ({"model": m, "messages": msgs, "temperature": -1}, "temperature"),
+        ({"model": m, "messages": msgs, "temperature": 5}, "temperature"),
+        ({"model": m, "messages": msgs, "top_p": 0}, "top_p"),
+        ({"model": m, "messages": msgs, "max_tokens": 0}, "max_tokens"),
+        ({"model": m, "messages": msgs, "max_tokens": 10**9}, "max_tokens"),
+        ({"model": m, "messages": msgs, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": m, "messages": msgs, "logprobs": True}, "logprobs"),
+        ({"model": m, "messages": msgs, "presence_penalty": 1.0}, None),
+        ({"model": m, "messages": msgs, "seed": -1}, "seed"),
+        ({"model": m, "messages": []}, "messages"),
+        ({"model": m, "messages": [{"role": "robot", "content": "x"}]}, None),
+        ({"model": m}, "messages"),
+        ({"messages": msgs}, "model"),
+        ({"model": m, "messages": msgs, "stream": "yes"}, "stream"),
+    ]
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as h:
+        for body, param in bad_bodies:
+            r = h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["type"] == "invalid_request_error" and err["message"]
+            if param is not None:
+                assert err["param"] == param, (body, err)
+        long = {"model": m, "prompt": [1] * 5000, "max_tokens": 4}
+        r = h.post("/v1/completions", json=long)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = h.post("/v1/completions", json={"model": m, "prompt": [10**6], "max_tokens": 4})
+        assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+        for raw in (b'{"model": "x", "messages": [], "temperature": NaN}', b"{not json", b""):
+            r = h.post(
+                "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+            )
+            assert r.status_code == 400, (raw, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        r = h.post("/v1/chat/completions", json={"model": "gpt-17", "messages": msgs})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    auths: list[dict[str, Any]] = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "Bearer ünïcödé".encode()},
+        {"Authorization": "Basic abc"},
+    ]
+    for auth in auths:
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions", json={"model": m, "messages": msgs}, headers=auth
+        )
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        server.client("nope").models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200, "health needs no key"
+
+
+# --- back-pressure and load ------------------------------------------------------------------
+
+
+def test_overload_answers_429_and_every_accepted_request_completes() -> None:
+    with start_server("--max-batch", "1", "--max-queue", "1") as srv:
+        m = srv.model()
+        c = srv.client()
+
+        def one(i: int) -> tuple[int, str | None]:
+            try:
+                r = c.completions.create(model=m, prompt=f"Number {i}:", max_tokens=24)
+                return 200, r.choices[0].finish_reason
+            except openai.RateLimitError as exc:
+                assert exc.response.headers.get("Retry-After")
+                assert exc.body["code"] == "queue_full"  # type: ignore[index]
+                return 429, None
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+        codes = [code for code, _ in results]
+        assert 429 in codes and 200 in codes
+        assert all(finish in ("stop", "length") for code, finish in results if code == 200)
+        wait_idle(srv)
+
+
+def test_load_32_clients_300_requests(server: Server) -> None:
+    m = server.model()
+    c = server.client(timeout=300)
+    statuses: list[int] = []
+
+    def client(k: int) -> list[int]:
+        out = []
+        for j in range(k, 300, 32):
+            r = c.completions.with_raw_response.create(
+                model=m, prompt=f"Item {j} is", max_tokens=3, temperature=0.5, seed=j
+            )
+            body = json.loads(r.text)
+            assert body["usage"]["completion_tokens"] >= 1
+            out.append(r.status_code)
+        return out
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        for codes in pool.map(client, range(32)):
+            statuses.extend(codes)
+    assert len(statuses) == 300
+    assert all(s == 200 for s in statuses), sorted(set(statuses))
+    wait_idle(server)
