@@ -138,8 +138,11 @@ impl Isa for Avx2 {
         unsafe {
             // Vector k holds rows k and 4+k in its 128-bit lanes; a 4×4 transpose of the
             // 32-bit words within the lanes puts row i in lane i.
-            let q = |k: usize| load2(p.add(k * stride), p.add((4 + k) * stride));
-            let (v0, v1, v2, v3) = (q(0), q(1), q(2), q(3));
+            let mut v = [_mm256_setzero_si256(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                *vk = load2(p.add(k * stride), p.add((4 + k) * stride));
+            }
+            let [v0, v1, v2, v3] = v;
             let t0 = _mm256_unpacklo_epi32(v0, v1);
             let t1 = _mm256_unpackhi_epi32(v0, v1);
             let t2 = _mm256_unpacklo_epi32(v2, v3);
@@ -247,7 +250,7 @@ impl Isa for Avx2 {
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
 }
 

@@ -126,11 +126,13 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         unsafe {
             // Vector k holds rows k, 4+k, 8+k, 12+k in its 128-bit lanes; a 4×4 transpose of
             // the 32-bit words within the lanes puts row i in lane i.
-            let q = |k: usize| {
-                let row = |l: usize| p.add((4 * l + k) * stride);
-                load4(row(0), row(1), row(2), row(3))
-            };
-            let (v0, v1, v2, v3) = (q(0), q(1), q(2), q(3));
+            let mut v = [_mm512_setzero_si512(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                let row = p.add(k * stride);
+                let s4 = 4 * stride;
+                *vk = load4(row, row.add(s4), row.add(2 * s4), row.add(3 * s4));
+            }
+            let [v0, v1, v2, v3] = v;
             let t0 = _mm512_unpacklo_epi32(v0, v1);
             let t1 = _mm512_unpackhi_epi32(v0, v1);
             let t2 = _mm512_unpacklo_epi32(v2, v3);
@@ -249,7 +251,7 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
 }
 
