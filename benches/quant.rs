@@ -8,6 +8,9 @@
 //! - `prefill_gemm`: 256 tokens × each layer shape (GMAC/s), and one whole layer;
 //! - `baseline`: naive dequantize-a-row-then-dot, our kernel on one thread, and memcpy / a
 //!   parallel read of the 96.6 MB as the bandwidth reference;
+//! - `formats`: every quantized format at decode shapes (1 token), weights streamed from
+//!   memory (a ring of copies twice the size of L3), GB/s of weight bytes against a memcpy
+//!   of as many bytes in the same run;
 //! - `small_batch`: the 210 layer matmuls of all 30 layers for n = 1, 2, 4, 8, 16 tokens
 //!   (continuous batching, speculative decoding), all-Q4_1 and all-Q8_0 layers, with inputs
 //!   quantized fast (one 8-bit pass) or refined (value + residual, folded) as the model does.
@@ -70,11 +73,16 @@ impl Rng {
 }
 
 /// Random codes with small finite f16 scales (what matters for speed is the byte layout).
+/// (For k-quants the f16 `d`/`dmin` sit elsewhere in the block, and random bytes there may
+/// be non-finite; the kernels' speed does not depend on the values.)
 fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     let mut data = vec![0u8; rows * dtype.row_bytes(cols).unwrap()];
     for chunk in data.chunks_mut(8) {
         let v = rng.next_u64().to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    if dtype.is_k_quant() {
+        return data;
     }
     let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
     let min = half::f16::from_f32(-0.07).to_bits().to_le_bytes();
@@ -407,17 +415,96 @@ fn baselines(c: &mut Criterion) {
         });
         g.bench_function(format!("read_model_weights/{threads}t"), |b| {
             timed(b, pool, &format!("read/{threads}t"), || {
-                let sum: u64 = src
-                    .par_chunks(1 << 20)
-                    .map(|c| {
-                        c.chunks_exact(8)
-                            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
-                            .fold(0u64, u64::wrapping_add)
-                    })
-                    .reduce(|| 0, u64::wrapping_add);
-                black_box(sum);
+                black_box(read_all(&src));
             })
         });
+    }
+    g.finish();
+}
+
+/// Decode shapes `(rows, cols)` of the format bench: SmolLM2's FFN (576×1536, 1536×576),
+/// Gemma 3 270M's (640×2048, 2048×640) and an LM head. k-quants need cols % 256 == 0, so
+/// they skip 1536×576 and 2048×640 (real files store such matrices in 32-element formats).
+const FORMAT_SHAPES: [(usize, usize); 5] = [
+    (576, 1536),
+    (1536, 576),
+    (640, 2048),
+    (2048, 640),
+    (49152, 1536),
+];
+/// Bytes of weights a format bench cycles through: twice a 32 MB L3, so they stream.
+const RING_BYTES: usize = 64 << 20;
+
+fn quantized_formats() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL.into_iter().filter(|t| t.is_quantized())
+}
+
+fn memcpy_all(dst: &mut [u8], src: &[u8]) {
+    dst.par_chunks_mut(1 << 20)
+        .zip(src.par_chunks(1 << 20))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+/// Sums the bytes as u64 words over the pool: the plain read bandwidth.
+fn read_all(src: &[u8]) -> u64 {
+    src.par_chunks(1 << 20)
+        .map(|c| {
+            c.chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+                .fold(0u64, u64::wrapping_add)
+        })
+        .reduce(|| 0, u64::wrapping_add)
+}
+
+fn formats(c: &mut Criterion) {
+    let mut rng = Rng(7);
+    let pool = pool(2);
+    let mut g = c.benchmark_group("formats");
+    let src: Vec<u8> = (0..RING_BYTES).map(|i| (i * 7) as u8).collect();
+    let mut dst = vec![0u8; RING_BYTES];
+    g.throughput(Throughput::Bytes(RING_BYTES as u64));
+    g.bench_function("memcpy/2t", |b| {
+        timed(b, &pool, "formats/memcpy", || {
+            memcpy_all(&mut dst, &src);
+            black_box(&dst);
+        })
+    });
+    g.bench_function("read/2t", |b| {
+        timed(b, &pool, "formats/read", || {
+            black_box(read_all(&src));
+        })
+    });
+    drop((src, dst));
+    for dtype in quantized_formats() {
+        for (rows, cols) in FORMAT_SHAPES {
+            if cols % dtype.block_size() != 0 {
+                continue;
+            }
+            let bytes = rows * dtype.row_bytes(cols).unwrap();
+            let copies = if std::env::var("KQ_WARM").is_ok() {
+                1
+            } else {
+                RING_BYTES.div_ceil(bytes)
+            };
+            let ring: Vec<Vec<u8>> = (0..copies)
+                .map(|_| random_weights(dtype, rows, cols, &mut rng))
+                .collect();
+            let x = rng.floats(cols);
+            let mut scratch = QuantScratch::new();
+            let input = QuantizedInput::quantize(&x, 1, cols, &mut scratch).unwrap();
+            let mut out = vec![0.0f32; rows];
+            let mut next = 0;
+            g.throughput(Throughput::Bytes(bytes as u64));
+            let id = format!("{dtype}/{rows}x{cols}");
+            g.bench_function(&id, |b| {
+                timed(b, &pool, &format!("formats/{id}"), || {
+                    let w = QMatrix::new(dtype, rows, cols, &ring[next]).unwrap();
+                    next = (next + 1) % ring.len();
+                    matmul(&w, &input, &mut out).unwrap();
+                    black_box(&out);
+                })
+            });
+        }
     }
     g.finish();
 }
@@ -671,6 +758,32 @@ fn summary(_c: &mut Criterion) {
         f * LAYERS as f64
     );
 
+    let memcpy = RING_BYTES as f64 / median("formats/memcpy") / 1e9;
+    let read = RING_BYTES as f64 / median("formats/read") / 1e9;
+    println!(
+        "formats: 1 token, weights streamed from memory, 2 threads (over {} MB: memcpy {memcpy:.2} GB/s, read {read:.2} GB/s):",
+        RING_BYTES >> 20
+    );
+    println!(
+        "  {:<6} {:>12} {:>8} {:>8} {:>7} {:>8}",
+        "format", "shape", "GB/s", "memcpy", "ratio", "/read"
+    );
+    for dtype in quantized_formats() {
+        for (rows, cols) in FORMAT_SHAPES {
+            if cols % dtype.block_size() != 0 {
+                continue;
+            }
+            let bytes = rows * dtype.row_bytes(cols).unwrap();
+            let gbs = bytes as f64 / median(&format!("formats/{dtype}/{rows}x{cols}")) / 1e9;
+            println!(
+                "  {dtype:<6} {:>12} {gbs:>8.2} {memcpy:>8.2} {:>7.2} {:>8.2}",
+                format!("{rows}x{cols}"),
+                gbs / memcpy,
+                gbs / read
+            );
+        }
+    }
+
     println!("small batch: the 210 layer matmuls of 30 layers, n tokens, 2 threads (tokens/s, and speed-up of the batch over n = 1):");
     for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
         for refined in [false, true] {
@@ -728,6 +841,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, small_batch_kernel, small_batch, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, summary
 }
 criterion_main!(benches);

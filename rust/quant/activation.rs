@@ -402,9 +402,49 @@ fn dequantize_codes(qs: &[i8], scale: &[f32], block: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Quantizes whole blocks: `x` is `scale.len()` blocks of 32 floats, into the matching
-/// slices. The SIMD variants perform the same exact IEEE operations as [`quantize_block`],
-/// so every ISA gives identical bits.
+/// Quantizes whole blocks of `block` elements (32 or 256): `x` is `scale.len()` blocks, into
+/// codes `qs`, scales and `Σq`. The SIMD variants perform the same exact IEEE operations as
+/// [`quantize_span`], so every ISA gives identical bits.
+pub(crate) fn quantize_spans(
+    kernel: Kernel,
+    x: &[f32],
+    qs: &mut [i8],
+    block: usize,
+    scale: &mut [f32],
+    qsum: &mut [i32],
+) {
+    assert!(
+        block.is_multiple_of(QK)
+            && x.len() == scale.len() * block
+            && qs.len() == x.len()
+            && qsum.len() == scale.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if kernel.is_available() {
+        match kernel {
+            // SAFETY: `is_available` checked the CPU features; the lengths are checked above.
+            Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
+                return super::avx512::quantize_spans(x, qs, block, scale, qsum);
+            },
+            // SAFETY: as above.
+            Kernel::Avx2 => unsafe {
+                return super::avx2::quantize_spans(x, qs, block, scale, qsum);
+            },
+            Kernel::Scalar => {}
+        }
+    }
+    let _ = kernel;
+    for (((xb, qb), d), sum) in x
+        .chunks_exact(block)
+        .zip(qs.chunks_exact_mut(block))
+        .zip(scale.iter_mut())
+        .zip(qsum.iter_mut())
+    {
+        (*d, *sum) = quantize_span(xb, qb);
+    }
+}
+
+/// Quantizes whole 32-element blocks, with `s = d·Σq` (NaN for a non-finite block).
 pub(crate) fn quantize_blocks(
     kernel: Kernel,
     x: &[f32],
@@ -413,35 +453,9 @@ pub(crate) fn quantize_blocks(
     scaled_sum: &mut [f32],
     qsum: &mut [i32],
 ) {
-    assert!(
-        x.len() == scale.len() * QK
-            && qs.len() == x.len()
-            && scaled_sum.len() == scale.len()
-            && qsum.len() == scale.len()
-    );
-    #[cfg(target_arch = "x86_64")]
-    if kernel.is_available() {
-        match kernel {
-            // SAFETY: `is_available` checked the CPU features; the lengths are checked above.
-            Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
-                return super::avx512::quantize_blocks(x, qs, scale, scaled_sum, qsum);
-            },
-            // SAFETY: as above.
-            Kernel::Avx2 => unsafe {
-                return super::avx2::quantize_blocks(x, qs, scale, scaled_sum, qsum);
-            },
-            Kernel::Scalar => {}
-        }
-    }
-    let _ = kernel;
-    for ((((xb, qb), d), s), sum) in x
-        .chunks_exact(QK)
-        .zip(qs.chunks_exact_mut(QK))
-        .zip(scale.iter_mut())
-        .zip(scaled_sum.iter_mut())
-        .zip(qsum.iter_mut())
-    {
-        (*d, *s, *sum) = quantize_block(xb, qb);
+    quantize_spans(kernel, x, qs, QK, scale, qsum);
+    for ((s, &d), &sum) in scaled_sum.iter_mut().zip(scale.iter()).zip(qsum.iter()) {
+        *s = d * sum as f32;
     }
 }
 
@@ -455,21 +469,16 @@ pub(crate) fn quantize_super_blocks(
     sums16: &mut [i16],
     sums32: &mut [i16],
 ) {
-    assert!(
-        x.len() == scale.len() * QK_K
-            && qs.len() == x.len()
-            && sums16.len() == scale.len() * 16
-            && sums32.len() == scale.len() * 8
-    );
-    for ((((xb, qb), d), s16), s32) in x
-        .chunks_exact(QK_K)
-        .zip(qs.chunks_exact_mut(QK_K))
-        .zip(scale.iter_mut())
-        .zip(sums16.chunks_exact_mut(16))
-        .zip(sums32.chunks_exact_mut(8))
+    assert!(sums16.len() == scale.len() * 16 && sums32.len() == scale.len() * 8);
+    let mut totals = [0i32; 8];
+    for (((xc, qc), dc), (s16, s32)) in x
+        .chunks(8 * QK_K)
+        .zip(qs.chunks_mut(8 * QK_K))
+        .zip(scale.chunks_mut(8))
+        .zip(sums16.chunks_mut(8 * 16).zip(sums32.chunks_mut(8 * 8)))
     {
-        *d = quantize_super_block(kernel, xb, qb);
-        for (s, q) in s16.iter_mut().zip(qb.chunks_exact(16)) {
+        quantize_spans(kernel, xc, qc, QK_K, dc, &mut totals[..dc.len()]);
+        for (s, q) in s16.iter_mut().zip(qc.chunks_exact(16)) {
             *s = q.iter().map(|&v| v as i16).sum();
         }
         for (s, pair) in s32.iter_mut().zip(s16.chunks_exact(2)) {
@@ -516,21 +525,6 @@ pub(crate) fn quantize_span(x: &[f32], q: &mut [i8]) -> (f32, i32) {
         sum += r;
     }
     (d, sum)
-}
-
-/// The canonical quantization of one 32-element block into `q`; returns `(d, d·Σq, Σq)`
-/// (`s = NaN` for a non-finite block).
-#[inline(always)]
-pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
-    let (d, sum) = quantize_span(x, q);
-    (d, d * sum as f32, sum)
-}
-
-/// The canonical quantization of one 256-element super-block into `q`; returns `d`.
-#[inline(always)]
-pub(crate) fn quantize_super_block(kernel: Kernel, x: &[f32], q: &mut [i8]) -> f32 {
-    let _ = kernel;
-    quantize_span(x, q).0
 }
 
 /// Completes a refined matmul ([`QuantizedInput::quantize_refined`]): `out[t] = full[t] +

@@ -5,9 +5,9 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_block, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
+use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
 use super::avx512::{small_rect, super_rect};
-use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80, QK};
+use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
 use super::kernel::OutPtr;
 use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
 use super::lanes::{self, Isa, Small, Super};
@@ -138,8 +138,11 @@ impl Isa for Avx2 {
         unsafe {
             // Vector k holds rows k and 4+k in its 128-bit lanes; a 4×4 transpose of the
             // 32-bit words within the lanes puts row i in lane i.
-            let q = |k: usize| load2(p.add(k * stride), p.add((4 + k) * stride));
-            let (v0, v1, v2, v3) = (q(0), q(1), q(2), q(3));
+            let mut v = [_mm256_setzero_si256(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                *vk = load2(p.add(k * stride), p.add((4 + k) * stride));
+            }
+            let [v0, v1, v2, v3] = v;
             let t0 = _mm256_unpacklo_epi32(v0, v1);
             let t1 = _mm256_unpackhi_epi32(v0, v1);
             let t2 = _mm256_unpacklo_epi32(v2, v3);
@@ -247,7 +250,7 @@ impl Isa for Avx2 {
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
 }
 
@@ -358,16 +361,17 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
     }
 }
 
-/// AVX2 version of `activation::quantize_blocks` (same operations, same bits).
+/// AVX2 version of `activation::quantize_spans` (same operations, same bits).
 ///
 /// # Safety
-/// The CPU supports AVX2; lengths as for `avx512::quantize_blocks`.
+/// The CPU supports AVX2; `block` is a multiple of 32; lengths as for
+/// `avx512::quantize_spans`.
 #[target_feature(enable = "avx2")]
-pub(crate) unsafe fn quantize_blocks(
+pub(crate) unsafe fn quantize_spans(
     x: &[f32],
     qs: &mut [i8],
+    block: usize,
     scale: &mut [f32],
-    scaled_sum: &mut [f32],
     qsum: &mut [i32],
 ) {
     let abs_mask = _mm256_set1_epi32(0x7fff_ffff);
@@ -388,35 +392,42 @@ pub(crate) unsafe fn quantize_blocks(
         _mm_cvtsi128_si32(v)
     };
     for b in 0..scale.len() {
-        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
-        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        let (xb, qb) = (
+            &x[b * block..(b + 1) * block],
+            &mut qs[b * block..(b + 1) * block],
+        );
+        // SAFETY: `block` floats readable in `xb`, `block` bytes writable in `qb`, in steps
+        // of 32.
         unsafe {
-            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
-            let bits = |i: usize| _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask);
-            let amax = _mm256_max_epu32(
-                _mm256_max_epu32(bits(0), bits(1)),
-                _mm256_max_epu32(bits(2), bits(3)),
-            );
+            let mut amax = _mm256_setzero_si256();
+            for i in (0..block).step_by(8) {
+                let bits = _mm256_castps_si256(_mm256_loadu_ps(xb.as_ptr().add(i)));
+                amax = _mm256_max_epu32(amax, _mm256_and_si256(bits, abs_mask));
+            }
             let Some((d, id)) = block_scale(hmax(amax)) else {
-                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                (scale[b], qsum[b]) = quantize_span(xb, qb);
                 continue;
             };
             let id = _mm256_set1_ps(id);
-            let r: [__m256i; 4] = std::array::from_fn(|i| {
-                let m = _mm256_add_ps(_mm256_mul_ps(v[i], id), magic);
-                _mm256_sub_epi32(_mm256_castps_si256(m), magic_bits)
-            });
-            let packed = _mm256_packs_epi16(
-                _mm256_packs_epi32(r[0], r[1]),
-                _mm256_packs_epi32(r[2], r[3]),
-            );
-            let packed = _mm256_permutevar8x32_epi32(packed, order);
-            _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, packed);
-            let sum = hsum(_mm256_add_epi32(
-                _mm256_add_epi32(r[0], r[1]),
-                _mm256_add_epi32(r[2], r[3]),
-            ));
-            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+            let mut sum = _mm256_setzero_si256();
+            for i in (0..block).step_by(32) {
+                let r: [__m256i; 4] = std::array::from_fn(|k| {
+                    let v = _mm256_loadu_ps(xb.as_ptr().add(i + 8 * k));
+                    let m = _mm256_add_ps(_mm256_mul_ps(v, id), magic);
+                    _mm256_sub_epi32(_mm256_castps_si256(m), magic_bits)
+                });
+                let packed = _mm256_packs_epi16(
+                    _mm256_packs_epi32(r[0], r[1]),
+                    _mm256_packs_epi32(r[2], r[3]),
+                );
+                let packed = _mm256_permutevar8x32_epi32(packed, order);
+                _mm256_storeu_si256(qb.as_mut_ptr().add(i) as *mut __m256i, packed);
+                sum = _mm256_add_epi32(
+                    sum,
+                    _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])),
+                );
+            }
+            (scale[b], qsum[b]) = (d, hsum(sum));
         }
     }
 }

@@ -5,8 +5,8 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_block, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
-use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80, QK};
+use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
+use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
 use super::kernel::OutPtr;
 use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
 use super::lanes::{self, Isa, Small, Super};
@@ -126,11 +126,13 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         unsafe {
             // Vector k holds rows k, 4+k, 8+k, 12+k in its 128-bit lanes; a 4×4 transpose of
             // the 32-bit words within the lanes puts row i in lane i.
-            let q = |k: usize| {
-                let row = |l: usize| p.add((4 * l + k) * stride);
-                load4(row(0), row(1), row(2), row(3))
-            };
-            let (v0, v1, v2, v3) = (q(0), q(1), q(2), q(3));
+            let mut v = [_mm512_setzero_si512(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                let row = p.add(k * stride);
+                let s4 = 4 * stride;
+                *vk = load4(row, row.add(s4), row.add(2 * s4), row.add(3 * s4));
+            }
+            let [v0, v1, v2, v3] = v;
             let t0 = _mm512_unpacklo_epi32(v0, v1);
             let t1 = _mm512_unpackhi_epi32(v0, v1);
             let t2 = _mm512_unpacklo_epi32(v2, v3);
@@ -249,7 +251,7 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
         // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
     }
 }
 
@@ -513,49 +515,52 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
     }
 }
 
-/// AVX-512 version of `activation::quantize_blocks` (same operations, same bits).
+/// AVX-512 version of `activation::quantize_spans` (same operations, same bits).
 ///
 /// # Safety
-/// The CPU supports AVX-512 F + BW; `x` and `qs` hold `32 · scale.len()` elements and the
-/// other slices `scale.len()`.
+/// The CPU supports AVX-512 F + BW; `block` is a multiple of 16; `x` and `qs` hold
+/// `block · scale.len()` elements and `qsum` `scale.len()`.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn quantize_blocks(
+pub(crate) unsafe fn quantize_spans(
     x: &[f32],
     qs: &mut [i8],
+    block: usize,
     scale: &mut [f32],
-    scaled_sum: &mut [f32],
     qsum: &mut [i32],
 ) {
     let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
     let magic = _mm512_set1_ps(ROUNDING_MAGIC);
     let magic_bits = _mm512_set1_epi32(ROUNDING_MAGIC.to_bits() as i32);
     for b in 0..scale.len() {
-        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
-        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        let (xb, qb) = (
+            &x[b * block..(b + 1) * block],
+            &mut qs[b * block..(b + 1) * block],
+        );
+        // SAFETY: `block` floats readable in `xb`, `block` bytes writable in `qb`, in steps
+        // of 16.
         unsafe {
-            let v0 = _mm512_loadu_ps(xb.as_ptr());
-            let v1 = _mm512_loadu_ps(xb.as_ptr().add(16));
-            let amax = _mm512_max_epu32(
-                _mm512_and_si512(_mm512_castps_si512(v0), abs_mask),
-                _mm512_and_si512(_mm512_castps_si512(v1), abs_mask),
-            );
+            let mut amax = _mm512_setzero_si512();
+            for i in (0..block).step_by(16) {
+                let bits = _mm512_castps_si512(_mm512_loadu_ps(xb.as_ptr().add(i)));
+                amax = _mm512_max_epu32(amax, _mm512_and_si512(bits, abs_mask));
+            }
             let Some((d, id)) = block_scale(_mm512_reduce_max_epu32(amax)) else {
-                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                (scale[b], qsum[b]) = quantize_span(xb, qb);
                 continue;
             };
             let id = _mm512_set1_ps(id);
-            let round = |v: __m512| {
+            let mut sum = _mm512_setzero_si512();
+            for i in (0..block).step_by(16) {
+                let v = _mm512_loadu_ps(xb.as_ptr().add(i));
                 let m = _mm512_add_ps(_mm512_mul_ps(v, id), magic);
-                _mm512_sub_epi32(_mm512_castps_si512(m), magic_bits)
-            };
-            let (r0, r1) = (round(v0), round(v1));
-            _mm_storeu_si128(qb.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(r0));
-            _mm_storeu_si128(
-                qb.as_mut_ptr().add(16) as *mut __m128i,
-                _mm512_cvtepi32_epi8(r1),
-            );
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
-            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+                let r = _mm512_sub_epi32(_mm512_castps_si512(m), magic_bits);
+                _mm_storeu_si128(
+                    qb.as_mut_ptr().add(i) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(r),
+                );
+                sum = _mm512_add_epi32(sum, r);
+            }
+            (scale[b], qsum[b]) = (d, _mm512_reduce_add_epi32(sum));
         }
     }
 }

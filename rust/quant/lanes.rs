@@ -325,11 +325,12 @@ unsafe fn run_tile<S: Isa, F: LaneFormat<S>, const T: usize>(
 ) -> usize {
     // SAFETY: `partial` holds T vectors and `out` LANES floats at T token strides (caller).
     unsafe {
-        let mut acc: [S::F; T] = if first {
-            [S::fzero(); T]
-        } else {
-            std::array::from_fn(|t| S::fload(partial.add(t)))
-        };
+        let mut acc = [S::fzero(); T];
+        if !first {
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = S::fload(partial.add(t));
+            }
+        }
         F::tile::<T>(buf, blocks, act, t0, &mut acc);
         for (t, a) in acc.into_iter().enumerate() {
             if last {
@@ -342,7 +343,9 @@ unsafe fn run_tile<S: Isa, F: LaneFormat<S>, const T: usize>(
     T
 }
 
-/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it.
+/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it,
+/// into L2: a k-quant block's share is dozens of lines, and prefetches into L1 would stall
+/// on its few miss buffers.
 #[inline(always)]
 unsafe fn prefetch_slice<S: Isa>(next: *const u8, b: usize, span: usize) {
     let from = next.wrapping_add(b * span);
@@ -431,17 +434,23 @@ unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize,
             if let Some(qh) = qh {
                 // Element e's 5th bit is bit e of qh: the low nibbles of dword j are elements
                 // 4j..4j+4 (qh byte j/2, bits 4(j%2)..), the high ones 16+4j.. (byte 2 + j/2).
-                let bits = |byte: u32| {
-                    let spread = S::dword_bytes(qh, byte * 0x0101_0101);
-                    let mask = 0x0804_0201u32 << (4 * (j as u32 % 2));
-                    S::sll32(S::bits_to_ones(spread, S::splat(mask as i32)), 4)
-                };
-                low = S::or(low, bits(j as u32 / 2));
-                high = S::or(high, bits(2 + j as u32 / 2));
+                let mask = S::splat((0x0804_0201u32 << (4 * (j as u32 % 2))) as i32);
+                low = S::or(low, fifth_bits::<S>(qh, j as u32 / 2, mask));
+                high = S::or(high, fifth_bits::<S>(qh, 2 + j as u32 / 2, mask));
             }
             S::store(out.add(j), low);
             S::store(out.add(4 + j), high);
         }
+    }
+}
+
+/// `0x10` in byte `k` of every lane where byte `byte` of `qh` has bit `mask_k` set.
+#[inline(always)]
+unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe {
+        let spread = S::dword_bytes(qh, byte * 0x0101_0101);
+        S::sll32(S::bits_to_ones(spread, mask), 4)
     }
 }
 
@@ -469,7 +478,10 @@ unsafe fn tile_small<S: Isa, F: BlockFormat, const T: usize>(
     unsafe {
         for (slot, b) in blocks.enumerate() {
             let base = buf.add(slot * slots);
-            let codes: [S::I; 8] = std::array::from_fn(|v| S::load(base.add(v)));
+            let mut codes = [S::zero(); 8];
+            for (v, c) in codes.iter_mut().enumerate() {
+                *c = S::load(base.add(v));
+            }
             let dw = S::fload(base.add(slots - 2) as *const S::F);
             let m = S::fload(base.add(slots - 1) as *const S::F);
             for (t, acc_t) in acc.iter_mut().enumerate() {
@@ -579,10 +591,23 @@ struct GroupBytes<S: Isa> {
     signed: bool,
 }
 
+impl<S: Isa> GroupBytes<S> {
+    #[inline(always)]
+    unsafe fn new(signed: bool) -> Self {
+        // SAFETY: a zero vector (caller's features).
+        let zero = unsafe { S::zero() };
+        Self {
+            scales: [zero; 4],
+            mins: [zero; 4],
+            signed,
+        }
+    }
+}
+
 /// Stores the group scales, the min/zero-point pairs, `d` and `dmin` of a super-block.
 #[inline(always)]
 unsafe fn store_super_params<S: Isa, F: SuperBlockFormat>(
-    g: GroupBytes<S>,
+    g: &GroupBytes<S>,
     d: S::F,
     dmin: S::F,
     out: *mut S::I,
@@ -613,145 +638,144 @@ unsafe fn store_super_params<S: Isa, F: SuperBlockFormat>(
     }
 }
 
-/// Unpacks one k-quant super-block of `LANES` rows (format-specific code positions; see
-/// `kquant` for the layouts).
+/// `N` consecutive 32-bit words of every row from `p` (`N` a multiple of 4): lane `i` of
+/// vector `k` is word `k` of row `i`.
+#[inline(always)]
+unsafe fn words<S: Isa, const N: usize>(p: *const u8, rs: usize) -> [S::I; N] {
+    let mut w = [S::zero(); N];
+    for k in (0..N).step_by(4) {
+        // SAFETY: 4·N readable bytes at p + i·rs for every row (caller).
+        let r = unsafe { S::rows_x16(p.add(4 * k), rs) };
+        w[k..k + 4].copy_from_slice(&r);
+    }
+    w
+}
+
+/// `(x >> shift) & mask` per 32-bit lane.
+#[inline(always)]
+unsafe fn field<S: Isa>(x: S::I, shift: u32, mask: u32) -> S::I {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe { S::and(S::srl32(x, shift), S::splat(mask as i32)) }
+}
+
+/// Unpacks one k-quant super-block of `LANES` rows (code positions as in `kquant`; code
+/// vector `v` covers elements `4v..4v+4`). Loops run over 8 words at a time with the
+/// innermost over those 8, so the compiler keeps them in registers.
 #[inline(always)]
 unsafe fn unpack_super<S: Isa, F: SuperBlockFormat>(blk: *const u8, rs: usize, out: *mut S::I) {
-    let mask = |m: u32| -> S::I {
-        // SAFETY: a splat (caller's features).
-        unsafe { S::splat(m as i32) }
-    };
-    // SAFETY: every load reads inside the super-block of each row (offsets below are within
-    // BLOCK_BYTES − 16); `out` holds the super-block's slots (caller).
+    // SAFETY: every load reads inside the super-block of each row (every 16-byte window
+    // starts at most BLOCK_BYTES − 16); `out` holds the super-block's slots (caller).
     unsafe {
-        let rows = |offset: usize| S::rows_x16(blk.add(offset), rs);
-        let words = |offset: usize, n: usize| -> [S::I; 32] {
-            let mut w = [S::zero(); 32];
-            for k in 0..n / 4 {
-                w[4 * k..4 * k + 4].copy_from_slice(&rows(offset + 16 * k));
-            }
-            w
-        };
-        let code = |v: usize, x: S::I| S::store(out.add(SuperLayout::CODES + v), x);
+        let codes = out.add(SuperLayout::CODES);
         match F::BLOCK_BYTES {
             // Q2_K: scales[16] (scale | min << 4), qs[64], d, dmin.
             84 => {
-                let s = rows(0);
-                let q = words(16, 16);
-                for v in 0..64 {
-                    let (h, j, l) = (v / 32, (v % 32) / 8, v % 8);
-                    code(
-                        v,
-                        S::and(S::srl32(q[8 * h + l], 2 * j as u32), mask(0x0303_0303)),
-                    );
+                for h in 0..2 {
+                    let q = words::<S, 8>(blk.add(16 + 32 * h), rs);
+                    for j in 0..4 {
+                        for (l, &x) in q.iter().enumerate() {
+                            let v = 32 * h + 8 * j + l;
+                            S::store(codes.add(v), field::<S>(x, 2 * j as u32, 0x0303_0303));
+                        }
+                    }
                 }
-                let tail = rows(68)[3];
-                let g = GroupBytes {
-                    scales: s.map(|x| S::and(x, mask(0x0f0f_0f0f))),
-                    mins: s.map(|x| S::and(S::srl32(x, 4), mask(0x0f0f_0f0f))),
-                    signed: false,
-                };
-                store_super_params::<S, F>(
-                    g,
-                    S::f16_low(tail),
-                    S::f16_low(S::srl32(tail, 16)),
-                    out,
-                );
+                let s = S::rows_x16(blk, rs);
+                let mut g = GroupBytes::<S>::new(false);
+                for (k, &x) in s.iter().enumerate() {
+                    g.scales[k] = field::<S>(x, 0, 0x0f0f_0f0f);
+                    g.mins[k] = field::<S>(x, 4, 0x0f0f_0f0f);
+                }
+                let tail = S::rows_x16(blk.add(68), rs)[3];
+                let (d, dmin) = (S::f16_low(tail), S::f16_low(S::srl32(tail, 16)));
+                store_super_params::<S, F>(&g, d, dmin, out);
             }
             // Q3_K: hmask[32], qs[64], scales[12] (6-bit, − 32), d.
             110 => {
-                let hm = words(0, 8);
-                let q = words(32, 16);
-                for v in 0..64 {
-                    let (h, j, l) = (v / 32, (v % 32) / 8, v % 8);
-                    let low = S::and(S::srl32(q[8 * h + l], 2 * j as u32), mask(0x0303_0303));
-                    code(v, or_bit::<S>(low, hm[l], (v / 8) as u32, 2));
+                let hm = words::<S, 8>(blk, rs);
+                for h in 0..2 {
+                    let q = words::<S, 8>(blk.add(32 + 32 * h), rs);
+                    for j in 0..4 {
+                        for l in 0..8 {
+                            let low = field::<S>(q[l], 2 * j as u32, 0x0303_0303);
+                            let code = or_bit::<S>(low, hm[l], (4 * h + j) as u32, 2);
+                            S::store(codes.add(32 * h + 8 * j + l), code);
+                        }
+                    }
                 }
                 // Bytes 94..110: qs[62..64], scales[0..12], d.
-                let t = rows(94);
-                let join = |a: S::I, b: S::I| S::or(S::srl32(a, 16), S::sll32(b, 16));
-                let (s0, s1, s2) = (join(t[0], t[1]), join(t[1], t[2]), join(t[2], t[3]));
+                let t = S::rows_x16(blk.add(94), rs);
+                let s0 = S::or(S::srl32(t[0], 16), S::sll32(t[1], 16));
+                let s1 = S::or(S::srl32(t[1], 16), S::sll32(t[2], 16));
+                let s2 = S::or(S::srl32(t[2], 16), S::sll32(t[3], 16));
                 let low = [s0, s1, S::srl32(s0, 4), S::srl32(s1, 4)];
-                let scales = std::array::from_fn(|k| {
+                let mut g = GroupBytes::<S>::new(true);
+                for (k, &low) in low.iter().enumerate() {
                     let six = S::or(
-                        S::and(low[k], mask(0x0f0f_0f0f)),
-                        S::sll32(S::and(S::srl32(s2, 2 * k as u32), mask(0x0303_0303)), 4),
+                        field::<S>(low, 0, 0x0f0f_0f0f),
+                        S::sll32(field::<S>(s2, 2 * k as u32, 0x0303_0303), 4),
                     );
-                    S::sub8(six, mask(0x2020_2020))
-                });
-                let g = GroupBytes {
-                    scales,
-                    mins: [S::zero(); 4],
-                    signed: true,
-                };
-                store_super_params::<S, F>(g, S::f16_low(S::srl32(t[3], 16)), S::fzero(), out);
+                    g.scales[k] = S::sub8(six, S::splat(0x2020_2020));
+                }
+                let d = S::f16_low(S::srl32(t[3], 16));
+                store_super_params::<S, F>(&g, d, S::fzero(), out);
             }
             // Q4_K / Q5_K: d, dmin, scales[12] (6-bit scales and mins), [qh[32],] qs[128].
             144 | 176 => {
-                let head = rows(0);
-                let qs_offset = if F::BLOCK_BYTES == 144 { 16 } else { 48 };
-                let qh = if F::BLOCK_BYTES == 176 {
-                    words(16, 8)
+                let five = F::BLOCK_BYTES == 176;
+                let qh = if five {
+                    words::<S, 8>(blk.add(16), rs)
                 } else {
-                    [S::zero(); 32]
+                    [S::zero(); 8]
                 };
-                for half in 0..2 {
-                    let q = words(qs_offset + 64 * half, 16);
-                    for (k, &x) in q[..16].iter().enumerate() {
-                        let j = 16 * half + k;
-                        let (c, l) = (j / 8, j % 8);
-                        let (mut low, mut high) = nibbles::<S>(x);
-                        if F::BLOCK_BYTES == 176 {
+                let qs = blk.add(if five { 48 } else { 16 });
+                for c in 0..4 {
+                    let q = words::<S, 8>(qs.add(32 * c), rs);
+                    for l in 0..8 {
+                        let (mut low, mut high) = nibbles::<S>(q[l]);
+                        if five {
                             low = or_bit::<S>(low, qh[l], (2 * c) as u32, 4);
                             high = or_bit::<S>(high, qh[l], (2 * c + 1) as u32, 4);
                         }
-                        code(16 * c + l, low);
-                        code(16 * c + 8 + l, high);
+                        S::store(codes.add(16 * c + l), low);
+                        S::store(codes.add(16 * c + 8 + l), high);
                     }
                 }
-                let (s_lo, m_lo) = (
-                    S::and(head[1], mask(0x3f3f_3f3f)),
-                    S::and(head[2], mask(0x3f3f_3f3f)),
+                let head = S::rows_x16(blk, rs);
+                let mut g = GroupBytes::<S>::new(false);
+                g.scales[0] = field::<S>(head[1], 0, 0x3f3f_3f3f);
+                g.mins[0] = field::<S>(head[2], 0, 0x3f3f_3f3f);
+                // Groups 4..8: low nibbles in bytes 8..12, top two bits in bytes 0..8.
+                let (s_top, m_top) = (
+                    field::<S>(head[1], 2, 0x3030_3030),
+                    field::<S>(head[2], 2, 0x3030_3030),
                 );
-                let top = |x: S::I| S::and(S::srl32(x, 2), mask(0x3030_3030));
-                let s_hi = S::or(S::and(head[3], mask(0x0f0f_0f0f)), top(head[1]));
-                let m_hi = S::or(
-                    S::and(S::srl32(head[3], 4), mask(0x0f0f_0f0f)),
-                    top(head[2]),
-                );
-                let g = GroupBytes {
-                    scales: [s_lo, s_hi, S::zero(), S::zero()],
-                    mins: [m_lo, m_hi, S::zero(), S::zero()],
-                    signed: false,
-                };
+                g.scales[1] = S::or(field::<S>(head[3], 0, 0x0f0f_0f0f), s_top);
+                g.mins[1] = S::or(field::<S>(head[3], 4, 0x0f0f_0f0f), m_top);
                 let dm = head[0];
-                store_super_params::<S, F>(g, S::f16_low(dm), S::f16_low(S::srl32(dm, 16)), out);
+                store_super_params::<S, F>(&g, S::f16_low(dm), S::f16_low(S::srl32(dm, 16)), out);
             }
             // Q6_K: ql[128], qh[64], scales[16] (i8), d.
             _ => {
-                let qh = words(128, 16);
-                for half in 0..2 {
-                    let ql = words(64 * half, 16);
-                    for w in 0..32 {
-                        let v = 32 * half + w;
-                        let (q, l) = (w / 8, w % 8);
-                        let low = S::and(
-                            S::srl32(ql[8 * (q % 2) + l], 4 * (q / 2) as u32),
-                            mask(0x0f0f_0f0f),
-                        );
-                        let high =
-                            S::and(S::srl32(qh[8 * half + l], 2 * q as u32), mask(0x0303_0303));
-                        code(v, S::or(low, S::sll32(high, 4)));
+                for h in 0..2 {
+                    let qh = words::<S, 8>(blk.add(128 + 32 * h), rs);
+                    for p in 0..2 {
+                        let ql = words::<S, 8>(blk.add(64 * h + 32 * p), rs);
+                        for l in 0..8 {
+                            // Quarter q of the half: ql's low nibbles for q < 2, high for
+                            // q ≥ 2; qh's bits 2q, 2q + 1.
+                            let (low, high) = nibbles::<S>(ql[l]);
+                            let low_top = field::<S>(qh[l], 2 * p as u32, 0x0303_0303);
+                            let high_top = field::<S>(qh[l], 2 * (p + 2) as u32, 0x0303_0303);
+                            let v = 32 * h + 8 * p + l;
+                            S::store(codes.add(v), S::or(low, S::sll32(low_top, 4)));
+                            S::store(codes.add(v + 16), S::or(high, S::sll32(high_top, 4)));
+                        }
                     }
                 }
-                let scales = rows(192);
-                let g = GroupBytes {
-                    scales,
-                    mins: [S::zero(); 4],
-                    signed: true,
-                };
-                let d = S::f16_low(S::srl32(rows(194)[3], 16));
-                store_super_params::<S, F>(g, d, S::fzero(), out);
+                let mut g = GroupBytes::<S>::new(true);
+                g.scales = S::rows_x16(blk.add(192), rs);
+                let d = S::f16_low(S::srl32(S::rows_x16(blk.add(194), rs)[3], 16));
+                store_super_params::<S, F>(&g, d, S::fzero(), out);
             }
         }
     }

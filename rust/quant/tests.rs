@@ -393,17 +393,20 @@ fn activation_quantization_is_within_half_a_step() {
 #[test]
 fn activation_quantization_is_identical_under_every_isa() {
     let mut rng = Rng(11);
-    let blocks = 300;
+    let blocks = 296; // 37 super-blocks
     let mut x = rng.floats(blocks * 32, 50.0);
-    // Edge cases: an all-zero block, a tiny-scale block, non-finite blocks, exact ties.
+    // Edge cases: an all-zero block, a tiny-scale block, non-finite blocks, exact ties; the
+    // non-finite ones poison super-blocks 0 and 1, the others leave super-blocks clean.
     x[32..64].fill(0.0);
     x[64..96].iter_mut().for_each(|v| *v *= 1e-30);
     x[96] = f32::NAN;
-    x[130] = f32::NEG_INFINITY;
-    x[192..224].fill(f32::NAN);
-    for (i, v) in x[160..192].iter_mut().enumerate() {
+    x[300] = f32::NEG_INFINITY;
+    x[512..768].fill(0.0);
+    x[800..832].fill(f32::NAN);
+    for (i, v) in x[1024..1056].iter_mut().enumerate() {
         *v = i as f32 - 15.5;
     }
+    x[1280..1536].iter_mut().for_each(|v| *v *= 1e-35);
     let run = |kernel: Kernel| {
         let (mut qs, mut d, mut s, mut sum) = (
             vec![0i8; x.len()],
@@ -412,9 +415,18 @@ fn activation_quantization_is_identical_under_every_isa() {
             vec![0i32; blocks],
         );
         activation::quantize_blocks(kernel, &x, &mut qs, &mut d, &mut s, &mut sum);
-        (qs, bits(&d), bits(&s), sum)
+        let supers = blocks / 8;
+        let (mut k_qs, mut k_d, mut s16, mut s32) = (
+            vec![0i8; x.len()],
+            vec![0.0f32; supers],
+            vec![0i16; supers * 16],
+            vec![0i16; supers * 8],
+        );
+        activation::quantize_super_blocks(kernel, &x, &mut k_qs, &mut k_d, &mut s16, &mut s32);
+        (qs, bits(&d), bits(&s), sum, k_qs, bits(&k_d), s16, s32)
     };
     let reference = run(Kernel::Scalar);
+    assert!(f32::from_bits(reference.5[1]).is_nan() && f32::from_bits(reference.5[2]) == 0.0);
     for kernel in Kernel::available() {
         assert!(run(kernel) == reference, "{kernel}");
     }
