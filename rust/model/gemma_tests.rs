@@ -189,7 +189,8 @@ fn a_prefix_the_sliding_ring_no_longer_holds_is_not_captured() {
     );
     let mut fresh = session(&w, 0, 4, 64);
     assert!(matches!(
-        p.amplituhedron_replay(fresh.kv_mut(), &short, None).unwrap(),
+        p.amplituhedron_replay(fresh.kv_mut(), &short, None)
+            .unwrap(),
         ReplayOutcome::Hit { .. }
     ));
 }
