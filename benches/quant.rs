@@ -7,7 +7,13 @@
 //!   the LM head, 96.6 MB streamed from memory — with input quantization as the model does it;
 //! - `prefill_gemm`: 256 tokens × each layer shape (GMAC/s), and one whole layer;
 //! - `baseline`: naive dequantize-a-row-then-dot, our kernel on one thread, and memcpy / a
-//!   parallel read of the 96.6 MB as the bandwidth reference.
+//!   parallel read of the 96.6 MB as the bandwidth reference;
+//! - `formats`: every quantized format at decode shapes (1 token), weights streamed from
+//!   memory (a ring of copies twice the size of L3), GB/s of weight bytes against a memcpy
+//!   of as many bytes in the same run;
+//! - `small_batch`: the 210 layer matmuls of all 30 layers for n = 1, 2, 4, 8, 16 tokens
+//!   (continuous batching, speculative decoding), all-Q4_1 and all-Q8_0 layers, with inputs
+//!   quantized fast (one 8-bit pass) or refined (value + residual, folded) as the model does.
 //!
 //! Timings are noisy on a shared 2-core machine, so the summary printed at the end compares
 //! numbers measured in this same run (ratios), from criterion's own samples.
@@ -17,7 +23,7 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use amplituhedron::quant::{matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
+use amplituhedron::quant::{fold_refined, matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
 
@@ -67,11 +73,16 @@ impl Rng {
 }
 
 /// Random codes with small finite f16 scales (what matters for speed is the byte layout).
+/// (For k-quants the f16 `d`/`dmin` sit elsewhere in the block, and random bytes there may
+/// be non-finite; the kernels' speed does not depend on the values.)
 fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     let mut data = vec![0u8; rows * dtype.row_bytes(cols).unwrap()];
     for chunk in data.chunks_mut(8) {
         let v = rng.next_u64().to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    if dtype.is_k_quant() {
+        return data;
     }
     let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
     let min = half::f16::from_f32(-0.07).to_bits().to_le_bytes();
@@ -168,22 +179,34 @@ fn decode_matvec(c: &mut Criterion) {
 
 /// Every matrix of the model, distinct allocations (so a token streams them from memory).
 struct Model {
+    dtype: GgmlType,
     layers: Vec<Vec<Vec<u8>>>,
     lm_head: Vec<u8>,
 }
 
 impl Model {
+    /// SmolLM2's layout: Q4_1 layers, Q8_0 LM head.
     fn new(rng: &mut Rng) -> Self {
-        let layers = (0..LAYERS)
+        let mut model = Self::layers_of(GgmlType::Q4_1, LAYERS, rng);
+        model.lm_head = random_weights(GgmlType::Q8_0, VOCAB, HIDDEN, rng);
+        model
+    }
+
+    /// `layers` layers of `dtype` matrices and no LM head.
+    fn layers_of(dtype: GgmlType, layers: usize, rng: &mut Rng) -> Self {
+        let layers = (0..layers)
             .map(|_| {
                 LAYER
                     .iter()
-                    .map(|&(_, rows, cols)| random_weights(GgmlType::Q4_1, rows, cols, rng))
+                    .map(|&(_, rows, cols)| random_weights(dtype, rows, cols, rng))
                     .collect()
             })
             .collect();
-        let lm_head = random_weights(GgmlType::Q8_0, VOCAB, HIDDEN, rng);
-        Self { layers, lm_head }
+        Self {
+            dtype,
+            layers,
+            lm_head: Vec::new(),
+        }
     }
 
     fn bytes(&self) -> usize {
@@ -192,7 +215,7 @@ impl Model {
 
     fn matrix(&self, layer: usize, i: usize) -> QMatrix<'_> {
         let (_, rows, cols) = LAYER[i];
-        QMatrix::new(GgmlType::Q4_1, rows, cols, &self.layers[layer][i]).unwrap()
+        QMatrix::new(self.dtype, rows, cols, &self.layers[layer][i]).unwrap()
     }
 }
 
@@ -328,13 +351,7 @@ fn prefill_gemm(c: &mut Criterion) {
         );
     }
     // One whole layer (7 distinct matrices, inputs quantized as the model does).
-    let model = Model {
-        layers: vec![LAYER
-            .iter()
-            .map(|&(_, rows, cols)| random_weights(GgmlType::Q4_1, rows, cols, &mut rng))
-            .collect()],
-        lm_head: Vec::new(),
-    };
+    let model = Model::layers_of(GgmlType::Q4_1, 1, &mut rng);
     let mut bufs = Buffers::new(n, &mut rng);
     let layer_macs: usize = LAYER.iter().map(|&(_, r, c)| r * c).sum();
     g.throughput(Throughput::Elements((layer_macs * n) as u64));
@@ -398,17 +415,251 @@ fn baselines(c: &mut Criterion) {
         });
         g.bench_function(format!("read_model_weights/{threads}t"), |b| {
             timed(b, pool, &format!("read/{threads}t"), || {
-                let sum: u64 = src
-                    .par_chunks(1 << 20)
-                    .map(|c| {
-                        c.chunks_exact(8)
-                            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
-                            .fold(0u64, u64::wrapping_add)
-                    })
-                    .reduce(|| 0, u64::wrapping_add);
-                black_box(sum);
+                black_box(read_all(&src));
             })
         });
+    }
+    g.finish();
+}
+
+/// Decode shapes `(rows, cols)` of the format bench: SmolLM2's FFN (576×1536, 1536×576),
+/// Gemma 3 270M's (640×2048, 2048×640) and an LM head. k-quants need cols % 256 == 0, so
+/// they skip 1536×576 and 2048×640 (real files store such matrices in 32-element formats).
+const FORMAT_SHAPES: [(usize, usize); 5] = [
+    (576, 1536),
+    (1536, 576),
+    (640, 2048),
+    (2048, 640),
+    (49152, 1536),
+];
+/// Bytes of weights a format bench cycles through: twice a 32 MB L3, so they stream.
+const RING_BYTES: usize = 64 << 20;
+
+fn quantized_formats() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL.into_iter().filter(|t| t.is_quantized())
+}
+
+fn memcpy_all(dst: &mut [u8], src: &[u8]) {
+    dst.par_chunks_mut(1 << 20)
+        .zip(src.par_chunks(1 << 20))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+/// Sums the bytes as u64 words over the pool: the plain read bandwidth.
+fn read_all(src: &[u8]) -> u64 {
+    src.par_chunks(1 << 20)
+        .map(|c| {
+            c.chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+                .fold(0u64, u64::wrapping_add)
+        })
+        .reduce(|| 0, u64::wrapping_add)
+}
+
+fn formats(c: &mut Criterion) {
+    let mut rng = Rng(7);
+    let pool = pool(2);
+    let mut g = c.benchmark_group("formats");
+    let src: Vec<u8> = (0..RING_BYTES).map(|i| (i * 7) as u8).collect();
+    let mut dst = vec![0u8; RING_BYTES];
+    g.throughput(Throughput::Bytes(RING_BYTES as u64));
+    g.bench_function("memcpy/2t", |b| {
+        timed(b, &pool, "formats/memcpy", || {
+            memcpy_all(&mut dst, &src);
+            black_box(&dst);
+        })
+    });
+    g.bench_function("read/2t", |b| {
+        timed(b, &pool, "formats/read", || {
+            black_box(read_all(&src));
+        })
+    });
+    drop((src, dst));
+    for dtype in quantized_formats() {
+        for (rows, cols) in FORMAT_SHAPES {
+            if cols % dtype.block_size() != 0 {
+                continue;
+            }
+            let bytes = rows * dtype.row_bytes(cols).unwrap();
+            let copies = if std::env::var("KQ_WARM").is_ok() {
+                1
+            } else {
+                RING_BYTES.div_ceil(bytes)
+            };
+            let ring: Vec<Vec<u8>> = (0..copies)
+                .map(|_| random_weights(dtype, rows, cols, &mut rng))
+                .collect();
+            let x = rng.floats(cols);
+            let mut scratch = QuantScratch::new();
+            let input = QuantizedInput::quantize(&x, 1, cols, &mut scratch).unwrap();
+            let mut out = vec![0.0f32; rows];
+            let mut next = 0;
+            g.throughput(Throughput::Bytes(bytes as u64));
+            let id = format!("{dtype}/{rows}x{cols}");
+            g.bench_function(&id, |b| {
+                timed(b, &pool, &format!("formats/{id}"), || {
+                    let w = QMatrix::new(dtype, rows, cols, &ring[next]).unwrap();
+                    next = (next + 1) % ring.len();
+                    matmul(&w, &input, &mut out).unwrap();
+                    black_box(&out);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// Token counts of the small-batch bench.
+const SMALL_BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// Buffers of the model's projections: quantization scratch, the refined residual and the
+/// refined product's `2n` rows before folding.
+#[derive(Default)]
+struct Projection {
+    scratch: QuantScratch,
+    stacked: Vec<f32>,
+    full: Vec<f32>,
+}
+
+impl Projection {
+    /// Quantizes `x` (`n` rows) once at the chosen precision and applies it to every
+    /// `(matrix, output)` pair, folding a refined product as the model does.
+    fn apply(
+        &mut self,
+        refined: bool,
+        x: &[f32],
+        n: usize,
+        targets: &mut [(QMatrix<'_>, &mut [f32])],
+    ) {
+        let Projection {
+            scratch,
+            stacked,
+            full,
+        } = self;
+        let cols = x.len() / n;
+        let input = if refined {
+            QuantizedInput::quantize_refined(x, n, cols, stacked, scratch)
+        } else {
+            QuantizedInput::quantize(x, n, cols, scratch)
+        }
+        .unwrap();
+        for (w, out) in targets.iter_mut() {
+            if refined {
+                full.resize(2 * out.len(), 0.0);
+                matmul(w, &input, full).unwrap();
+                fold_refined(full, out);
+            } else {
+                matmul(w, &input, out).unwrap();
+            }
+        }
+    }
+}
+
+/// The seven matmuls of one layer over `n` tokens at a precision.
+fn layer_matmuls_at(
+    model: &Model,
+    layer: usize,
+    n: usize,
+    refined: bool,
+    b: &mut Buffers,
+    p: &mut Projection,
+) {
+    let m = |i: usize| model.matrix(layer, i);
+    let (x, q) = (&b.x[..n * HIDDEN], &mut b.q[..n * HIDDEN]);
+    p.apply(
+        refined,
+        x,
+        n,
+        &mut [
+            (m(0), q),
+            (m(1), &mut b.k[..n * KV]),
+            (m(2), &mut b.v[..n * KV]),
+        ],
+    );
+    p.apply(
+        refined,
+        &b.q[..n * HIDDEN],
+        n,
+        &mut [(m(3), &mut b.o[..n * HIDDEN])],
+    );
+    p.apply(
+        refined,
+        &b.x[..n * HIDDEN],
+        n,
+        &mut [(m(4), &mut b.gate[..n * FFN]), (m(5), &mut b.up[..n * FFN])],
+    );
+    p.apply(
+        refined,
+        &b.ffn_x[..n * FFN],
+        n,
+        &mut [(m(6), &mut b.down[..n * HIDDEN])],
+    );
+}
+
+fn precision_name(refined: bool) -> &'static str {
+    if refined {
+        "refined"
+    } else {
+        "fast"
+    }
+}
+
+/// One cache-warm 1536×576 matrix per format, n tokens, one thread: kernel throughput
+/// without memory effects (GMAC/s), for both precisions.
+fn small_batch_kernel(c: &mut Criterion) {
+    let mut rng = Rng(6);
+    let pool = pool(1);
+    let mut g = c.benchmark_group("small_batch_kernel");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let data = random_weights(dtype, FFN, HIDDEN, &mut rng);
+        let w = QMatrix::new(dtype, FFN, HIDDEN, &data).unwrap();
+        let x = rng.floats(16 * HIDDEN);
+        let mut out = vec![0.0f32; 16 * FFN];
+        let mut proj = Projection::default();
+        for refined in [false, true] {
+            for n in SMALL_BATCHES {
+                g.throughput(Throughput::Elements((FFN * HIDDEN * n) as u64));
+                let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+                g.bench_function(&id, |b| {
+                    timed(b, &pool, &format!("kernel/{id}"), || {
+                        proj.apply(
+                            refined,
+                            &x[..n * HIDDEN],
+                            n,
+                            &mut [(w, &mut out[..n * FFN])],
+                        );
+                        black_box(&out);
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
+fn small_batch(c: &mut Criterion) {
+    let mut rng = Rng(5);
+    let pool = pool(2);
+    let mut g = c.benchmark_group("small_batch");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let model = Model::layers_of(dtype, LAYERS, &mut rng);
+        let max_n = SMALL_BATCHES[SMALL_BATCHES.len() - 1];
+        let mut bufs = Buffers::new(max_n, &mut rng);
+        let mut proj = Projection::default();
+        for refined in [false, true] {
+            for n in SMALL_BATCHES {
+                g.throughput(Throughput::Elements(n as u64));
+                let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+                g.bench_function(&id, |b| {
+                    timed(b, &pool, &format!("small/{id}"), || {
+                        for layer in 0..LAYERS {
+                            layer_matmuls_at(&model, layer, n, refined, &mut bufs, &mut proj);
+                        }
+                        black_box(&bufs.down);
+                    })
+                });
+            }
+        }
     }
     g.finish();
 }
@@ -507,6 +758,66 @@ fn summary(_c: &mut Criterion) {
         f * LAYERS as f64
     );
 
+    let memcpy = RING_BYTES as f64 / median("formats/memcpy") / 1e9;
+    let read = RING_BYTES as f64 / median("formats/read") / 1e9;
+    println!(
+        "formats: 1 token, weights streamed from memory, 2 threads (over {} MB: memcpy {memcpy:.2} GB/s, read {read:.2} GB/s):",
+        RING_BYTES >> 20
+    );
+    println!(
+        "  {:<6} {:>12} {:>8} {:>8} {:>7} {:>8}",
+        "format", "shape", "GB/s", "memcpy", "ratio", "/read"
+    );
+    for dtype in quantized_formats() {
+        for (rows, cols) in FORMAT_SHAPES {
+            if cols % dtype.block_size() != 0 {
+                continue;
+            }
+            let bytes = rows * dtype.row_bytes(cols).unwrap();
+            let gbs = bytes as f64 / median(&format!("formats/{dtype}/{rows}x{cols}")) / 1e9;
+            println!(
+                "  {dtype:<6} {:>12} {gbs:>8.2} {memcpy:>8.2} {:>7.2} {:>8.2}",
+                format!("{rows}x{cols}"),
+                gbs / memcpy,
+                gbs / read
+            );
+        }
+    }
+
+    println!("small batch: the 210 layer matmuls of 30 layers, n tokens, 2 threads (tokens/s, and speed-up of the batch over n = 1):");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for refined in [false, true] {
+            let one = median(&format!("small/{dtype}/{}/n1", precision_name(refined)));
+            let mut line = format!("  {dtype} {:<8}", precision_name(refined));
+            for n in SMALL_BATCHES {
+                let m = median(&format!("small/{dtype}/{}/n{n}", precision_name(refined)));
+                line += &format!(
+                    " n={n}: {:>6.1} ms {:>6.0}/s ({:.2}x)",
+                    m * 1e3,
+                    n as f64 / m,
+                    n as f64 * one / m
+                );
+            }
+            println!("{line}");
+        }
+    }
+
+    println!("small batch kernel: one cache-warm 1536x576 matrix, 1 thread (GMAC/s; activation passes count once):");
+    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for refined in [false, true] {
+            let mut line = format!("  {dtype} {:<8}", precision_name(refined));
+            for n in SMALL_BATCHES {
+                let m = median(&format!("kernel/{dtype}/{}/n{n}", precision_name(refined)));
+                line += &format!(
+                    " n={n}: {:>6.1} us {:>5.1}",
+                    m * 1e6,
+                    (FFN * HIDDEN * n) as f64 / m / 1e9
+                );
+            }
+            println!("{line}");
+        }
+    }
+
     let naive_d = median("naive/decode");
     let naive_p = median("naive/prefill");
     println!("speed-up over naive dequantize-a-row-then-dot (576->1536, naive on 1 thread):");
@@ -530,6 +841,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, summary
 }
 criterion_main!(benches);

@@ -141,6 +141,13 @@ pub enum AttnError {
         /// Layers the ring holds.
         n_layers: usize,
     },
+    /// A sliding window of zero keys, or over a ring holding anchor or recall rows.
+    BadWindow {
+        /// The window asked for.
+        window: usize,
+        /// Anchor + recall rows the ring holds.
+        fixed: usize,
+    },
 }
 
 impl fmt::Display for AttnError {
@@ -172,6 +179,11 @@ impl fmt::Display for AttnError {
                     "layer {layer} out of range: the ring holds {n_layers} layers"
                 )
             }
+            AttnError::BadWindow { window, fixed } => write!(
+                f,
+                "a sliding window needs at least one key and a ring without anchor or recall \
+                 rows (window {window}, {fixed} such rows)"
+            ),
         }
     }
 }
@@ -1390,6 +1402,7 @@ pub fn attend_chunk(
         q_window,
         local_k,
         local_v,
+        window: None,
     };
     attend_batch(&[chunk], layer, n_q_heads, scale, scratch, out)
 }
@@ -1407,6 +1420,10 @@ pub struct PendingChunk<'a> {
     pub local_k: &'a [f32],
     /// The chunk's own values, same layout.
     pub local_v: &'a [f32],
+    /// A sliding-window layer (llama.cpp's standard SWA): a row at position `p` sees only
+    /// the keys at `p − window + 1 ..= p`, whatever else the ring still holds. Such a ring
+    /// has no anchor or recall rows (a sliding layer keeps only its window).
+    pub window: Option<usize>,
 }
 
 /// Attention of several sequences' pending appends on layer `layer`, each over its own ring
@@ -1453,6 +1470,14 @@ pub fn attend_batch(
         check_len("q_window", n * q_row, chunk.q_window.len())?;
         check_len("local_k", n * kv_row, chunk.local_k.len())?;
         check_len("local_v", n * kv_row, chunk.local_v.len())?;
+        if let Some(window) = chunk.window {
+            if window == 0 || !ring.fixed_slots().is_empty() {
+                return Err(AttnError::BadWindow {
+                    window,
+                    fixed: ring.fixed_slots().len(),
+                });
+            }
+        }
         let worst_keys = ring.fixed_slots().len() + ring.window_slots().len() + n;
         need = need.max(scratch_len(d, worst_keys));
         total += n;
@@ -1482,14 +1507,26 @@ pub fn attend_batch(
         }
         let ring = chunk.ring;
         let (ring_k, ring_v) = ring.layer_kv(layer);
-        let start = ring.pending_local_start(i);
+        let mut start = ring.pending_local_start(i);
+        let mut window_slots = ring.pending_window(i);
+        if let Some(w) = chunk.window {
+            // The window entries are the contiguous clocks just below the chunk's first row,
+            // so the keys older than the sliding window are a prefix of them (and then of
+            // the chunk's own rows).
+            let clock0 = ring.pending_clock(0);
+            let oldest_visible = (ring.pending_clock(i) + 1).saturating_sub(w as u64);
+            let first_window_clock = clock0 - window_slots.len() as u64;
+            let skip = oldest_visible.saturating_sub(first_window_clock) as usize;
+            window_slots = &window_slots[skip.min(window_slots.len())..];
+            start = start.max(oldest_visible.saturating_sub(clock0) as usize);
+        }
         AttnInputs {
             q_fixed: &chunk.q_fixed[i * q_row..(i + 1) * q_row],
             q_window: &chunk.q_window[i * q_row..(i + 1) * q_row],
             ring_k,
             ring_v,
             fixed_slots: ring.fixed_slots(),
-            window_slots: ring.pending_window(i),
+            window_slots,
             local_k: &chunk.local_k[start * kv_row..(i + 1) * kv_row],
             local_v: &chunk.local_v[start * kv_row..(i + 1) * kv_row],
         }

@@ -467,12 +467,14 @@ struct Plan {
 enum RowSource<'a> {
     /// Chunk rows `(n, kv_heads, head_dim)`.
     RowMajor { keys: &'a [f32], vals: &'a [f32] },
-    /// Rows `offset..offset + n` of a volume slab `(n_layers, kv_heads, total, head_dim)`.
+    /// Rows `offset..offset + n` of layer `slab_layer` of a volume slab
+    /// `(layers, kv_heads, total, head_dim)`.
     Slab {
         keys: &'a [f32],
         vals: &'a [f32],
         total: usize,
         offset: usize,
+        slab_layer: usize,
     },
     /// Rows `offset..offset + n` of consecutive volume blocks of `block` positions (the last
     /// may hold fewer), each `(keys, values)` laid out `(n_layers, kv_heads, positions,
@@ -481,6 +483,9 @@ enum RowSource<'a> {
         blocks: &'a [(&'a [f32], &'a [f32])],
         block: usize,
         offset: usize,
+        /// Layers each block holds, and which of them feeds this ring layer.
+        slab_layers: usize,
+        slab_layer: usize,
     },
 }
 
@@ -874,8 +879,36 @@ impl DynamicRingBuffer {
         total: usize,
         offset: usize,
     ) -> Result<(), RingError> {
+        let whole = self.cfg.n_layers * self.row * total;
+        self.write_slab_rows(layer, keys, vals, total, offset, (whole, layer))
+    }
+
+    /// Like [`write_pending_slab`](Self::write_pending_slab), from the slab of this one layer
+    /// `(kv_heads, total, head_dim)` (a volume's layers may live in several rings, e.g. the
+    /// sliding-window and the global layers of a Gemma range).
+    pub fn write_pending_layer_slab(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        vals: &[f32],
+        total: usize,
+        offset: usize,
+    ) -> Result<(), RingError> {
+        self.write_slab_rows(layer, keys, vals, total, offset, (self.row * total, 0))
+    }
+
+    /// The pending rows of `layer` from positions `offset..` of layer `slab_layer` of a slab
+    /// of `expected` floats.
+    fn write_slab_rows(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        vals: &[f32],
+        total: usize,
+        offset: usize,
+        (expected, slab_layer): (usize, usize),
+    ) -> Result<(), RingError> {
         self.check_write(layer)?;
-        let expected = self.cfg.n_layers * self.row * total;
         check_lengths(expected, keys.len(), vals.len())?;
         if offset + self.plan.n > total {
             return Err(RingError::ShapeMismatch {
@@ -891,6 +924,7 @@ impl DynamicRingBuffer {
                 vals,
                 total,
                 offset,
+                slab_layer,
             },
         );
         Ok(())
@@ -907,8 +941,28 @@ impl DynamicRingBuffer {
         block: usize,
         offset: usize,
     ) -> Result<(), RingError> {
+        self.write_pending_layer_blocks(layer, blocks, block, offset, (self.cfg.n_layers, layer))
+    }
+
+    /// Like [`write_pending_blocks`](Self::write_pending_blocks), for blocks that hold
+    /// `slab_layers` layers of which `slab_layer` feeds this ring's `layer` (a volume's
+    /// layers may live in several rings, e.g. a Gemma range's sliding and global layers).
+    pub fn write_pending_layer_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[(&[f32], &[f32])],
+        block: usize,
+        offset: usize,
+        (slab_layers, slab_layer): (usize, usize),
+    ) -> Result<(), RingError> {
         self.check_write(layer)?;
-        let per_position = self.cfg.n_layers * self.row;
+        if slab_layer >= slab_layers {
+            return Err(RingError::LayerOutOfRange {
+                layer: slab_layer,
+                n_layers: slab_layers,
+            });
+        }
+        let per_position = slab_layers * self.row;
         let mut total = 0;
         for (b, (keys, vals)) in blocks.iter().enumerate() {
             let positions = keys.len() / per_position.max(1);
@@ -941,6 +995,8 @@ impl DynamicRingBuffer {
                 blocks,
                 block,
                 offset,
+                slab_layers,
+                slab_layer,
             },
         );
         Ok(())
@@ -1000,9 +1056,11 @@ impl DynamicRingBuffer {
                     vals,
                     total,
                     offset,
+                    slab_layer,
                 } => {
                     for h in 0..self.cfg.kv_heads {
-                        let src = ((layer * self.cfg.kv_heads + h) * total + offset + i) * head_dim;
+                        let src =
+                            ((slab_layer * self.cfg.kv_heads + h) * total + offset + i) * head_dim;
                         let d = dst + h * head_dim;
                         self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
                         self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
@@ -1012,13 +1070,15 @@ impl DynamicRingBuffer {
                     blocks,
                     block,
                     offset,
+                    slab_layers,
+                    slab_layer,
                 } => {
                     let p = offset + i;
                     let (keys, vals) = blocks[p / block];
-                    let positions = keys.len() / (self.cfg.n_layers * row);
+                    let positions = keys.len() / (slab_layers * row);
                     for h in 0..self.cfg.kv_heads {
-                        let src =
-                            ((layer * self.cfg.kv_heads + h) * positions + p % block) * head_dim;
+                        let src = ((slab_layer * self.cfg.kv_heads + h) * positions + p % block)
+                            * head_dim;
                         let d = dst + h * head_dim;
                         self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
                         self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
@@ -1148,6 +1208,7 @@ impl DynamicRingBuffer {
                         vals,
                         total: n,
                         offset,
+                        slab_layer: layer,
                     },
                 );
             }
@@ -1238,9 +1299,9 @@ impl DynamicRingBuffer {
 
     // ----- rollback, pruning, recall -----------------------------------------------------
 
-    /// Undoes every position appended after `saved`: clock, spans, table and KV bytes are
-    /// exactly as they were when the clock was `saved`.
-    pub fn rollback_clock(&mut self, saved: u64) -> Result<(), RingError> {
+    /// Whether [`rollback_clock`](Self::rollback_clock)`(saved)` would be accepted (it
+    /// changes nothing); the error says why not.
+    pub fn check_rollback(&self, saved: u64) -> Result<(), RingError> {
         if self.plan.active {
             return Err(RingError::AppendPending);
         }
@@ -1254,6 +1315,13 @@ impl DynamicRingBuffer {
         if saved < oldest {
             return Err(RingError::RollbackTooFar { saved, oldest });
         }
+        Ok(())
+    }
+
+    /// Undoes every position appended after `saved`: clock, spans, table and KV bytes are
+    /// exactly as they were when the clock was `saved`.
+    pub fn rollback_clock(&mut self, saved: u64) -> Result<(), RingError> {
+        self.check_rollback(saved)?;
         let wrap = self.window_end as u64;
         let n_sys = self.cfg.n_sys as u64;
         while self.clock > saved {

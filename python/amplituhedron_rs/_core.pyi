@@ -316,9 +316,12 @@ def attend(
 _Logits: TypeAlias = Literal["none", "last", "all"]
 _Forwarded: TypeAlias = tuple[NDArray[np.float32], NDArray[np.float32] | None]
 
+def supported_architectures() -> list[str]: ...
+def supported_tensor_types() -> list[str]: ...
+
 @final
 class ModelWeights:
-    """Memory-mapped GGUF weights of a Llama-architecture model, validated at load."""
+    """Memory-mapped GGUF weights of a model of a supported architecture, validated at load."""
 
     def __new__(
         cls,
@@ -360,6 +363,8 @@ class RangeSession:
     ) -> RangeSession: ...
     @property
     def clock(self) -> int: ...
+    @property
+    def kv_slots(self) -> list[int]: ...
     @property
     def layer_lo(self) -> int: ...
     @property
@@ -586,11 +591,13 @@ def quant_matmul(
     cols: int,
     x: NDArray[np.float32],
     kernel: str | None = None,
+    refined: bool = False,
 ) -> NDArray[np.float32]:
-    """``x (n, cols) @ W.T`` → ``(n, rows)``, activations quantized to 8 bits per 32-block.
+    """``x (n, cols) @ W.T`` → ``(n, rows)``, activations quantized to 8 bits per block
+    (32 elements, or 256 for the k-quants).
 
     ``kernel`` picks one of :func:`quant_kernels` (default: the fastest); all give
-    bit-identical results.
+    bit-identical results. ``refined`` adds a second pass over the activations' residual.
     """
 
 def quant_embed(
@@ -600,3 +607,6 @@ def quant_embed(
 
 def quant_kernels() -> list[str]:
     """Matmul kernels this CPU can run, slowest first (the last is the default)."""
+
+def quant_types() -> list[tuple[str, int]]:
+    """Tensor types the kernels compute with, as ``(ggml name, ggml type id)``."""

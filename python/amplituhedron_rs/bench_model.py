@@ -235,7 +235,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
+    p.add_argument(
+        "--model",
+        metavar="GGUF",
+        help="model file or name (smollm2-135m, gemma3-270m; default: bundled SmolLM2)",
+    )
     p.add_argument("--precision", choices=["refined", "fast"], default="refined")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=32)

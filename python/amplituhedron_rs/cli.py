@@ -1,8 +1,9 @@
 """The ``amplituhedron`` command line.
 
-Subcommands: ``generate`` (one generation, single process or over a mesh), ``bench-model``
-(runtime vs llama.cpp), ``bench`` (the falsifiability bench), ``station serve`` (one station),
-``mesh up`` (a local mesh of stations).
+Subcommands: ``generate`` (one generation, single process or over a mesh), ``models`` (what
+the runtime supports and which model files are installed), ``bench-model`` (runtime vs
+llama.cpp), ``bench`` (the falsifiability bench), ``station serve`` (one station), ``mesh up``
+(a local mesh of stations).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from amplituhedron_rs.model import Generation, Model
 
 err = Console(stderr=True)
+_MODEL_NAMES = "smollm2-135m, gemma3-270m"
 
 
 def _ids(text: str) -> list[int]:
@@ -56,14 +58,17 @@ def _add_prompt(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="amplituhedron",
-        description="Prefix-cached, pipeline-parallel inference on SmolLM2-135M-Instruct.",
+        description="Prefix-cached, pipeline-parallel inference on GGUF models (SmolLM2, "
+        "Gemma 3, any Llama / Qwen 2 / Gemma 3 file).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text (single process, or over a mesh)")
     _add_prompt(gen)
     _add_sampling(gen)
-    gen.add_argument("--model", metavar="GGUF", help="model file (default: bundled SmolLM2)")
+    gen.add_argument(
+        "--model", metavar="GGUF", help=f"model file or name ({_MODEL_NAMES}; default SmolLM2)"
+    )
     gen.add_argument("--no-cache", action="store_true", help="disable the volume cache")
     gen.add_argument(
         "--precision",
@@ -134,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="expose POST /debug/damage (tests and failure drills only)",
     )
 
+    models = sub.add_parser(
+        "models", help="supported architectures and tensor types, installed model files"
+    )
+    models.add_argument("--json", action="store_true", help="print JSON")
+
     from amplituhedron_rs import bench, bench_mesh, bench_model, bench_serve, bench_spec
 
     bm = sub.add_parser("bench-model", help="the runtime vs llama.cpp on the same GGUF")
@@ -201,6 +211,49 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", metavar="GGUF")
     up.add_argument("--token", default=os.environ.get("AMPLITUHEDRON_TOKEN"))
     return parser
+
+
+def _cmd_models(a: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from amplituhedron_rs import _core
+    from amplituhedron_rs.gguf_file import known_models
+
+    archs = _core.supported_architectures()
+    types = _core.supported_tensor_types()
+    known = known_models()
+    if a.json:
+        report = {
+            "architectures": archs,
+            "tensor_types": types,
+            "models": [
+                {
+                    "name": m.name,
+                    "wheel": m.wheel,
+                    "installed": m.version is not None,
+                    "version": m.version,
+                    "path": str(m.path) if m.path is not None else None,
+                }
+                for m in known
+            ],
+        }
+        print(json.dumps(report, indent=1))
+        return 0
+    out = Console()
+    out.print(f"architectures: {', '.join(archs)}", highlight=False)
+    out.print(f"tensor types:  {', '.join(types)}", highlight=False)
+    table = Table("name (--model)", "wheel", "status")
+    table.add_column("file", overflow="fold")
+    for m in known:
+        if m.version is None:
+            status, where = "not installed", m.install_hint
+        elif m.path is None:
+            status, where = f"installed {m.version}", "assembled on first load"
+        else:
+            status, where = f"installed {m.version}", str(m.path)
+        table.add_row(m.name, m.wheel, status, escape(where))
+    out.print(table)
+    return 0
 
 
 def _layers(text: str) -> tuple[int, int]:
@@ -353,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if a.command == "generate":
             return _cmd_generate(a)
+        if a.command == "models":
+            return _cmd_models(a)
         if a.command == "station":
             return _cmd_station(a)
         if a.command == "mesh":

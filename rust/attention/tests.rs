@@ -735,3 +735,122 @@ fn row_alignment_never_changes_a_bit() {
         }
     }
 }
+
+// ----- sliding-window layers ------------------------------------------------------------
+
+/// A sliding layer's stream: every row equals plain attention over exactly the keys at
+/// `c − window + 1 ..= c`, bit for bit whatever the chunking, although the ring (window
+/// plus one span of slack) still holds older rows.
+#[test]
+fn sliding_rows_see_exactly_the_window_at_any_chunking() {
+    const WINDOW: usize = 16;
+    let cfg = RingConfig {
+        slots: WINDOW + 8,
+        recall: 0,
+        n_sys: 0,
+        max_chunk: 8,
+        undo_capacity: 4,
+        ..RingConfig::new(1, 2, 32)
+    };
+    let hd = cfg.head_dim;
+    let q_row = HEADS * hd;
+    let dims = AttnDims {
+        n_q_heads: HEADS,
+        n_kv_heads: 2,
+        head_dim: hd,
+    };
+    let scale = 1.0 / (hd as f32).sqrt();
+    let run = |chunk: usize| {
+        let mut ring = DynamicRingBuffer::new(cfg.clone()).unwrap();
+        let mut scratch = AttnScratch::new(2, HEADS, cfg.slots + cfg.max_chunk);
+        let mut outputs = BTreeMap::new();
+        // Spans of 8 positions at fixed boundaries (as the model runtime opens them).
+        let mut clock = 0u64;
+        while clock < 72 {
+            let n = (chunk as u64).min(8 - clock % 8) as usize;
+            ring.begin_append(n, SpanType::User, clock.is_multiple_of(8))
+                .unwrap();
+            let (k, v) = crate::ring::tests::pending_rows(&ring, 0);
+            let q: Vec<f32> = (0..n)
+                .flat_map(|i| crate::ring::tests::row_for(ring.pending_clock(i), 0, 2, q_row))
+                .collect();
+            let mut out = vec![0.0; n * q_row];
+            let chunk = PendingChunk {
+                ring: &ring,
+                q_fixed: &q,
+                q_window: &q,
+                local_k: &k,
+                local_v: &v,
+                window: Some(WINDOW),
+            };
+            attend_batch(&[chunk], 0, HEADS, scale, &mut scratch, &mut out).unwrap();
+            for i in 0..n {
+                outputs.insert(
+                    ring.pending_clock(i),
+                    out[i * q_row..(i + 1) * q_row].to_vec(),
+                );
+            }
+            ring.write_pending(0, &k, &v).unwrap();
+            ring.commit_append().unwrap();
+            clock += n as u64;
+        }
+        outputs
+    };
+    let whole = run(8);
+    for chunk in [1, 3] {
+        let got = run(chunk);
+        let first_diff = whole.keys().find(|c| got[c] != whole[c]);
+        assert_eq!(first_diff, None, "chunk {chunk}");
+    }
+    let row = cfg.row_len();
+    for (&c, got) in &whole {
+        let keys: Vec<(Vec<f32>, Vec<f32>, bool)> = ((c + 1).saturating_sub(WINDOW as u64)..=c)
+            .map(|p| {
+                (
+                    crate::ring::tests::row_for(p, 0, 0, row),
+                    crate::ring::tests::row_for(p, 0, 1, row),
+                    false,
+                )
+            })
+            .collect();
+        let q = crate::ring::tests::row_for(c, 0, 2, q_row);
+        let expected = reference(&q, &q, &keys, dims, scale);
+        for (g, e) in got.iter().zip(&expected) {
+            assert!((g - e).abs() <= 2e-6, "clock {c}: {g} vs {e}");
+        }
+    }
+}
+
+#[test]
+fn sliding_attention_refuses_rings_with_fixed_rows() {
+    let cfg = stream_config();
+    let mut ring = DynamicRingBuffer::new(cfg).unwrap();
+    ring.append_slab(
+        10,
+        &vec![0.0; 2 * 128 * 10],
+        &vec![0.0; 2 * 128 * 10],
+        SpanType::System,
+        true,
+    )
+    .unwrap();
+    ring.begin_append(1, SpanType::User, true).unwrap();
+    let mut scratch = AttnScratch::new(1, HEADS, 200);
+    let (q, kv) = (vec![0.0; HEADS * 64], vec![0.0; 2 * 64]);
+    let mut out = vec![0.0; HEADS * 64];
+    let chunk = PendingChunk {
+        ring: &ring,
+        q_fixed: &q,
+        q_window: &q,
+        local_k: &kv,
+        local_v: &kv,
+        window: Some(8),
+    };
+    let err = attend_batch(&[chunk], 0, HEADS, 1.0, &mut scratch, &mut out).unwrap_err();
+    assert_eq!(
+        err,
+        AttnError::BadWindow {
+            window: 8,
+            fixed: 10
+        }
+    );
+}

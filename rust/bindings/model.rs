@@ -11,9 +11,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::model::{
-    ChunkInput, LlamaConfig, LlamaWeights, LogitsWanted, ModelError, NativeLlamaPipeline,
-    Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig, TensorInfo,
+    Architecture, ChunkInput, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
+    NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
+    SessionConfig, SlidingWindow, TensorInfo,
 };
+use crate::quant::GgmlType;
 use crate::ring::SpanType;
 
 use super::ring::PySpanType;
@@ -46,7 +48,7 @@ fn rows_array<'py>(
     PyArray1::from_vec(py, data).reshape([rows, width])
 }
 
-/// Memory-mapped GGUF weights of a Llama-architecture model.
+/// Memory-mapped GGUF weights of a model of a supported architecture.
 #[pyclass(name = "ModelWeights", module = "amplituhedron_rs._core", frozen)]
 pub struct PyModelWeights {
     inner: Arc<LlamaWeights>,
@@ -78,16 +80,31 @@ impl PyModelWeights {
                 .extract::<T>()
                 .map_err(|_| PyValueError::new_err(format!("config[{key:?}] has the wrong type")))
         }
-        let config = LlamaConfig {
+        let sliding = match config.get_item("sliding_window")? {
+            Some(window) if !window.is_none() => Some(SlidingWindow {
+                window: window.extract().map_err(|_| {
+                    PyValueError::new_err("config[\"sliding_window\"] must be an int")
+                })?,
+                rope_base: get(config, "rope_base_local")?,
+                local: get(config, "local_layers")?,
+            }),
+            _ => None,
+        };
+        let arch: String = get(config, "arch")?;
+        let config = ModelConfig {
+            arch: Architecture::from_name(&arch).map_err(value_error)?,
             n_layers: get(config, "n_layers")?,
             hidden: get(config, "hidden")?,
             ffn: get(config, "ffn")?,
             n_heads: get(config, "n_heads")?,
             n_kv_heads: get(config, "n_kv_heads")?,
+            key_length: get(config, "head_dim")?,
             vocab: get(config, "vocab")?,
             rope_base: get(config, "rope_base")?,
             rms_eps: get(config, "rms_eps")?,
             context_len: get(config, "context_len")?,
+            attn_scale: get(config, "attn_scale")?,
+            sliding,
         };
         let table: Vec<TensorInfo> = tensors
             .into_iter()
@@ -218,6 +235,13 @@ impl PyRangeSession {
     #[getter]
     fn clock(&self) -> u64 {
         self.inner.clock()
+    }
+
+    /// Physical KV slots of each layer of the range (sliding-window layers keep only their
+    /// window, global layers the session's slots).
+    #[getter]
+    fn kv_slots(&self) -> Vec<usize> {
+        self.inner.kv_slots()
     }
 
     /// First layer of the range.
@@ -543,7 +567,21 @@ impl PyPipeline {
     }
 }
 
+/// GGUF architectures the runtime runs (`general.architecture` values).
+#[pyfunction]
+fn supported_architectures() -> Vec<&'static str> {
+    Architecture::ALL.iter().map(|a| a.name()).collect()
+}
+
+/// ggml tensor types the runtime's kernels run, by ggml name.
+#[pyfunction]
+fn supported_tensor_types() -> Vec<String> {
+    GgmlType::ALL.iter().map(|t| t.name().to_string()).collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
+    m.add_function(wrap_pyfunction!(supported_tensor_types, m)?)?;
     m.add_class::<PyModelWeights>()?;
     m.add_class::<PyRangeSession>()?;
     m.add_class::<PySampler>()?;

@@ -28,15 +28,13 @@ fn matrix<'a>(
     rows: usize,
     cols: usize,
 ) -> PyResult<QMatrix<'a>> {
-    let dtype = u32::try_from(qtype)
-        .ok()
-        .and_then(|id| GgmlType::from_id(id).ok())
-        .ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "unsupported ggml type id {qtype} (supported: {})",
-                quant::SUPPORTED_TYPES
-            ))
-        })?;
+    let id = u32::try_from(qtype).map_err(|_| {
+        PyValueError::new_err(format!(
+            "unknown ggml type id {qtype} (supported: {})",
+            quant::SUPPORTED_TYPES
+        ))
+    })?;
+    let dtype = GgmlType::from_id(id).map_err(value_error)?;
     // `as_slice` also accepts Fortran order, whose bytes are not in row order.
     let bytes = data
         .as_slice()
@@ -72,9 +70,11 @@ fn quant_dequantize<'py>(
     Ok(to_2d(py, values, rows, cols))
 }
 
-/// `x (n, cols) @ W.T` for a `(rows, cols)` matrix of ggml type id `qtype` → `(n, rows)`.
+/// `x (n, cols) @ W.T` for a `(rows, cols)` matrix of ggml type id `qtype` → `(n, rows)`;
+/// `refined` uses the two-pass activation quantization (value + residual, folded).
 #[pyfunction]
-#[pyo3(signature = (qtype, data, rows, cols, x, kernel = None))]
+#[pyo3(signature = (qtype, data, rows, cols, x, kernel = None, refined = false))]
+#[allow(clippy::too_many_arguments)]
 fn quant_matmul<'py>(
     py: Python<'py>,
     qtype: i64,
@@ -83,6 +83,7 @@ fn quant_matmul<'py>(
     cols: i64,
     x: PyReadonlyArray2<'py, f32>,
     kernel: Option<&str>,
+    refined: bool,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let (rows, cols) = (dim("rows", rows)?, dim("cols", cols)?);
     let m = matrix(qtype, &data, rows, cols)?;
@@ -110,9 +111,17 @@ fn quant_matmul<'py>(
         .ok_or_else(|| PyValueError::new_err("x must be a C-contiguous float32 array"))?;
     let out = py.detach(|| -> Result<Vec<f32>, QuantError> {
         let mut scratch = QuantScratch::new();
-        let input = QuantizedInput::quantize(x, n, cols, &mut scratch)?;
         let mut out = vec![0.0f32; n * rows];
-        quant::matmul_with_kernel(kernel, &m, &input, &mut out)?;
+        if refined {
+            let mut stacked = Vec::new();
+            let input = QuantizedInput::quantize_refined(x, n, cols, &mut stacked, &mut scratch)?;
+            let mut full = vec![0.0f32; 2 * n * rows];
+            quant::matmul_with_kernel(kernel, &m, &input, &mut full)?;
+            quant::fold_refined(&full, &mut out);
+        } else {
+            let input = QuantizedInput::quantize(x, n, cols, &mut scratch)?;
+            quant::matmul_with_kernel(kernel, &m, &input, &mut out)?;
+        }
         Ok(out)
     });
     Ok(to_2d(py, out.map_err(value_error)?, n, rows))
@@ -142,7 +151,14 @@ fn quant_kernels() -> Vec<&'static str> {
     Kernel::available().into_iter().map(Kernel::name).collect()
 }
 
+/// The tensor types the kernels compute with, as `(ggml name, ggml type id)`, in id order.
+#[pyfunction]
+fn quant_types() -> Vec<(&'static str, u32)> {
+    GgmlType::ALL.iter().map(|t| (t.name(), t.id())).collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(quant_types, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_embed, m)?)?;

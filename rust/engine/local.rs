@@ -60,7 +60,7 @@ impl LocalExecutor {
         let bufs = StepBuffers::new(
             range.weights().config(),
             probe.max_chunk(),
-            probe.ring().slots() + probe.max_chunk(),
+            probe.rings().max_keys(),
         );
         Ok(LocalExecutor {
             pipeline,

@@ -13,9 +13,13 @@
 
 use std::sync::Arc;
 
+use super::config::{Activation, RopeStyle};
 use super::kv::SequenceKv;
-use super::ops::{add_in_place, rms_norm, rope_angles, rope_apply, swiglu};
-use super::{LlamaWeights, ModelError, Precision};
+use super::ops::{
+    add_in_place, geglu_tanh, rms_norm, rms_norm_in_place, rope_angles, rope_apply,
+    rope_apply_halves, scale_in_place, swiglu,
+};
+use super::{LlamaWeights, ModelConfig, ModelError, Precision};
 use crate::attention::{attend_batch, AttnScratch, PendingChunk};
 use crate::quant::{fold_refined, matmul, QMatrix, QuantScratch, QuantizedInput};
 use crate::ring::SpanType;
@@ -273,11 +277,11 @@ impl LayerRange {
     ) -> Result<(), ModelError> {
         for (k, p) in round.iter().enumerate() {
             let seg = &mut segments[p.index];
-            if let Err(e) = seg.kv.ring_mut().begin_append(p.len, seg.span, p.new_span) {
+            if let Err(e) = seg.kv.rings_mut().begin_append(p.len, seg.span, p.new_span) {
                 for q in &round[..k] {
-                    segments[q.index].kv.ring_mut().abort_append();
+                    segments[q.index].kv.rings_mut().abort_append();
                 }
-                return Err(ModelError::Ring(e.to_string()));
+                return Err(e);
             }
         }
         let logits_at: Vec<usize> = round
@@ -286,11 +290,7 @@ impl LayerRange {
             .collect();
         let result = self.run_layers(segments, round, bufs).and_then(|()| {
             for p in round {
-                segments[p.index]
-                    .kv
-                    .ring_mut()
-                    .commit_append()
-                    .map_err(|e| ModelError::Ring(e.to_string()))?;
+                segments[p.index].kv.rings_mut().commit_append()?;
             }
             Ok(())
         });
@@ -298,7 +298,7 @@ impl LayerRange {
             for (p, &at) in round.iter().zip(&logits_at) {
                 let seg = &mut segments[p.index];
                 // Committed pieces are undone by the caller's rollback; pending ones here.
-                seg.kv.ring_mut().abort_append();
+                seg.kv.rings_mut().abort_append();
                 seg.logits_out.truncate(at);
             }
         }
@@ -314,21 +314,25 @@ impl LayerRange {
     ) -> Result<(), ModelError> {
         let weights = &*self.weights;
         let c = weights.config();
-        let (hidden, kv_dim, hd, ffn) = (c.hidden, c.kv_dim(), c.head_dim(), c.ffn);
+        let recipe = c.recipe();
+        let (hidden, q_dim, kv_dim, hd, ffn) =
+            (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim(), c.ffn);
         let half = hd / 2;
         let n: usize = round.iter().map(|p| p.len).sum();
         let max_keys = round
             .iter()
-            .map(|p| segments[p.index].kv.ring().slots() + p.len)
+            .map(|p| segments[p.index].kv.rings().max_keys())
             .max()
             .unwrap_or(0);
         bufs.reserve(c, n, max_keys);
         let b = bufs;
         let quant_err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
         let precision = weights.precision();
-        // Inputs, and RoPE angles: window rotation at the absolute clock, fixed-segment
-        // rotation at the StreamingLLM cache position (identical until the window first
-        // wraps, which is the usual case: then q_fixed is q itself).
+        let has_local = (self.layer_lo..self.layer_hi).any(|l| c.is_local(l));
+        // Inputs, and RoPE angles: global layers rotate at the absolute clock (window) and
+        // at the StreamingLLM cache position (fixed segment; identical until the window
+        // first wraps, which is the usual case: then q_fixed is q itself); sliding layers
+        // rotate at the clock with their own base.
         let mut row = 0;
         let mut fixed_differs = false;
         for p in round {
@@ -336,13 +340,18 @@ impl LayerRange {
             let piece = seg.input.slice(hidden, p.start, p.len);
             let x = &mut b.x[row * hidden..(row + p.len) * hidden];
             match piece {
-                ChunkInput::Tokens(ids) => weights.embedding()?.embed(ids, x).map_err(quant_err)?,
+                ChunkInput::Tokens(ids) => {
+                    weights.embedding()?.embed(ids, x).map_err(quant_err)?;
+                    if recipe.scale_embeddings {
+                        scale_in_place(x, c.embed_scale());
+                    }
+                }
                 ChunkInput::Hidden(h) => x.copy_from_slice(h),
             }
-            let ring = seg.kv.ring();
+            let rings = seg.kv.rings();
             for i in 0..p.len {
-                let pos = ring.pending_clock(i);
-                let cache_pos = ring.pending_cache_pos(i);
+                let pos = rings.pending_clock(i);
+                let cache_pos = rings.pending_cache_pos(i);
                 let r = (row + i) * half..(row + i + 1) * half;
                 rope_angles(
                     pos,
@@ -357,15 +366,28 @@ impl LayerRange {
                     hd,
                     c.rope_base,
                     &mut b.cos_f[r.clone()],
-                    &mut b.sin_f[r],
+                    &mut b.sin_f[r.clone()],
                 );
+                if let (true, Some(s)) = (has_local, &c.sliding) {
+                    rope_angles(
+                        pos,
+                        hd,
+                        s.rope_base,
+                        &mut b.cos_l[r.clone()],
+                        &mut b.sin_l[r],
+                    );
+                }
             }
             row += p.len;
         }
-        let scale = 1.0 / (hd as f32).sqrt();
+        let rotate = match recipe.rope_style {
+            RopeStyle::Adjacent => rope_apply,
+            RopeStyle::Halves => rope_apply_halves,
+        };
         for layer in self.layer_lo..self.layer_hi {
             let lw = weights.layer(layer)?;
             let ring_layer = layer - self.layer_lo;
+            let window = c.window_of(layer);
             rms_norm(
                 &b.x[..n * hidden],
                 lw.attn_norm,
@@ -374,65 +396,83 @@ impl LayerRange {
             );
             {
                 let mut p = Projector::new(&b.h[..n * hidden], n, precision, &mut b.mm)?;
-                p.apply(&lw.wq, &mut b.q[..n * hidden])?;
+                p.apply(&lw.wq, &mut b.q[..n * q_dim])?;
                 p.apply(&lw.wk, &mut b.k[..n * kv_dim])?;
                 p.apply(&lw.wv, &mut b.v[..n * kv_dim])?;
             }
-            add_bias(&mut b.q[..n * hidden], lw.bq);
+            add_bias(&mut b.q[..n * q_dim], lw.bq);
             add_bias(&mut b.k[..n * kv_dim], lw.bk);
             add_bias(&mut b.v[..n * kv_dim], lw.bv);
+            if let (Some(qn), Some(kn)) = (lw.q_norm, lw.k_norm) {
+                rms_norm_in_place(&mut b.q[..n * q_dim], qn, c.rms_eps);
+                rms_norm_in_place(&mut b.k[..n * kv_dim], kn, c.rms_eps);
+            }
+            // Sliding layers have no anchors or recall rows: one rotation serves every key.
+            let layer_fixed = fixed_differs && window.is_none();
             for i in 0..n {
                 let r = i * half..(i + 1) * half;
-                let (cw, sw) = (&b.cos_w[r.clone()], &b.sin_w[r.clone()]);
-                rope_apply(&mut b.k[i * kv_dim..(i + 1) * kv_dim], hd, cw, sw);
-                let q_row = &mut b.q[i * hidden..(i + 1) * hidden];
-                if fixed_differs {
-                    let qf = &mut b.q_fixed[i * hidden..(i + 1) * hidden];
+                let (cw, sw) = if window.is_some() {
+                    (&b.cos_l[r.clone()], &b.sin_l[r.clone()])
+                } else {
+                    (&b.cos_w[r.clone()], &b.sin_w[r.clone()])
+                };
+                rotate(&mut b.k[i * kv_dim..(i + 1) * kv_dim], hd, cw, sw);
+                let q_row = &mut b.q[i * q_dim..(i + 1) * q_dim];
+                if layer_fixed {
+                    let qf = &mut b.q_fixed[i * q_dim..(i + 1) * q_dim];
                     qf.copy_from_slice(q_row);
-                    rope_apply(qf, hd, &b.cos_f[r.clone()], &b.sin_f[r]);
+                    rotate(qf, hd, &b.cos_f[r.clone()], &b.sin_f[r]);
                 }
-                rope_apply(q_row, hd, cw, sw);
+                rotate(q_row, hd, cw, sw);
             }
             {
-                let q_fixed = if fixed_differs { &b.q_fixed } else { &b.q };
+                let q_fixed = if layer_fixed { &b.q_fixed } else { &b.q };
                 let mut chunks = Vec::with_capacity(round.len());
+                let mut ring_index = 0;
                 let mut row = 0;
                 for p in round {
                     let (qr, kr) = (
-                        row * hidden..(row + p.len) * hidden,
+                        row * q_dim..(row + p.len) * q_dim,
                         row * kv_dim..(row + p.len) * kv_dim,
                     );
+                    // Every sequence of the range places a layer in the same ring and index.
+                    let (ring, index) = segments[p.index].kv.rings().layer(ring_layer);
+                    ring_index = index;
                     chunks.push(PendingChunk {
-                        ring: segments[p.index].kv.ring(),
+                        ring,
                         q_fixed: &q_fixed[qr.clone()],
                         q_window: &b.q[qr],
                         local_k: &b.k[kr.clone()],
                         local_v: &b.v[kr],
+                        window,
                     });
                     row += p.len;
                 }
                 attend_batch(
                     &chunks,
-                    ring_layer,
+                    ring_index,
                     c.n_heads,
-                    scale,
+                    c.attn_scale,
                     &mut b.attn_scratch,
-                    &mut b.attn[..n * hidden],
+                    &mut b.attn[..n * q_dim],
                 )
                 .map_err(|e| ModelError::Ring(e.to_string()))?;
             }
             let mut row = 0;
             for p in round {
                 let kr = row * kv_dim..(row + p.len) * kv_dim;
-                segments[p.index]
-                    .kv
-                    .ring_mut()
-                    .write_pending(ring_layer, &b.k[kr.clone()], &b.v[kr])
-                    .map_err(|e| ModelError::Ring(e.to_string()))?;
+                segments[p.index].kv.rings_mut().write_pending(
+                    ring_layer,
+                    &b.k[kr.clone()],
+                    &b.v[kr],
+                )?;
                 row += p.len;
             }
-            Projector::new(&b.attn[..n * hidden], n, precision, &mut b.mm)?
+            Projector::new(&b.attn[..n * q_dim], n, precision, &mut b.mm)?
                 .apply(&lw.wo, &mut b.proj[..n * hidden])?;
+            if let Some(w) = lw.post_attn_norm {
+                rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
+            }
             add_in_place(&mut b.x[..n * hidden], &b.proj[..n * hidden]);
             rms_norm(
                 &b.x[..n * hidden],
@@ -445,9 +485,15 @@ impl LayerRange {
                 p.apply(&lw.w_gate, &mut b.gate[..n * ffn])?;
                 p.apply(&lw.w_up, &mut b.up[..n * ffn])?;
             }
-            swiglu(&mut b.gate[..n * ffn], &b.up[..n * ffn]);
+            match recipe.activation {
+                Activation::Silu => swiglu(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
+                Activation::GeluTanh => geglu_tanh(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
+            }
             Projector::new(&b.gate[..n * ffn], n, precision, &mut b.mm)?
                 .apply(&lw.w_down, &mut b.proj[..n * hidden])?;
+            if let Some(w) = lw.post_ffn_norm {
+                rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
+            }
             add_in_place(&mut b.x[..n * hidden], &b.proj[..n * hidden]);
         }
         self.lm_head(segments, round, b)
@@ -541,6 +587,9 @@ pub struct StepBuffers {
     sin_w: Vec<f32>,
     cos_f: Vec<f32>,
     sin_f: Vec<f32>,
+    /// Angles at the clock with the sliding layers' RoPE base.
+    cos_l: Vec<f32>,
+    sin_l: Vec<f32>,
     logits: Vec<f32>,
     mm: MatmulScratch,
     attn_scratch: AttnScratch,
@@ -549,7 +598,7 @@ pub struct StepBuffers {
 impl StepBuffers {
     /// Buffers for rounds of up to `rows` rows over rings of up to `max_keys` keys (they
     /// grow later if a round needs more).
-    pub fn new(c: &super::LlamaConfig, rows: usize, max_keys: usize) -> StepBuffers {
+    pub fn new(c: &ModelConfig, rows: usize, max_keys: usize) -> StepBuffers {
         let mut b = StepBuffers {
             rows: 0,
             x: Vec::new(),
@@ -566,6 +615,8 @@ impl StepBuffers {
             sin_w: Vec::new(),
             cos_f: Vec::new(),
             sin_f: Vec::new(),
+            cos_l: Vec::new(),
+            sin_l: Vec::new(),
             logits: Vec::new(),
             mm: MatmulScratch::default(),
             attn_scratch: AttnScratch::new(1, c.n_heads, 1),
@@ -574,7 +625,7 @@ impl StepBuffers {
         b
     }
 
-    fn reserve(&mut self, c: &super::LlamaConfig, rows: usize, max_keys: usize) {
+    fn reserve(&mut self, c: &ModelConfig, rows: usize, max_keys: usize) {
         let threads = rayon::current_num_threads();
         self.attn_scratch.reserve(threads, c.n_heads, max_keys);
         if rows <= self.rows {
@@ -584,11 +635,11 @@ impl StepBuffers {
         let grow = |v: &mut Vec<f32>, len: usize| v.resize(len, 0.0);
         grow(&mut self.x, rows * c.hidden);
         grow(&mut self.h, rows * c.hidden);
-        grow(&mut self.q, rows * c.hidden);
-        grow(&mut self.q_fixed, rows * c.hidden);
+        grow(&mut self.q, rows * c.q_dim());
+        grow(&mut self.q_fixed, rows * c.q_dim());
         grow(&mut self.k, rows * c.kv_dim());
         grow(&mut self.v, rows * c.kv_dim());
-        grow(&mut self.attn, rows * c.hidden);
+        grow(&mut self.attn, rows * c.q_dim());
         grow(&mut self.proj, rows * c.hidden);
         grow(&mut self.gate, rows * c.ffn);
         grow(&mut self.up, rows * c.ffn);
@@ -596,7 +647,9 @@ impl StepBuffers {
         grow(&mut self.sin_w, rows * half);
         grow(&mut self.cos_f, rows * half);
         grow(&mut self.sin_f, rows * half);
-        let width = c.ffn.max(c.hidden);
+        grow(&mut self.cos_l, rows * half);
+        grow(&mut self.sin_l, rows * half);
+        let width = c.ffn.max(c.hidden).max(c.q_dim());
         self.mm.quant = QuantScratch::with_capacity(2 * rows, width);
         let need = 2 * rows * width;
         self.mm

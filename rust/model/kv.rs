@@ -1,12 +1,13 @@
-//! One sequence's KV memory for a layer range: its ring buffer plus the rules that cut an
+//! One sequence's KV memory for a layer range: its ring buffers plus the rules that cut an
 //! append into pieces (chunk size, anchor boundary, span boundaries).
 //!
 //! This is the per-sequence half of a forward pass (llama.cpp keeps per-sequence memory apart
 //! from the batch and the compute context the same way): a batched step borrows several
 //! `SequenceKv`s and one set of work buffers ([`super::StepBuffers`]).
 
-use super::{LlamaConfig, ModelError};
-use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
+use super::rings::LayerRings;
+use super::{ModelConfig, ModelError};
+use crate::ring::SpanType;
 
 /// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
 /// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
@@ -37,57 +38,28 @@ impl Default for SessionConfig {
     }
 }
 
-/// The KV ring of one sequence over `[layer_lo, layer_hi)`.
+/// The KV rings of one sequence over `[layer_lo, layer_hi)`: one for the range's global
+/// layers and, for a model with sliding-window layers, one that holds only the window
+/// ([`LayerRings`]).
 #[derive(Debug)]
 pub struct SequenceKv {
     layer_lo: usize,
     layer_hi: usize,
-    ring: DynamicRingBuffer,
-    max_chunk: usize,
-    /// Span length of this sequence: `SPAN_TOKENS`, or half the window if that is smaller.
-    span_tokens: u64,
+    rings: LayerRings,
 }
 
 impl SequenceKv {
-    /// An empty ring (clock 0) for `[layer_lo, layer_hi)` of a model shaped like `c`.
+    /// Empty rings (clock 0) for `[layer_lo, layer_hi)` of a model shaped like `c`.
     pub fn new(
-        c: &LlamaConfig,
+        c: &ModelConfig,
         layer_lo: usize,
         layer_hi: usize,
         cfg: &SessionConfig,
     ) -> Result<Self, ModelError> {
-        if layer_lo >= layer_hi || layer_hi > c.n_layers {
-            return Err(ModelError::Input(format!(
-                "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{}",
-                c.n_layers
-            )));
-        }
-        if cfg.slots > c.context_len {
-            return Err(ModelError::Input(format!(
-                "{} slots exceed the trained context of {} positions: relative distances \
-                 must stay inside it",
-                cfg.slots, c.context_len
-            )));
-        }
-        if cfg.max_chunk == 0 {
-            return Err(ModelError::Input("max_chunk must be at least 1".into()));
-        }
-        let mut ring_cfg = RingConfig::new(layer_hi - layer_lo, c.n_kv_heads, c.head_dim());
-        ring_cfg.slots = cfg.slots;
-        ring_cfg.recall = cfg.recall;
-        ring_cfg.n_sys = cfg.n_sys;
-        ring_cfg.max_positions = Some(c.context_len);
-        // A piece never spans more than the window (the ring's rule) nor more than a span.
-        let span_tokens = SPAN_TOKENS.min(ring_cfg.window_len() as u64 / 2).max(1);
-        ring_cfg.max_chunk = cfg.max_chunk.min(span_tokens as usize).max(1);
-        let ring = DynamicRingBuffer::new(ring_cfg).map_err(|e| ModelError::Ring(e.to_string()))?;
-        let max_chunk = ring.config().max_chunk;
         Ok(SequenceKv {
             layer_lo,
             layer_hi,
-            ring,
-            max_chunk,
-            span_tokens,
+            rings: LayerRings::new(c, layer_lo, layer_hi, cfg)?,
         })
     }
 
@@ -96,36 +68,34 @@ impl SequenceKv {
         (self.layer_lo, self.layer_hi)
     }
 
-    /// Positions held so far (the ring's clock).
+    /// Positions held so far (the rings' clock).
     pub fn clock(&self) -> u64 {
-        self.ring.clock()
+        self.rings.clock()
     }
 
-    /// The ring (read-only).
-    pub fn ring(&self) -> &DynamicRingBuffer {
-        &self.ring
+    /// The rings (read-only).
+    pub fn rings(&self) -> &LayerRings {
+        &self.rings
     }
 
-    /// The ring, for splicing a replayed volume.
-    pub fn ring_mut(&mut self) -> &mut DynamicRingBuffer {
-        &mut self.ring
+    /// The rings, for the forward pass's append protocol.
+    pub fn rings_mut(&mut self) -> &mut LayerRings {
+        &mut self.rings
     }
 
     /// Rows appended together in one piece.
     pub fn max_chunk(&self) -> usize {
-        self.max_chunk
+        self.rings.max_chunk()
     }
 
     /// Forgets every position (clock 0) without giving the allocation back.
     pub fn reset(&mut self) {
-        self.ring.reset();
+        self.rings.reset();
     }
 
     /// Undoes every position after `saved` (probe tokens, rejected drafts); bit-exact.
     pub fn rollback(&mut self, saved: u64) -> Result<(), ModelError> {
-        self.ring
-            .rollback_clock(saved)
-            .map_err(|e| ModelError::Ring(e.to_string()))
+        self.rings.rollback(saved)
     }
 
     /// Where the next piece of an append starting at the current clock ends, and whether it
@@ -135,26 +105,27 @@ impl SequenceKv {
     /// how a caller chunked or batched its input, nor on whether positions were replayed or
     /// prefilled.
     pub(crate) fn next_piece(&self, remaining: usize, span: SpanType) -> (usize, bool) {
-        let clock = self.ring.clock();
-        let n_sys = self.ring.n_sys() as u64;
-        let mut end = clock + remaining.min(self.max_chunk) as u64;
-        end = end.min((clock / self.span_tokens + 1) * self.span_tokens);
+        let clock = self.rings.clock();
+        let n_sys = self.rings.n_sys() as u64;
+        let span_tokens = self.rings.span_tokens();
+        let mut end = clock + remaining.min(self.rings.max_chunk()) as u64;
+        end = end.min((clock / span_tokens + 1) * span_tokens);
         if clock < n_sys {
             end = end.min(n_sys);
         }
         let open_same = self
-            .ring
+            .rings
             .spans()
             .last()
             .is_some_and(|s| s.end_clock == clock && s.span_type == span);
-        let new_span = clock.is_multiple_of(self.span_tokens) || clock == n_sys || !open_same;
+        let new_span = clock.is_multiple_of(span_tokens) || clock == n_sys || !open_same;
         ((end - clock) as usize, new_span)
     }
 
     /// Appends the first `kv_len` positions of a volume slab (layout
-    /// `(layers, kv_heads, stride, head_dim)`) through the ring's own append path, in the
-    /// same pieces and spans prefill would use, so the ring ends up exactly as a cold prefill
-    /// leaves it. On error the sequence is back where it started.
+    /// `(layers, kv_heads, stride, head_dim)`) through the rings' own append path, in the
+    /// same pieces and spans prefill would use, so the rings end up exactly as a cold prefill
+    /// leaves them. On error the sequence is back where it started.
     pub fn append_volume(
         &mut self,
         keys: &[f32],
@@ -177,9 +148,8 @@ impl SequenceKv {
         kv_len: usize,
         span: SpanType,
     ) -> Result<(), ModelError> {
-        let rc = self.ring.config();
-        let layers = rc.n_layers;
-        let per_position = layers * rc.kv_heads * rc.head_dim;
+        let layers = self.layer_hi - self.layer_lo;
+        let per_position = layers * self.rings.row_len();
         let mut positions = 0;
         for (b, (keys, vals)) in blocks.iter().enumerate() {
             let held = keys.len() / per_position.max(1);
@@ -200,19 +170,17 @@ impl SequenceKv {
                 "{kv_len} positions of a {layers}-layer volume of {positions} positions"
             )));
         }
-        let saved = self.ring.clock();
+        let saved = self.rings.clock();
         let mut from = 0;
         while from < kv_len {
             let (n, new_span) = self.next_piece(kv_len - from, span);
-            self.ring
-                .begin_append(n, span, new_span)
-                .map_err(|e| ModelError::Ring(e.to_string()))?;
+            self.rings.begin_append(n, span, new_span)?;
             let written = (0..layers)
-                .try_for_each(|layer| self.ring.write_pending_blocks(layer, blocks, block, from));
-            if let Err(e) = written.and_then(|()| self.ring.commit_append()) {
-                self.ring.abort_append();
-                let _ = self.ring.rollback_clock(saved);
-                return Err(ModelError::Ring(e.to_string()));
+                .try_for_each(|layer| self.rings.write_pending_blocks(layer, blocks, block, from));
+            if let Err(e) = written.and_then(|()| self.rings.commit_append()) {
+                self.rings.abort_append();
+                let _ = self.rings.rollback(saved);
+                return Err(e);
             }
             from += n;
         }

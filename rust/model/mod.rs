@@ -21,6 +21,7 @@ mod forward;
 mod kv;
 mod ops;
 mod pipeline;
+mod rings;
 mod sampling;
 mod session;
 mod weights;
@@ -28,7 +29,7 @@ mod weights;
 use std::fmt;
 use std::sync::OnceLock;
 
-pub use config::LlamaConfig;
+pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
 pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};
 pub use pipeline::{NativeLlamaPipeline, ReplayOutcome};
@@ -36,6 +37,8 @@ pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
 pub use session::RangeSession;
 pub use weights::{LayerView, LlamaWeights, TensorInfo};
 
+#[cfg(test)]
+mod gemma_tests;
 #[cfg(test)]
 pub(crate) mod testing;
 #[cfg(test)]

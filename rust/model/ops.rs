@@ -1,4 +1,4 @@
-//! The small per-row operations of a Llama block: RMSNorm, RoPE, SwiGLU.
+//! The small per-row operations of a decoder block: RMSNorm, RoPE, the gated activations.
 //!
 //! Each works on one row at a time with a fixed operation order, so a row's result never
 //! depends on how many rows are processed together (batch invariance, SPEC §4).
@@ -15,6 +15,18 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         let scale = 1.0 / (sum_of_squares(row) / width as f32 + eps).sqrt();
         for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
             *o = v * scale * w;
+        }
+    }
+}
+
+/// [`rms_norm`] in place: every row of width `weight.len()` (e.g. each head of a Q/K row).
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let width = weight.len();
+    debug_assert_eq!(x.len() % width, 0);
+    for row in x.chunks_exact_mut(width) {
+        let scale = 1.0 / (sum_of_squares(row) / width as f32 + eps).sqrt();
+        for (v, &w) in row.iter_mut().zip(weight) {
+            *v = *v * scale * w;
         }
     }
 }
@@ -60,6 +72,38 @@ pub fn rope_apply(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
             pair[0] = a * cos[i] - b * sin[i];
             pair[1] = a * sin[i] + b * cos[i];
         }
+    }
+}
+
+/// Rotates every head of `x` like [`rope_apply`], pairing `(i, i + head_dim/2)` (llama.cpp's
+/// "neox" RoPE: Qwen 2, Gemma 3, whose GGUF weights are not permuted).
+pub fn rope_apply_halves(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        let (lo, hi) = head.split_at_mut(half);
+        for (i, (a, b)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+            let (x0, x1) = (*a, *b);
+            *a = x0 * cos[i] - x1 * sin[i];
+            *b = x0 * sin[i] + x1 * cos[i];
+        }
+    }
+}
+
+/// GeGLU with the tanh GELU: `gate = gelu_tanh(gate) * up`, in place.
+pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
+    // √(2/π)
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// `x *= factor`, elementwise (Gemma's √hidden embedding scale).
+pub fn scale_in_place(x: &mut [f32], factor: f32) {
+    for v in x {
+        *v *= factor;
     }
 }
 
@@ -134,6 +178,55 @@ mod tests {
         rope_angles(12345, hd, 10000.0, &mut c, &mut s);
         rope_apply(&mut qr, hd, &c, &s);
         assert!((norm(&qr) - norm(&q)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn rms_norm_in_place_equals_rms_norm_per_head() {
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.2).collect();
+        let mut out = vec![0.0; 32];
+        rms_norm(&x, &w, 1e-6, &mut out);
+        let mut y = x.clone();
+        rms_norm_in_place(&mut y, &w, 1e-6);
+        assert_eq!(y, out);
+    }
+
+    #[test]
+    fn rope_halves_pairs_the_two_halves() {
+        // Halves RoPE on x equals adjacent RoPE on x with its halves interleaved.
+        let hd = 8;
+        let x: Vec<f32> = (0..2 * hd).map(|i| i as f32 * 0.1 - 0.7).collect();
+        let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+        rope_angles(37, hd, 10000.0, &mut c, &mut s);
+        let interleave = |v: &[f32]| -> Vec<f32> {
+            v.chunks(hd)
+                .flat_map(|h| (0..hd / 2).flat_map(move |i| [h[i], h[i + hd / 2]]))
+                .collect()
+        };
+        let mut halves = x.clone();
+        rope_apply_halves(&mut halves, hd, &c, &s);
+        let mut adjacent = interleave(&x);
+        rope_apply(&mut adjacent, hd, &c, &s);
+        assert_eq!(interleave(&halves), adjacent);
+    }
+
+    #[test]
+    fn geglu_matches_the_tanh_gelu() {
+        let mut g = vec![-3.0f32, -0.5, 0.0, 0.5, 2.0];
+        let up = vec![1.0f32, 2.0, 3.0, -1.0, 0.5];
+        let expect: Vec<f64> = g
+            .iter()
+            .zip(&up)
+            .map(|(&x, &u)| {
+                let x = x as f64;
+                let t = ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh();
+                0.5 * x * (1.0 + t) * u as f64
+            })
+            .collect();
+        geglu_tanh(&mut g, &up);
+        for (a, b) in g.iter().zip(&expect) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{a} vs {b}");
+        }
     }
 
     #[test]

@@ -100,9 +100,7 @@ impl NativeLlamaPipeline {
 
     fn check_kv(&self, kv: &SequenceKv) -> Result<(), ModelError> {
         let c = self.weights.config();
-        let rc = kv.ring().config();
-        if kv.layer_range() != (self.layer_lo, self.layer_hi)
-            || (rc.kv_heads, rc.head_dim) != (c.n_kv_heads, c.head_dim())
+        if kv.layer_range() != (self.layer_lo, self.layer_hi) || kv.rings().row_len() != c.kv_dim()
         {
             let (lo, hi) = kv.layer_range();
             return Err(ModelError::Input(format!(
@@ -239,12 +237,14 @@ impl NativeLlamaPipeline {
         if let Some(outcome) = self.cache.decline(&key, entry_bytes) {
             return Ok(outcome);
         }
+        // Sliding-window layers keep only their window: a prefix they no longer hold whole
+        // cannot be captured exactly, so it is skipped as too long for this session.
+        if let Some(max) = session.rings().capture_limit().filter(|&max| n > max) {
+            return Ok(CaptureOutcome::SkippedTooLong { prefix_len: n, max });
+        }
         let mut kv_keys = vec![0.0f32; slab];
         let mut kv_vals = vec![0.0f32; slab];
-        session
-            .ring()
-            .read_logical(0, layers, n, &mut kv_keys, &mut kv_vals)
-            .map_err(|e| ModelError::Ring(e.to_string()))?;
+        session.rings().read_prefix(n, &mut kv_keys, &mut kv_vals)?;
         let data = OwnedVolumeData {
             kv_shape,
             tail: tail.to_vec(),

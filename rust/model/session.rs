@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use super::forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 use super::kv::{SequenceKv, SessionConfig};
+use super::rings::LayerRings;
 use super::{LlamaWeights, ModelError};
-use crate::ring::{DynamicRingBuffer, SpanType};
+use crate::ring::SpanType;
 
 /// One session's live state for the layer range `[layer_lo, layer_hi)`.
 pub struct RangeSession {
@@ -27,7 +28,7 @@ impl RangeSession {
         let range = LayerRange::new(weights, layer_lo, layer_hi)?;
         let kv = range.new_kv(cfg)?;
         let rows = kv.max_chunk();
-        let bufs = StepBuffers::new(range.weights().config(), rows, kv.ring().slots() + rows);
+        let bufs = StepBuffers::new(range.weights().config(), rows, kv.rings().max_keys());
         Ok(RangeSession { range, kv, bufs })
     }
 
@@ -71,14 +72,14 @@ impl RangeSession {
         self.kv.clock()
     }
 
-    /// The live KV ring (read-only).
-    pub fn ring(&self) -> &DynamicRingBuffer {
-        self.kv.ring()
+    /// The live KV rings (read-only).
+    pub fn rings(&self) -> &LayerRings {
+        self.kv.rings()
     }
 
-    /// The live KV ring, for splicing a replayed volume.
-    pub fn ring_mut(&mut self) -> &mut DynamicRingBuffer {
-        self.kv.ring_mut()
+    /// Physical KV slots of each layer of the range (sliding layers keep only their window).
+    pub fn kv_slots(&self) -> Vec<usize> {
+        self.kv.rings().slots_per_layer()
     }
 
     /// The weights this session runs.

@@ -10,13 +10,18 @@ use crate::engine::{step, Engine, EngineConfig, Event, FinishReason, LocalExecut
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, VolumeKey};
 
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
+pub(super) fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i * 7 + salt * 13 + 5) % 96)
         .collect()
 }
 
-fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> RangeSession {
+pub(super) fn session(
+    w: &Arc<LlamaWeights>,
+    lo: usize,
+    hi: usize,
+    max_chunk: usize,
+) -> RangeSession {
     let cfg = SessionConfig {
         slots: 256,
         recall: 16,
@@ -27,7 +32,7 @@ fn session(w: &Arc<LlamaWeights>, lo: usize, hi: usize, max_chunk: usize) -> Ran
 }
 
 /// Runs token ids through a session; returns (hidden rows, logits rows).
-fn fwd(
+pub(super) fn fwd(
     s: &mut RangeSession,
     tokens: &[u32],
     span: SpanType,
@@ -37,6 +42,11 @@ fn fwd(
     s.forward(ChunkInput::Tokens(tokens), span, wanted, &mut h, &mut l)
         .unwrap();
     (h, l)
+}
+
+/// Every ring's active-slot table (what attention reads).
+fn ring_state(s: &RangeSession) -> Vec<Vec<u32>> {
+    s.rings().all().map(|r| r.active_slots().to_vec()).collect()
 }
 
 /// Logits of every position, computed by one session over the whole model.
@@ -130,27 +140,27 @@ fn rollback_after_a_probe_gives_identical_next_logits() {
     assert_eq!(run(true), run(false));
 }
 
-fn pipeline(w: &Arc<LlamaWeights>, lo: usize, hi: usize) -> NativeLlamaPipeline {
+pub(super) fn pipeline(w: &Arc<LlamaWeights>, lo: usize, hi: usize) -> NativeLlamaPipeline {
     NativeLlamaPipeline::new(Arc::clone(w), lo, hi, CacheConfig::default()).unwrap()
 }
 
 /// The whole model behind the engine, as the runtime runs it.
-struct Runner {
+pub(super) struct Runner {
     pipeline: Arc<Mutex<NativeLlamaPipeline>>,
     engine: Mutex<Engine>,
     ex: LocalExecutor,
 }
 
 /// What a generation gave.
-struct GenOut {
-    output_ids: Vec<u32>,
-    cache_hit: bool,
-    replayed_tokens: usize,
+pub(super) struct GenOut {
+    pub(super) output_ids: Vec<u32>,
+    pub(super) cache_hit: bool,
+    pub(super) replayed_tokens: usize,
 }
 
 impl Runner {
-    fn new(w: &Arc<LlamaWeights>) -> Runner {
-        let pipeline = Arc::new(Mutex::new(pipeline(w, 0, 3)));
+    pub(super) fn new(w: &Arc<LlamaWeights>) -> Runner {
+        let pipeline = Arc::new(Mutex::new(pipeline(w, 0, w.config().n_layers)));
         let cfg = SessionConfig {
             slots: 256,
             recall: 16,
@@ -166,11 +176,11 @@ impl Runner {
         }
     }
 
-    fn p(&self) -> MutexGuard<'_, NativeLlamaPipeline> {
+    pub(super) fn p(&self) -> MutexGuard<'_, NativeLlamaPipeline> {
         self.pipeline.lock().unwrap()
     }
 
-    fn generate(&mut self, tokens: &[u32], n: usize, use_cache: bool) -> GenOut {
+    pub(super) fn generate(&mut self, tokens: &[u32], n: usize, use_cache: bool) -> GenOut {
         self.generate_with(tokens, n, use_cache, SamplingParams::default())
     }
 
@@ -249,10 +259,10 @@ fn replayed_session_continues_bit_identically() {
         other => panic!("expected a hit, got {other:?}"),
     }
     assert_eq!(warm.clock(), cold.clock());
-    assert_eq!(warm.ring().active_slots(), cold.ring().active_slots());
+    assert_eq!(ring_state(&warm), ring_state(&cold));
     assert_eq!(
-        warm.ring().spans().collect::<Vec<_>>(),
-        cold.ring().spans().collect::<Vec<_>>()
+        warm.rings().spans().collect::<Vec<_>>(),
+        cold.rings().spans().collect::<Vec<_>>()
     );
     for step in 0..10u32 {
         let t = [step * 3 % 96];
@@ -304,7 +314,7 @@ fn long_streams_past_the_window_do_not_depend_on_chunking() {
     let run = |chunk: usize| {
         let mut s = session(&w, 0, 3, chunk);
         let (_h, l) = fwd(&mut s, &tokens, SpanType::User, LogitsWanted::All);
-        assert!(s.ring().active_slots().len() <= 240);
+        assert!(s.rings().all().next().unwrap().active_slots().len() <= 240);
         l
     };
     let reference = run(1);
@@ -318,7 +328,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     let w = tiny_weights(8);
     let mut s = session(&w, 0, 3, 16);
     let (mut h, mut l) = fwd(&mut s, &prompt(5, 8), SpanType::User, LogitsWanted::Last);
-    let before = (s.clock(), s.ring().active_slots().to_vec());
+    let before = (s.clock(), ring_state(&s));
     let cases: Vec<(ChunkInput<'_>, LogitsWanted, &str)> = vec![
         (ChunkInput::Tokens(&[]), LogitsWanted::Last, "no tokens"),
         (
@@ -337,7 +347,7 @@ fn bad_input_is_refused_and_changes_nothing() {
             .forward(input, SpanType::User, wanted, &mut h, &mut l)
             .unwrap_err();
         assert!(err.to_string().contains(needle), "{err}");
-        assert_eq!((s.clock(), s.ring().active_slots().to_vec()), before);
+        assert_eq!((s.clock(), ring_state(&s)), before);
     }
     let mut mid = session(&w, 1, 2, 16);
     let mut nan = vec![0.5f32; 64];

@@ -13,15 +13,15 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use super::{LlamaConfig, ModelError, Precision};
-use crate::quant::{GgmlType, QMatrix};
+use super::{ModelConfig, ModelError, Precision};
+use crate::quant::{unsupported_type_message, GgmlType, QMatrix};
 
 /// One entry of the tensor table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
     /// GGUF tensor name, e.g. `blk.3.attn_q.weight`.
     pub name: String,
-    /// ggml type id (0 = F32, 1 = F16, 2 = Q4_0, 3 = Q4_1, 8 = Q8_0).
+    /// ggml type id (see `quant::SUPPORTED_TYPES`).
     pub ggml_type: u32,
     /// GGUF dims, fastest-varying first: `[cols, rows]` for a matrix, `[n]` for a vector.
     pub dims: Vec<u64>,
@@ -69,11 +69,15 @@ pub struct LayerTensors {
     bq: Option<TensorEntry>,
     bk: Option<TensorEntry>,
     bv: Option<TensorEntry>,
+    q_norm: Option<TensorEntry>,
+    k_norm: Option<TensorEntry>,
+    post_attn_norm: Option<TensorEntry>,
+    post_ffn_norm: Option<TensorEntry>,
 }
 
-/// All weights of a Llama model plus its content fingerprint.
+/// All weights of a decoder (any supported architecture) plus its content fingerprint.
 pub struct LlamaWeights {
-    config: LlamaConfig,
+    config: ModelConfig,
     storage: Arc<Storage>,
     token_embd: TensorEntry,
     output_norm: TensorEntry,
@@ -98,13 +102,19 @@ pub struct LayerView<'a> {
     pub bq: Option<&'a [f32]>,
     pub bk: Option<&'a [f32]>,
     pub bv: Option<&'a [f32]>,
+    /// Per-head RMSNorm of queries and keys (`head_dim` each), when the recipe has them.
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
+    /// RMSNorm of the attention / FFN output before the residual add, when the recipe has them.
+    pub post_attn_norm: Option<&'a [f32]>,
+    pub post_ffn_norm: Option<&'a [f32]>,
 }
 
 impl LlamaWeights {
     /// Maps `path` read-only and validates the tensor table against `config`.
     pub fn from_file(
         path: &Path,
-        config: LlamaConfig,
+        config: ModelConfig,
         table: &[TensorInfo],
         precision: Precision,
     ) -> Result<Self, ModelError> {
@@ -120,7 +130,7 @@ impl LlamaWeights {
     /// Builds weights from bytes in memory (synthetic models in tests, or a copied file).
     pub fn from_bytes(
         bytes: Vec<u8>,
-        config: LlamaConfig,
+        config: ModelConfig,
         table: &[TensorInfo],
         precision: Precision,
     ) -> Result<Self, ModelError> {
@@ -129,7 +139,7 @@ impl LlamaWeights {
 
     fn from_storage(
         storage: Storage,
-        config: LlamaConfig,
+        config: ModelConfig,
         table: &[TensorInfo],
         precision: Precision,
     ) -> Result<Self, ModelError> {
@@ -183,22 +193,50 @@ impl LlamaWeights {
         } else {
             None
         };
+        let recipe = c.recipe();
+        let q_dim = c.q_dim();
+        // Norms only some recipes have: required by those, not read by the others.
+        let required =
+            |name: &str, n: usize, needed: bool| -> Result<Option<TensorEntry>, ModelError> {
+                if needed {
+                    vector(name, n).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+        // Biases: required by a recipe with them, optional elsewhere (some Llama files).
+        let bias = |name: &str, n: usize| -> Result<Option<TensorEntry>, ModelError> {
+            if recipe.qkv_bias {
+                vector(name, n).map(Some)
+            } else {
+                optional_vector(name, n)
+            }
+        };
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let n = |t: &str| format!("blk.{i}.{t}");
+            let hd = c.head_dim();
             layers.push(LayerTensors {
                 attn_norm: vector(&n("attn_norm.weight"), hidden)?,
-                wq: take(&n("attn_q.weight"), hidden, hidden)?,
+                wq: take(&n("attn_q.weight"), q_dim, hidden)?,
                 wk: take(&n("attn_k.weight"), kv, hidden)?,
                 wv: take(&n("attn_v.weight"), kv, hidden)?,
-                wo: take(&n("attn_output.weight"), hidden, hidden)?,
+                wo: take(&n("attn_output.weight"), hidden, q_dim)?,
                 ffn_norm: vector(&n("ffn_norm.weight"), hidden)?,
                 w_gate: take(&n("ffn_gate.weight"), ffn, hidden)?,
                 w_up: take(&n("ffn_up.weight"), ffn, hidden)?,
                 w_down: take(&n("ffn_down.weight"), hidden, ffn)?,
-                bq: optional_vector(&n("attn_q.bias"), hidden)?,
-                bk: optional_vector(&n("attn_k.bias"), kv)?,
-                bv: optional_vector(&n("attn_v.bias"), kv)?,
+                bq: bias(&n("attn_q.bias"), q_dim)?,
+                bk: bias(&n("attn_k.bias"), kv)?,
+                bv: bias(&n("attn_v.bias"), kv)?,
+                q_norm: required(&n("attn_q_norm.weight"), hd, recipe.qk_norm)?,
+                k_norm: required(&n("attn_k_norm.weight"), hd, recipe.qk_norm)?,
+                post_attn_norm: required(
+                    &n("post_attention_norm.weight"),
+                    hidden,
+                    recipe.post_norms,
+                )?,
+                post_ffn_norm: required(&n("post_ffw_norm.weight"), hidden, recipe.post_norms)?,
             });
         }
         let fingerprint = fingerprint(&config, precision, table, storage.bytes());
@@ -222,7 +260,7 @@ impl LlamaWeights {
     }
 
     /// The model's hyper-parameters.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -293,13 +331,19 @@ impl LlamaWeights {
             bq: opt(&l.bq),
             bk: opt(&l.bk),
             bv: opt(&l.bv),
+            q_norm: opt(&l.q_norm),
+            k_norm: opt(&l.k_norm),
+            post_attn_norm: opt(&l.post_attn_norm),
+            post_ffn_norm: opt(&l.post_ffn_norm),
         })
     }
 }
 
 fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
     let bad = |what: String| ModelError::Weights(format!("tensor {}: {what}", info.name));
-    let dtype = GgmlType::from_id(info.ggml_type).map_err(|e| bad(e.to_string()))?;
+    let dtype = GgmlType::from_id(info.ggml_type).map_err(|_| {
+        ModelError::Weights(unsupported_type_message(info.ggml_type, Some(&info.name)))
+    })?;
     let (cols, rows) = match info.dims.as_slice() {
         [n] => (*n as usize, 1usize),
         [c, r] => (*c as usize, *r as usize),
@@ -339,7 +383,7 @@ fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelE
 
 /// BLAKE3 over the canonical config and every tensor (sorted by name), truncated to u64.
 fn fingerprint(
-    config: &LlamaConfig,
+    config: &ModelConfig,
     precision: Precision,
     table: &[TensorInfo],
     bytes: &[u8],
@@ -363,4 +407,36 @@ fn fingerprint(
         h.update_rayon(&bytes[e.start..e.start + e.len]);
     }
     crate::keys::digest_prefix_u64(h.finalize().as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::testing::tiny_config;
+
+    #[test]
+    fn an_unsupported_tensor_type_is_refused_by_name() {
+        // A Q4_1-sized tensor declared as IQ2_XS (17), and one with an id ggml lacks.
+        let bytes = vec![0u8; 4096];
+        for (id, expected) in [
+            (
+                17,
+                "unsupported tensor type IQ2_XS in blk.3.ffn_down.weight",
+            ),
+            (99, "unknown ggml type id 99 in blk.3.ffn_down.weight"),
+        ] {
+            let table = [TensorInfo {
+                name: "blk.3.ffn_down.weight".into(),
+                ggml_type: id,
+                dims: vec![256, 4],
+                offset: 0,
+            }];
+            let err =
+                LlamaWeights::from_bytes(bytes.clone(), tiny_config(), &table, Precision::Refined)
+                    .err()
+                    .expect("refused")
+                    .to_string();
+            assert!(err.contains(expected), "{err}");
+        }
+    }
 }

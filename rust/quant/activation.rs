@@ -1,18 +1,22 @@
 //! Activation quantization: f32 rows → 8-bit blocks, once per matmul input.
 //!
-//! Every 32-element block `x` of a token row becomes `d = max|x| / 127`,
-//! `q = round_ties_even(x / d)` (as `x · (1/d)`, ggml's form), the integer sum `Σq`, and the
-//! f32 product `s = d · Σq` (ggml's Q8_1 `s`, kept in f32). The same blocks serve all three
-//! quantized weight types: Q8_0 weights use `d, q`; Q4_0 weights use `d, q, Σq` (for the −8
-//! offset); Q4_1 weights use `d, q, s` (for the `m` term). Scales stay f32 (ggml rounds them
-//! to f16), which costs nothing and is more accurate.
+//! Two block formats, both with one f32 scale per block, `d = max|x| / 127` and
+//! `q = round_ties_even(x / d)` (as `x · (1/d)`, ggml's form):
 //!
-//! A block with a non-finite element gets `d = NaN` (and zero codes), so every output it
-//! touches is NaN rather than a silently wrong finite number.
+//! - 32-element blocks for `Q4_0`…`Q8_0` weights, with the integer sum `Σq` and the f32
+//!   product `s = d · Σq` (ggml's Q8_1 `s`, kept in f32): Q8_0 weights use `d, q`; Q4_0 and
+//!   Q5_0 use `d, q, Σq` (for the zero point); Q4_1 and Q5_1 use `d, q, s` (for the `m` term);
+//! - 256-element super-blocks for the k-quants (ggml's Q8_K), with the integer sums of every
+//!   16 and every 32 elements (for the groups' mins and zero points).
+//!
+//! Scales stay f32 (ggml rounds the 32-block ones to f16), which costs nothing and is more
+//! accurate. A block with a non-finite element gets `d = NaN` (and zero codes), so every
+//! output it touches is NaN rather than a silently wrong finite number.
 
 use rayon::prelude::*;
 
 use super::format::QK;
+use super::kquant::QK_K;
 use super::{Kernel, QuantError};
 
 /// Reusable buffers behind [`QuantizedInput`]: sized on first use, then never reallocated
@@ -23,6 +27,10 @@ pub struct QuantScratch {
     scale: Vec<f32>,
     scaled_sum: Vec<f32>,
     qsum: Vec<i32>,
+    pub(crate) k_qs: Vec<i8>,
+    k_scale: Vec<f32>,
+    k_sums16: Vec<i16>,
+    k_sums32: Vec<i16>,
 }
 
 impl QuantScratch {
@@ -33,17 +41,22 @@ impl QuantScratch {
 
     /// Scratch already sized for inputs of up to `n_tokens × cols` (no allocation later).
     pub fn with_capacity(n_tokens: usize, cols: usize) -> Self {
-        let blocks = n_tokens * cols / QK;
+        let len = n_tokens * cols;
+        let (blocks, k_blocks) = (len / QK, len / QK_K);
         Self {
-            qs: Vec::with_capacity(blocks * QK),
+            qs: Vec::with_capacity(len),
             scale: Vec::with_capacity(blocks),
             scaled_sum: Vec::with_capacity(blocks),
             qsum: Vec::with_capacity(blocks),
+            k_qs: Vec::with_capacity(len),
+            k_scale: Vec::with_capacity(k_blocks),
+            k_sums16: Vec::with_capacity(len / 16),
+            k_sums32: Vec::with_capacity(len / 32),
         }
     }
 }
 
-/// The 8-bit blocks of an input, `blocks_per_token` blocks per token row.
+/// The 32-element 8-bit blocks of an input, `blocks_per_token` blocks per token row.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ActBlocks<'a> {
     pub(crate) qs: &'a [i8],
@@ -68,23 +81,138 @@ impl ActBlocks<'_> {
     }
 }
 
-/// An `(n_tokens, cols)` f32 input together with its 8-bit quantization, ready to be
+/// The 256-element 8-bit super-blocks of an input (for k-quant weights).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SuperActBlocks<'a> {
+    pub(crate) qs: &'a [i8],
+    pub(crate) scale: &'a [f32],
+    /// `Σq` of every 16 elements.
+    pub(crate) sums16: &'a [i16],
+    /// `Σq` of every 32 elements.
+    pub(crate) sums32: &'a [i16],
+    pub(crate) blocks_per_token: usize,
+}
+
+impl SuperActBlocks<'_> {
+    /// Index of super-block `b` of token `t` in `scale` (and, times 256, in `qs`).
+    #[inline(always)]
+    pub(crate) fn index(&self, t: usize, b: usize) -> usize {
+        t * self.blocks_per_token + b
+    }
+}
+
+/// An `(n_tokens, cols)` f32 input together with its 8-bit quantizations, ready to be
 /// multiplied by any number of weight matrices with `cols` columns (q/k/v share one,
-/// gate/up share one). Float (F32/F16) weights use the f32 rows; quantized weights use the
-/// blocks, which exist when `cols` is a multiple of 32.
+/// gate/up share one). Float (F32/F16) weights use the f32 rows; 32-element formats use the
+/// 32-element blocks, which exist when `cols` is a multiple of 32; k-quants use the
+/// super-blocks, which exist when `cols` is a multiple of 256.
 #[derive(Debug, Clone, Copy)]
 pub struct QuantizedInput<'a> {
     x: &'a [f32],
     n_tokens: usize,
     cols: usize,
+    refined: bool,
     blocks: Option<ActBlocks<'a>>,
+    super_blocks: Option<SuperActBlocks<'a>>,
 }
 
 /// Below this many elements the input is quantized on the calling thread.
 const PARALLEL_QUANTIZE_MIN_ELEMENTS: usize = 1 << 16;
 
+/// Checks the shape of an input of `n_tokens × cols` floats.
+fn check_input(x: &[f32], n_tokens: usize, cols: usize) -> Result<(), QuantError> {
+    if n_tokens == 0 || cols == 0 {
+        return Err(QuantError::EmptyShape {
+            rows: n_tokens,
+            cols,
+        });
+    }
+    let expected = n_tokens
+        .checked_mul(cols)
+        .ok_or(QuantError::ShapeOverflow)?;
+    if x.len() != expected {
+        return Err(QuantError::InputLength {
+            n_tokens,
+            cols,
+            expected,
+            actual: x.len(),
+        });
+    }
+    Ok(())
+}
+
+/// Quantizes `x` (whole 32-blocks) into the given slices, on the pool for large inputs.
+fn quantize_rows(
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    let kernel = Kernel::detect();
+    if x.len() >= PARALLEL_QUANTIZE_MIN_ELEMENTS {
+        const CHUNK: usize = 64;
+        x.par_chunks(CHUNK * QK)
+            .zip(qs.par_chunks_mut(CHUNK * QK))
+            .zip(scale.par_chunks_mut(CHUNK))
+            .zip(
+                scaled_sum
+                    .par_chunks_mut(CHUNK)
+                    .zip(qsum.par_chunks_mut(CHUNK)),
+            )
+            .for_each(|(((x, qs), scale), (scaled_sum, qsum))| {
+                quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum)
+            });
+    } else {
+        quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum);
+    }
+}
+
+/// Quantizes `x` (whole 256-blocks) into the given slices, on the pool for large inputs.
+fn quantize_super_rows(
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    sums16: &mut [i16],
+    sums32: &mut [i16],
+) {
+    let kernel = Kernel::detect();
+    if x.len() >= PARALLEL_QUANTIZE_MIN_ELEMENTS {
+        const CHUNK: usize = 8;
+        x.par_chunks(CHUNK * QK_K)
+            .zip(qs.par_chunks_mut(CHUNK * QK_K))
+            .zip(scale.par_chunks_mut(CHUNK))
+            .zip(
+                sums16
+                    .par_chunks_mut(CHUNK * 16)
+                    .zip(sums32.par_chunks_mut(CHUNK * 8)),
+            )
+            .for_each(|(((x, qs), scale), (sums16, sums32))| {
+                quantize_super_blocks(kernel, x, qs, scale, sums16, sums32)
+            });
+    } else {
+        quantize_super_blocks(kernel, x, qs, scale, sums16, sums32);
+    }
+}
+
+/// `residual = x − dequant(q, d)` for blocks of `block` elements.
+fn residual_into(residual: &mut [f32], x: &[f32], qs: &[i8], scale: &[f32], block: usize) {
+    for (((r, v), q), d) in residual
+        .chunks_exact_mut(block)
+        .zip(x.chunks_exact(block))
+        .zip(qs.chunks_exact(block))
+        .zip(scale)
+    {
+        for ((ri, &xi), &qi) in r.iter_mut().zip(v).zip(q) {
+            *ri = xi - qi as f32 * d;
+        }
+    }
+}
+
 impl<'a> QuantizedInput<'a> {
-    /// Quantizes `x` (row-major `(n_tokens, cols)`) into `scratch`.
+    /// Quantizes `x` (row-major `(n_tokens, cols)`) into `scratch`: 32-element blocks when
+    /// `cols` is a multiple of 32, and 256-element super-blocks too when it is a multiple of
+    /// 256.
     ///
     /// Errors if `x.len() != n_tokens · cols` or either is zero.
     pub fn quantize(
@@ -93,112 +221,131 @@ impl<'a> QuantizedInput<'a> {
         cols: usize,
         scratch: &'a mut QuantScratch,
     ) -> Result<Self, QuantError> {
-        if n_tokens == 0 || cols == 0 {
-            return Err(QuantError::EmptyShape {
-                rows: n_tokens,
-                cols,
-            });
-        }
-        let expected = n_tokens
-            .checked_mul(cols)
-            .ok_or(QuantError::ShapeOverflow)?;
-        if x.len() != expected {
-            return Err(QuantError::InputLength {
-                n_tokens,
-                cols,
-                expected,
-                actual: x.len(),
-            });
-        }
-        if !cols.is_multiple_of(QK) {
-            return Ok(Self {
-                x,
-                n_tokens,
-                cols,
-                blocks: None,
-            });
-        }
-        let n_blocks = expected / QK;
-        // `resize` sets the exact length and reuses the allocation whenever it is large
-        // enough (shrinking never frees).
-        scratch.qs.resize(expected, 0);
-        scratch.scale.resize(n_blocks, 0.0);
-        scratch.scaled_sum.resize(n_blocks, 0.0);
-        scratch.qsum.resize(n_blocks, 0);
+        Self::build(x, n_tokens, cols, None, scratch)
+    }
+
+    /// Two-level ("refined") quantization for near-f32 accuracy on the exact integer
+    /// kernels: quantizes `x` and then, per block format, the residual `r = x −
+    /// dequant(quant(x))` that the first 8-bit pass loses, as `2·n_tokens` rows (`x` first,
+    /// `r` after; `stacked` holds the residual). Multiplying by a matrix and adding output rows
+    /// `t` and `n_tokens + t` ([`fold_refined`]) gives `W·(dq(x) + dq(r))`, whose activation
+    /// error is ~1/254 of the single pass — about 14 bits — at twice the arithmetic but the
+    /// same weight traffic (the kernels dot each unpacked weight block with both passes of a
+    /// token). Float weights use `x` itself, so their residual rows are zero. Deterministic
+    /// and batch-invariant like `quantize`.
+    pub fn quantize_refined(
+        x: &'a [f32],
+        n_tokens: usize,
+        cols: usize,
+        stacked: &'a mut Vec<f32>,
+        scratch: &'a mut QuantScratch,
+    ) -> Result<Self, QuantError> {
+        Self::build(x, n_tokens, cols, Some(stacked), scratch)
+    }
+
+    /// Quantizes `x`, and with `residual` scratch also the residual of each format (rows
+    /// `n_tokens..2·n_tokens` of the blocks).
+    fn build(
+        x: &'a [f32],
+        n_tokens: usize,
+        cols: usize,
+        mut residual: Option<&mut Vec<f32>>,
+        scratch: &'a mut QuantScratch,
+    ) -> Result<Self, QuantError> {
+        check_input(x, n_tokens, cols)?;
+        let refined = residual.is_some();
+        let len = x.len();
+        let rows_len = if refined { 2 * len } else { len };
+        let has_blocks = cols.is_multiple_of(QK);
+        let has_super = cols.is_multiple_of(QK_K);
         let QuantScratch {
             qs,
             scale,
             scaled_sum,
             qsum,
+            k_qs,
+            k_scale,
+            k_sums16,
+            k_sums32,
         } = scratch;
-        let kernel = Kernel::detect();
-        if expected >= PARALLEL_QUANTIZE_MIN_ELEMENTS {
-            const CHUNK: usize = 64;
-            x.par_chunks(CHUNK * QK)
-                .zip(qs.par_chunks_mut(CHUNK * QK))
-                .zip(scale.par_chunks_mut(CHUNK))
-                .zip(
-                    scaled_sum
-                        .par_chunks_mut(CHUNK)
-                        .zip(qsum.par_chunks_mut(CHUNK)),
-                )
-                .for_each(|(((x, qs), scale), (scaled_sum, qsum))| {
-                    quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum)
-                });
-        } else {
-            quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum);
+        // `resize` sets the exact length and reuses the allocation whenever it is large
+        // enough (shrinking never frees).
+        let blocks_len = if has_blocks { rows_len } else { 0 };
+        qs.resize(blocks_len, 0);
+        scale.resize(blocks_len / QK, 0.0);
+        scaled_sum.resize(blocks_len / QK, 0.0);
+        qsum.resize(blocks_len / QK, 0);
+        let super_len = if has_super { rows_len } else { 0 };
+        k_qs.resize(super_len, 0);
+        k_scale.resize(super_len / QK_K, 0.0);
+        k_sums16.resize(super_len / 16, 0);
+        k_sums32.resize(super_len / 32, 0);
+        if has_blocks {
+            let (b0, b1) = (len / QK, rows_len / QK);
+            quantize_rows(
+                x,
+                &mut qs[..len],
+                &mut scale[..b0],
+                &mut scaled_sum[..b0],
+                &mut qsum[..b0],
+            );
+            if let Some(r) = residual.as_deref_mut() {
+                let r = resize_residual(r, len);
+                residual_into(r, x, &qs[..len], &scale[..b0], QK);
+                quantize_rows(
+                    r,
+                    &mut qs[len..],
+                    &mut scale[b0..b1],
+                    &mut scaled_sum[b0..b1],
+                    &mut qsum[b0..b1],
+                );
+            }
         }
+        if has_super {
+            let b0 = len / QK_K;
+            quantize_super_rows(
+                x,
+                &mut k_qs[..len],
+                &mut k_scale[..b0],
+                &mut k_sums16[..len / 16],
+                &mut k_sums32[..len / 32],
+            );
+            if let Some(r) = residual {
+                let r = resize_residual(r, len);
+                residual_into(r, x, &k_qs[..len], &k_scale[..b0], QK_K);
+                quantize_super_rows(
+                    r,
+                    &mut k_qs[len..],
+                    &mut k_scale[b0..],
+                    &mut k_sums16[len / 16..],
+                    &mut k_sums32[len / 32..],
+                );
+            }
+        }
+        let input_tokens = if refined { 2 * n_tokens } else { n_tokens };
         Ok(Self {
             x,
-            n_tokens,
+            n_tokens: input_tokens,
             cols,
-            blocks: Some(ActBlocks {
+            refined,
+            blocks: has_blocks.then_some(ActBlocks {
                 qs,
                 scale,
                 scaled_sum,
                 qsum,
                 blocks_per_token: cols / QK,
             }),
+            super_blocks: has_super.then_some(SuperActBlocks {
+                qs: k_qs,
+                scale: k_scale,
+                sums16: k_sums16,
+                sums32: k_sums32,
+                blocks_per_token: cols / QK_K,
+            }),
         })
     }
 
-    /// Two-level ("refined") quantization for near-f32 accuracy on the exact integer
-    /// kernels: writes `[x; r]` to `stacked`, where `r = x − dequant(quant(x))` is what the
-    /// first 8-bit pass loses, and quantizes both as `2·n_tokens` rows. Multiplying by a
-    /// matrix and adding output rows `t` and `n_tokens + t` ([`fold_refined`]) gives
-    /// `W·(dq(x) + dq(r))`, whose activation error is ~1/254 of the single pass — about 14
-    /// bits — at twice the arithmetic but the same weight traffic (a kernel tile shares the
-    /// unpacked weights among its tokens). Deterministic and batch-invariant like `quantize`.
-    pub fn quantize_refined(
-        x: &[f32],
-        n_tokens: usize,
-        cols: usize,
-        stacked: &'a mut Vec<f32>,
-        scratch: &'a mut QuantScratch,
-    ) -> Result<Self, QuantError> {
-        stacked.clear();
-        stacked.extend_from_slice(x);
-        stacked.resize(2 * x.len(), 0.0);
-        {
-            let coarse = QuantizedInput::quantize(x, n_tokens, cols, scratch)?;
-            if let Some(b) = coarse.blocks {
-                let residual = &mut stacked[x.len()..];
-                for (((r, v), q), d) in residual
-                    .chunks_exact_mut(QK)
-                    .zip(x.chunks_exact(QK))
-                    .zip(b.qs.chunks_exact(QK))
-                    .zip(b.scale)
-                {
-                    for ((ri, &xi), &qi) in r.iter_mut().zip(v).zip(q) {
-                        *ri = xi - qi as f32 * d;
-                    }
-                }
-            }
-        }
-        QuantizedInput::quantize(stacked, 2 * n_tokens, cols, scratch)
-    }
-
-    /// Number of token rows.
+    /// Number of token rows of the product (`2·n` for a refined input of `n` tokens).
     pub fn n_tokens(&self) -> usize {
         self.n_tokens
     }
@@ -208,31 +355,96 @@ impl<'a> QuantizedInput<'a> {
         self.cols
     }
 
-    /// The f32 input rows, row-major `(n_tokens, cols)`.
+    /// Whether this is a refined input (rows `n..2n` are the residual pass of rows `0..n`).
+    pub fn is_refined(&self) -> bool {
+        self.refined
+    }
+
+    /// The f32 input rows, row-major (`n` rows, also for a refined input of `2n`).
     pub fn f32_rows(&self) -> &'a [f32] {
         self.x
     }
 
-    /// Dequantizes the 8-bit blocks back to f32 (`q·d`), row-major `(n_tokens, cols)`:
-    /// exactly what quantized weights are multiplied by. `None` when `cols` is not a multiple
-    /// of 32 (only float weights can use such an input).
+    /// Dequantizes the 32-element blocks back to f32 (`q·d`), row-major `(n_tokens, cols)`:
+    /// exactly what 32-element weight formats are multiplied by. `None` when `cols` is not a
+    /// multiple of 32.
     pub fn dequantized(&self) -> Option<Vec<f32>> {
         let blocks = self.blocks?;
-        let mut out = Vec::with_capacity(self.x.len());
-        for (q, d) in blocks.qs.chunks_exact(QK).zip(blocks.scale) {
-            out.extend(q.iter().map(|&v| v as f32 * d));
-        }
-        Some(out)
+        Some(dequantize_codes(blocks.qs, blocks.scale, QK))
+    }
+
+    /// Dequantizes the 256-element super-blocks (what k-quant weights are multiplied by);
+    /// `None` when `cols` is not a multiple of 256.
+    pub fn dequantized_super(&self) -> Option<Vec<f32>> {
+        let blocks = self.super_blocks?;
+        Some(dequantize_codes(blocks.qs, blocks.scale, QK_K))
     }
 
     pub(crate) fn blocks(&self) -> Option<ActBlocks<'a>> {
         self.blocks
     }
+
+    pub(crate) fn super_blocks(&self) -> Option<SuperActBlocks<'a>> {
+        self.super_blocks
+    }
 }
 
-/// Quantizes whole blocks: `x` is `scale.len()` blocks of 32 floats, into the matching
-/// slices. The SIMD variants perform the same exact IEEE operations as [`quantize_block`],
-/// so every ISA gives identical bits.
+/// The residual scratch as exactly `len` floats.
+fn resize_residual(r: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    r.resize(len, 0.0);
+    &mut r[..]
+}
+
+fn dequantize_codes(qs: &[i8], scale: &[f32], block: usize) -> Vec<f32> {
+    qs.chunks_exact(block)
+        .zip(scale)
+        .flat_map(|(q, d)| q.iter().map(move |&v| v as f32 * d))
+        .collect()
+}
+
+/// Quantizes whole blocks of `block` elements (32 or 256): `x` is `scale.len()` blocks, into
+/// codes `qs`, scales and `Σq`. The SIMD variants perform the same exact IEEE operations as
+/// [`quantize_span`], so every ISA gives identical bits.
+pub(crate) fn quantize_spans(
+    kernel: Kernel,
+    x: &[f32],
+    qs: &mut [i8],
+    block: usize,
+    scale: &mut [f32],
+    qsum: &mut [i32],
+) {
+    assert!(
+        block.is_multiple_of(QK)
+            && x.len() == scale.len() * block
+            && qs.len() == x.len()
+            && qsum.len() == scale.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if kernel.is_available() {
+        match kernel {
+            // SAFETY: `is_available` checked the CPU features; the lengths are checked above.
+            Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
+                return super::avx512::quantize_spans(x, qs, block, scale, qsum);
+            },
+            // SAFETY: as above.
+            Kernel::Avx2 => unsafe {
+                return super::avx2::quantize_spans(x, qs, block, scale, qsum);
+            },
+            Kernel::Scalar => {}
+        }
+    }
+    let _ = kernel;
+    for (((xb, qb), d), sum) in x
+        .chunks_exact(block)
+        .zip(qs.chunks_exact_mut(block))
+        .zip(scale.iter_mut())
+        .zip(qsum.iter_mut())
+    {
+        (*d, *sum) = quantize_span(xb, qb);
+    }
+}
+
+/// Quantizes whole 32-element blocks, with `s = d·Σq` (NaN for a non-finite block).
 pub(crate) fn quantize_blocks(
     kernel: Kernel,
     x: &[f32],
@@ -241,35 +453,37 @@ pub(crate) fn quantize_blocks(
     scaled_sum: &mut [f32],
     qsum: &mut [i32],
 ) {
-    assert!(
-        x.len() == scale.len() * QK
-            && qs.len() == x.len()
-            && scaled_sum.len() == scale.len()
-            && qsum.len() == scale.len()
-    );
-    #[cfg(target_arch = "x86_64")]
-    if kernel.is_available() {
-        match kernel {
-            // SAFETY: `is_available` checked the CPU features; the lengths are checked above.
-            Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
-                return super::avx512::quantize_blocks(x, qs, scale, scaled_sum, qsum);
-            },
-            // SAFETY: as above.
-            Kernel::Avx2 => unsafe {
-                return super::avx2::quantize_blocks(x, qs, scale, scaled_sum, qsum);
-            },
-            Kernel::Scalar => {}
-        }
+    quantize_spans(kernel, x, qs, QK, scale, qsum);
+    for ((s, &d), &sum) in scaled_sum.iter_mut().zip(scale.iter()).zip(qsum.iter()) {
+        *s = d * sum as f32;
     }
-    let _ = kernel;
-    for ((((xb, qb), d), s), sum) in x
-        .chunks_exact(QK)
-        .zip(qs.chunks_exact_mut(QK))
-        .zip(scale.iter_mut())
-        .zip(scaled_sum.iter_mut())
-        .zip(qsum.iter_mut())
+}
+
+/// Quantizes whole 256-element super-blocks: `x` is `scale.len()` super-blocks, into the
+/// matching slices (16 and 8 sums per super-block). Same bits under every ISA.
+pub(crate) fn quantize_super_blocks(
+    kernel: Kernel,
+    x: &[f32],
+    qs: &mut [i8],
+    scale: &mut [f32],
+    sums16: &mut [i16],
+    sums32: &mut [i16],
+) {
+    assert!(sums16.len() == scale.len() * 16 && sums32.len() == scale.len() * 8);
+    let mut totals = [0i32; 8];
+    for (((xc, qc), dc), (s16, s32)) in x
+        .chunks(8 * QK_K)
+        .zip(qs.chunks_mut(8 * QK_K))
+        .zip(scale.chunks_mut(8))
+        .zip(sums16.chunks_mut(8 * 16).zip(sums32.chunks_mut(8 * 8)))
     {
-        (*d, *s, *sum) = quantize_block(xb, qb);
+        quantize_spans(kernel, xc, qc, QK_K, dc, &mut totals[..dc.len()]);
+        for (s, q) in s16.iter_mut().zip(qc.chunks_exact(16)) {
+            *s = q.iter().map(|&v| v as i16).sum();
+        }
+        for (s, pair) in s32.iter_mut().zip(s16.chunks_exact(2)) {
+            *s = pair[0] + pair[1];
+        }
     }
 }
 
@@ -290,11 +504,11 @@ pub(crate) fn block_scale(amax_bits: u32) -> Option<(f32, f32)> {
     Some((d, id))
 }
 
-/// The canonical quantization of one 32-element block into `q`; returns `(d, d·Σq, Σq)`.
+/// The canonical quantization of one block (any length) into `q`; returns `(d, Σq)`.
 /// Rounding is `x·(1/d)` to nearest, ties to even, by the magic-number addition (exact for
-/// |x·(1/d)| ≤ 127.5). A non-finite block gets `d = s = NaN` and zero codes.
+/// |x·(1/d)| ≤ 127.5). A non-finite block gets `d = NaN` and zero codes.
 #[inline(always)]
-pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
+pub(crate) fn quantize_span(x: &[f32], q: &mut [i8]) -> (f32, i32) {
     let amax_bits = x
         .iter()
         .map(|v| v.to_bits() & 0x7fff_ffff)
@@ -302,7 +516,7 @@ pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
         .unwrap_or(0);
     let Some((d, id)) = block_scale(amax_bits) else {
         q.fill(0);
-        return (f32::NAN, f32::NAN, 0);
+        return (f32::NAN, 0);
     };
     let mut sum = 0i32;
     for (qv, &v) in q.iter_mut().zip(x) {
@@ -310,7 +524,7 @@ pub(crate) fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32, i32) {
         *qv = r as i8;
         sum += r;
     }
-    (d, d * sum as f32, sum)
+    (d, sum)
 }
 
 /// Completes a refined matmul ([`QuantizedInput::quantize_refined`]): `out[t] = full[t] +

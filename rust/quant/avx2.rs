@@ -1,23 +1,264 @@
-//! AVX2 kernels (with FMA and F16C present, though no FMA is used: see `scalar`). Lanes are
-//! output rows, 8 at a time, each doing the scalar canonical sequence, so results match
-//! `scalar` bit for bit. Weight codes are unpacked once per block and reused for up to 4
-//! tokens.
+//! AVX2 kernels (with FMA and F16C present, though no FMA is used: see `scalar`). The
+//! quantized formats run the lane kernels (`lanes`) over [`Avx2`]: 8 rows per vector,
+//! `vpmaddubsw` + `vpmaddwd`; float weights and activation quantization are here.
 
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_block, ActBlocks, ROUNDING_MAGIC};
-use super::format::{GgmlType, QK};
-use super::kernel::{BlockFormat, OutPtr, Q40, Q41, Q80};
-use super::scalar;
+use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
+use super::avx512::{small_rect, super_rect};
+use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
+use super::kernel::OutPtr;
+use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
+use super::lanes::{self, Isa, Small, Super};
 
-/// Rows per step.
-const GROUP: usize = 8;
+/// AVX2 + FMA + F16C.
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2;
 
-/// AVX2 rectangle of a quantized matmul.
+/// Two 16-byte loads into the two 128-bit lanes of a vector.
+#[inline(always)]
+unsafe fn load2(p0: *const u8, p1: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes at each pointer.
+    unsafe { _mm256_loadu2_m128i(p1 as *const __m128i, p0 as *const __m128i) }
+}
+
+/// The four activation bytes at `a`, broadcast to every lane.
+#[inline(always)]
+unsafe fn broadcast4(a: *const i8) -> __m256i {
+    // SAFETY: the caller guarantees 4 readable bytes at `a`.
+    unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(a as *const i32)) }
+}
+
+/// `Σ_v` of the code vectors' dot products with the activation words, `vpmaddwd` pair sums
+/// weighted by `pair_weight` (ones, or a group scale); two `vpmaddubsw` results are added in
+/// i16 first (codes below 64 keep 4 products inside i16).
+#[inline(always)]
+unsafe fn pair_sums(codes: &[__m256i], a: *const i8, pair_weight: __m256i) -> __m256i {
+    // SAFETY: 4·codes.len() readable bytes at `a` (caller).
+    unsafe {
+        let mut acc = _mm256_setzero_si256();
+        for (k, pair) in codes.chunks_exact(2).enumerate() {
+            let p0 = _mm256_maddubs_epi16(pair[0], broadcast4(a.add(8 * k)));
+            let p1 = _mm256_maddubs_epi16(pair[1], broadcast4(a.add(8 * k + 4)));
+            let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), pair_weight);
+            acc = _mm256_add_epi32(acc, p);
+        }
+        acc
+    }
+}
+
+impl Isa for Avx2 {
+    const LANES: usize = 8;
+    const VNNI: bool = false;
+    const TILE: usize = 4;
+    const UNIT: usize = 4;
+    type I = __m256i;
+    type F = __m256;
+
+    #[inline(always)]
+    unsafe fn zero() -> __m256i {
+        _mm256_setzero_si256()
+    }
+    #[inline(always)]
+    unsafe fn splat(v: i32) -> __m256i {
+        _mm256_set1_epi32(v)
+    }
+    #[inline(always)]
+    unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_and_si256(a, b)
+    }
+    #[inline(always)]
+    unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_or_si256(a, b)
+    }
+    #[inline(always)]
+    unsafe fn add32(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub32(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_sub_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub8(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_sub_epi8(a, b)
+    }
+    #[inline(always)]
+    unsafe fn mullo32(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_mullo_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn srl32(a: __m256i, n: u32) -> __m256i {
+        _mm256_srl_epi32(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn sll32(a: __m256i, n: u32) -> __m256i {
+        _mm256_sll_epi32(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn sra32(a: __m256i, n: u32) -> __m256i {
+        _mm256_sra_epi32(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn sra16(a: __m256i, n: u32) -> __m256i {
+        _mm256_sra_epi16(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn dword_bytes(a: __m256i, ctrl: u32) -> __m256i {
+        let base = _mm256_setr_epi32(
+            0,
+            0x0404_0404,
+            0x0808_0808,
+            0x0c0c_0c0c,
+            0,
+            0x0404_0404,
+            0x0808_0808,
+            0x0c0c_0c0c,
+        );
+        _mm256_shuffle_epi8(a, _mm256_add_epi8(_mm256_set1_epi32(ctrl as i32), base))
+    }
+    #[inline(always)]
+    unsafe fn bits_to_ones(a: __m256i, mask: __m256i) -> __m256i {
+        _mm256_min_epu8(_mm256_and_si256(a, mask), _mm256_set1_epi8(1))
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const __m256i) -> __m256i {
+        // SAFETY: the caller guarantees 32 readable, aligned bytes.
+        unsafe { _mm256_load_si256(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut __m256i, v: __m256i) {
+        // SAFETY: the caller guarantees 32 writable, aligned bytes.
+        unsafe { _mm256_store_si256(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn rows_x16(p: *const u8, stride: usize) -> [__m256i; 4] {
+        // SAFETY: the caller guarantees 16 readable bytes at p + i·stride, i < 8.
+        unsafe {
+            // Vector k holds rows k and 4+k in its 128-bit lanes; a 4×4 transpose of the
+            // 32-bit words within the lanes puts row i in lane i.
+            let mut v = [_mm256_setzero_si256(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                *vk = load2(p.add(k * stride), p.add((4 + k) * stride));
+            }
+            let [v0, v1, v2, v3] = v;
+            let t0 = _mm256_unpacklo_epi32(v0, v1);
+            let t1 = _mm256_unpackhi_epi32(v0, v1);
+            let t2 = _mm256_unpacklo_epi32(v2, v3);
+            let t3 = _mm256_unpackhi_epi32(v2, v3);
+            [
+                _mm256_unpacklo_epi64(t0, t2),
+                _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3),
+                _mm256_unpackhi_epi64(t1, t3),
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_codes(codes: &[__m256i], a: *const i8) -> __m256i {
+        // SAFETY: 4·codes.len() readable bytes at `a` (caller).
+        unsafe { pair_sums(codes, a, _mm256_set1_epi16(1)) }
+    }
+    #[inline(always)]
+    unsafe fn dot_codes_scaled(codes: &[__m256i], a: *const i8, scale: __m256i) -> __m256i {
+        // SAFETY: as above.
+        unsafe { pair_sums(codes, a, scale) }
+    }
+    #[inline(always)]
+    unsafe fn scale_form(bytes: __m256i, k: u32, signed: bool) -> __m256i {
+        // SAFETY: plain vector arithmetic (caller's features).
+        unsafe {
+            if signed {
+                Self::sra16(
+                    Self::dword_bytes(bytes, 0x0080_0080 | (k << 8) | (k << 24)),
+                    8,
+                )
+            } else {
+                Self::dword_bytes(bytes, 0x8000_8000 | k | (k << 16))
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn madd_pairs(acc: __m256i, pairs: __m256i, s: *const i16) -> __m256i {
+        // SAFETY: 4 readable bytes at `s` (caller).
+        unsafe {
+            let s = _mm256_set1_epi32(std::ptr::read_unaligned(s as *const i32));
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, s))
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot4_signed(acc: __m256i, abs_q: __m256i, q: __m256i, a: *const i8) -> __m256i {
+        // SAFETY: 4 readable bytes at `a` (caller).
+        unsafe {
+            // |q| × (a with q's sign): pair sums ≤ 2·128·127 fit i16.
+            let p = _mm256_maddubs_epi16(abs_q, _mm256_sign_epi8(broadcast4(a), q));
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn abs8(q: __m256i) -> __m256i {
+        _mm256_abs_epi8(q)
+    }
+
+    #[inline(always)]
+    unsafe fn fzero() -> __m256 {
+        _mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn fsplat(v: f32) -> __m256 {
+        _mm256_set1_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn fadd(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fsub(a: __m256, b: __m256) -> __m256 {
+        _mm256_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fmul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn cvt(a: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(a)
+    }
+    #[inline(always)]
+    unsafe fn f16_low(a: __m256i) -> __m256 {
+        // [lanes 0..3 | 0..3 ‖ 4..7 | 4..7] as u16, then the two low quarters together.
+        let low = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
+        let packed = _mm256_permute4x64_epi64::<0b00_00_10_00>(_mm256_packus_epi32(low, low));
+        _mm256_cvtph_ps(_mm256_castsi256_si128(packed))
+    }
+    #[inline(always)]
+    unsafe fn fload(p: *const __m256) -> __m256 {
+        // SAFETY: 32 readable, aligned bytes (caller).
+        unsafe { _mm256_load_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    unsafe fn fstore(p: *mut __m256, v: __m256) {
+        // SAFETY: 32 writable, aligned bytes (caller).
+        unsafe { _mm256_store_ps(p as *mut f32, v) }
+    }
+    #[inline(always)]
+    unsafe fn fstore_out(p: *mut f32, v: __m256) {
+        // SAFETY: 8 writable floats (caller).
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: prefetches never fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+    }
+}
+
+/// AVX2 rectangle of a quantized matmul with a 32-element format.
 ///
 /// # Safety
-/// The CPU supports AVX2 + F16C; otherwise as for `avx512::quant_rect`.
+/// The CPU supports AVX2 + FMA + F16C; otherwise as for `lanes::rect`.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quant_rect(
     dtype: GgmlType,
     data: &[u8],
@@ -27,205 +268,26 @@ pub(crate) unsafe fn quant_rect(
     tokens: Range<usize>,
     out: OutPtr,
 ) {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        match dtype {
-            GgmlType::Q4_0 => rect::<Q40>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q4_1 => rect::<Q41>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q8_0 => rect::<Q80>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::F32 | GgmlType::F16 => unreachable!("float weights take the f32 path"),
-        }
-    }
+    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
+    unsafe { small_rect!(Avx2, dtype, data, row_bytes, act, rows, tokens, out) }
 }
 
-/// Walks the rectangle in groups of 8 rows × token tiles of 4, 2, 1; leftover rows take the
-/// scalar path, which computes the same bits.
+/// AVX2 rectangle of a k-quant matmul.
+///
+/// # Safety
+/// As for [`quant_rect`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rect<F: BlockFormat>(
+pub(crate) unsafe fn k_rect(
+    dtype: GgmlType,
     data: &[u8],
     row_bytes: usize,
-    act: &ActBlocks<'_>,
+    act: &SuperActBlocks<'_>,
     rows: Range<usize>,
     tokens: Range<usize>,
     out: OutPtr,
 ) {
-    let nb = row_bytes / F::BLOCK_BYTES;
-    let simd_end = rows.start + rows.len() / GROUP * GROUP;
-    for r in (rows.start..simd_end).step_by(GROUP) {
-        let mut t = tokens.start;
-        while t < tokens.end {
-            // SAFETY: rows r..r+8 and tokens t..t+tile are inside the caller's rectangle
-            // and inside `data` / `act`.
-            unsafe {
-                let w = data.as_ptr().add(r * row_bytes);
-                // The first token tile of a group prefetches the next group's weights:
-                // the hardware prefetchers see 16 interleaved row streams too late.
-                let next = if t == tokens.start && r + 2 * GROUP <= simd_end {
-                    w.add(GROUP * row_bytes)
-                } else {
-                    std::ptr::null()
-                };
-                let o = out.at(t, r);
-                let s = out.stride;
-                t += match tokens.end - t {
-                    4.. => group::<F, 4>(w, next, row_bytes, nb, act, t, o, s),
-                    2.. => group::<F, 2>(w, next, row_bytes, nb, act, t, o, s),
-                    _ => group::<F, 1>(w, next, row_bytes, nb, act, t, o, s),
-                };
-            }
-        }
-    }
-    if simd_end < rows.end {
-        // SAFETY: forwarded to the caller.
-        unsafe { scalar::quant_rect::<F>(data, row_bytes, act, simd_end..rows.end, tokens, out) };
-    }
-}
-
-/// Two 16-byte loads into the two 128-bit lanes of a vector.
-#[inline(always)]
-unsafe fn load2(p0: *const u8, p1: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees 16 readable bytes at each pointer.
-    unsafe { _mm256_loadu2_m128i(p1 as *const __m128i, p0 as *const __m128i) }
-}
-
-/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it.
-#[inline(always)]
-unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
-    let from = next.wrapping_add(b * span);
-    for off in (0..span).step_by(64).chain([span - 1]) {
-        // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
-        // defined even past the end of `data`.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(off) as *const i8) };
-    }
-}
-
-/// Lane `4L + k` of the result is dword 0 of 128-bit lane `L` of `a[k]`.
-#[inline(always)]
-unsafe fn first_dwords(a: [__m256i; 4]) -> __m256i {
-    let t0 = _mm256_unpacklo_epi32(a[0], a[1]);
-    let t1 = _mm256_unpacklo_epi32(a[2], a[3]);
-    _mm256_unpacklo_epi64(t0, t1)
-}
-
-/// Lane `4L + k` of the result is the sum of the four i32 in 128-bit lane `L` of `p[k]`.
-#[inline(always)]
-unsafe fn transpose_sum(p: [__m256i; 4]) -> __m256i {
-    let t0 = _mm256_add_epi32(
-        _mm256_unpacklo_epi32(p[0], p[1]),
-        _mm256_unpackhi_epi32(p[0], p[1]),
-    );
-    let t1 = _mm256_add_epi32(
-        _mm256_unpacklo_epi32(p[2], p[3]),
-        _mm256_unpackhi_epi32(p[2], p[3]),
-    );
-    _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1))
-}
-
-/// 8 rows × `T` tokens (contract as `avx512::group`, with 8 rows). Returns `T`.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn group<F: BlockFormat, const T: usize>(
-    w: *const u8,
-    next: *const u8,
-    row_bytes: usize,
-    nb: usize,
-    act: &ActBlocks<'_>,
-    t0: usize,
-    out: *mut f32,
-    out_stride: usize,
-) -> usize {
-    let zero = _mm256_setzero_si256();
-    let nibble_mask = _mm256_set1_epi8(0x0f);
-    let low16 = _mm256_set1_epi32(0xffff);
-    let ones16 = _mm256_set1_epi16(1);
-    let bpt = act.blocks_per_token;
-    let mut acc = [_mm256_setzero_ps(); T];
-    for b in 0..nb {
-        // SAFETY: as in `avx512::group`.
-        unsafe {
-            let blk = w.add(b * F::BLOCK_BYTES);
-            if !next.is_null() {
-                prefetch_slice(next, b, GROUP * F::BLOCK_BYTES);
-            }
-            // d and m of the 8 rows: the first dword of each row's block (loads and shuffles
-            // rather than a gather, which is slow on many CPUs).
-            let head = |k: usize| load2(blk.add(k * row_bytes), blk.add((4 + k) * row_bytes));
-            let dm = first_dwords([head(0), head(1), head(2), head(3)]);
-            // [d0..3 m0..3 | d4..7 m4..7] as u16, then [d0..7 | m0..7].
-            let packed =
-                _mm256_packus_epi32(_mm256_and_si256(dm, low16), _mm256_srli_epi32::<16>(dm));
-            let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
-            let dw = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
-            let m = if F::HAS_MIN {
-                _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(packed))
-            } else {
-                _mm256_setzero_ps()
-            };
-            // Quad k holds rows k and 4+k, so `transpose_sum` puts row i in lane i.
-            let qs = blk.add(F::QS_OFFSET);
-            let row = |k: usize, l: usize| qs.add((4 * l + k) * row_bytes);
-            let mut low = [zero; 4];
-            let mut high = [zero; 4];
-            for k in 0..4 {
-                if F::NIBBLES {
-                    let v = load2(row(k, 0), row(k, 1));
-                    low[k] = _mm256_and_si256(v, nibble_mask);
-                    high[k] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble_mask);
-                } else {
-                    // Signed codes; made unsigned per token with the sign trick below.
-                    low[k] = load2(row(k, 0), row(k, 1));
-                    high[k] = load2(row(k, 0).add(16), row(k, 1).add(16));
-                }
-            }
-            for (t, acc_t) in acc.iter_mut().enumerate() {
-                let i = (t0 + t) * bpt + b;
-                let a = act.qs.as_ptr().add(i * QK) as *const __m128i;
-                let a_low = _mm256_broadcastsi128_si256(_mm_loadu_si128(a));
-                let a_high = _mm256_broadcastsi128_si256(_mm_loadu_si128(a.add(1)));
-                let mut partial = [zero; 4];
-                for k in 0..4 {
-                    partial[k] = if F::NIBBLES {
-                        let p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(low[k], a_low),
-                            _mm256_maddubs_epi16(high[k], a_high),
-                        );
-                        _mm256_madd_epi16(p, ones16)
-                    } else {
-                        // |w| × (a with w's sign): pair sums ≤ 2·128·127 fit i16.
-                        let pl = _mm256_maddubs_epi16(
-                            _mm256_sign_epi8(low[k], low[k]),
-                            _mm256_sign_epi8(a_low, low[k]),
-                        );
-                        let ph = _mm256_maddubs_epi16(
-                            _mm256_sign_epi8(high[k], high[k]),
-                            _mm256_sign_epi8(a_high, high[k]),
-                        );
-                        _mm256_add_epi32(
-                            _mm256_madd_epi16(pl, ones16),
-                            _mm256_madd_epi16(ph, ones16),
-                        )
-                    };
-                }
-                let mut isum = transpose_sum(partial);
-                if F::ZERO != 0 {
-                    let offset = F::ZERO * *act.qsum.get_unchecked(i);
-                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset));
-                }
-                let da = _mm256_set1_ps(*act.scale.get_unchecked(i));
-                let mut term = _mm256_mul_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(isum));
-                if F::HAS_MIN {
-                    let s = _mm256_set1_ps(*act.scaled_sum.get_unchecked(i));
-                    term = _mm256_add_ps(term, _mm256_mul_ps(m, s));
-                }
-                *acc_t = _mm256_add_ps(*acc_t, term);
-            }
-        }
-    }
-    for (t, acc_t) in acc.iter().enumerate() {
-        // SAFETY: 8 writable floats at each token stride (caller).
-        unsafe { _mm256_storeu_ps(out.add(t * out_stride), *acc_t) };
-    }
-    T
+    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
+    unsafe { super_rect!(Avx2, dtype, data, row_bytes, act, rows, tokens, out) }
 }
 
 /// AVX2 rectangle of a float-weight matmul (contract as `avx512::float_rect`, AVX2 + F16C).
@@ -299,16 +361,17 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
     }
 }
 
-/// AVX2 version of `activation::quantize_blocks` (same operations, same bits).
+/// AVX2 version of `activation::quantize_spans` (same operations, same bits).
 ///
 /// # Safety
-/// The CPU supports AVX2; lengths as for `avx512::quantize_blocks`.
+/// The CPU supports AVX2; `block` is a multiple of 32; lengths as for
+/// `avx512::quantize_spans`.
 #[target_feature(enable = "avx2")]
-pub(crate) unsafe fn quantize_blocks(
+pub(crate) unsafe fn quantize_spans(
     x: &[f32],
     qs: &mut [i8],
+    block: usize,
     scale: &mut [f32],
-    scaled_sum: &mut [f32],
     qsum: &mut [i32],
 ) {
     let abs_mask = _mm256_set1_epi32(0x7fff_ffff);
@@ -329,35 +392,42 @@ pub(crate) unsafe fn quantize_blocks(
         _mm_cvtsi128_si32(v)
     };
     for b in 0..scale.len() {
-        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
-        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        let (xb, qb) = (
+            &x[b * block..(b + 1) * block],
+            &mut qs[b * block..(b + 1) * block],
+        );
+        // SAFETY: `block` floats readable in `xb`, `block` bytes writable in `qb`, in steps
+        // of 32.
         unsafe {
-            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
-            let bits = |i: usize| _mm256_and_si256(_mm256_castps_si256(v[i]), abs_mask);
-            let amax = _mm256_max_epu32(
-                _mm256_max_epu32(bits(0), bits(1)),
-                _mm256_max_epu32(bits(2), bits(3)),
-            );
+            let mut amax = _mm256_setzero_si256();
+            for i in (0..block).step_by(8) {
+                let bits = _mm256_castps_si256(_mm256_loadu_ps(xb.as_ptr().add(i)));
+                amax = _mm256_max_epu32(amax, _mm256_and_si256(bits, abs_mask));
+            }
             let Some((d, id)) = block_scale(hmax(amax)) else {
-                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                (scale[b], qsum[b]) = quantize_span(xb, qb);
                 continue;
             };
             let id = _mm256_set1_ps(id);
-            let r: [__m256i; 4] = std::array::from_fn(|i| {
-                let m = _mm256_add_ps(_mm256_mul_ps(v[i], id), magic);
-                _mm256_sub_epi32(_mm256_castps_si256(m), magic_bits)
-            });
-            let packed = _mm256_packs_epi16(
-                _mm256_packs_epi32(r[0], r[1]),
-                _mm256_packs_epi32(r[2], r[3]),
-            );
-            let packed = _mm256_permutevar8x32_epi32(packed, order);
-            _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, packed);
-            let sum = hsum(_mm256_add_epi32(
-                _mm256_add_epi32(r[0], r[1]),
-                _mm256_add_epi32(r[2], r[3]),
-            ));
-            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+            let mut sum = _mm256_setzero_si256();
+            for i in (0..block).step_by(32) {
+                let r: [__m256i; 4] = std::array::from_fn(|k| {
+                    let v = _mm256_loadu_ps(xb.as_ptr().add(i + 8 * k));
+                    let m = _mm256_add_ps(_mm256_mul_ps(v, id), magic);
+                    _mm256_sub_epi32(_mm256_castps_si256(m), magic_bits)
+                });
+                let packed = _mm256_packs_epi16(
+                    _mm256_packs_epi32(r[0], r[1]),
+                    _mm256_packs_epi32(r[2], r[3]),
+                );
+                let packed = _mm256_permutevar8x32_epi32(packed, order);
+                _mm256_storeu_si256(qb.as_mut_ptr().add(i) as *mut __m256i, packed);
+                sum = _mm256_add_epi32(
+                    sum,
+                    _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])),
+                );
+            }
+            (scale[b], qsum[b]) = (d, hsum(sum));
         }
     }
 }

@@ -1,119 +1,19 @@
-//! AVX-512 kernels: F + BW, with or without VNNI. Lanes are output rows: 16 rows advance
-//! together through the blocks, each lane doing exactly the scalar canonical sequence
-//! `acc = acc + term_b`, so results match `scalar` bit for bit. Weight codes are unpacked
-//! once per block and reused for up to 8 tokens (the prefill GEMM tile).
+//! AVX-512 kernels: F + BW, with or without VNNI. The quantized formats run the lane kernels
+//! (`lanes`) over [`Avx512`]: 16 rows per vector, `vpdpbusd` with VNNI, `vpmaddubsw` +
+//! `vpmaddwd` without; float weights and activation quantization are here.
 
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_block, ActBlocks, ROUNDING_MAGIC};
-use super::format::{GgmlType, QK};
-use super::kernel::{BlockFormat, OutPtr, Q40, Q41, Q80};
-use super::scalar;
+use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
+use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
+use super::kernel::OutPtr;
+use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
+use super::lanes::{self, Isa, Small, Super};
 
-/// Rows per step.
-const GROUP: usize = 16;
-
-/// AVX-512 rectangle of a quantized matmul.
-///
-/// # Safety
-/// The CPU supports AVX-512 F + BW (+ VNNI when `vnni`); `data` holds whole rows of
-/// `row_bytes` for every row in `rows`; `act` holds every token in `tokens`; `out` is
-/// valid and exclusively owned for the rectangle `rows × tokens`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn quant_rect(
-    dtype: GgmlType,
-    vnni: bool,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        match (dtype, vnni) {
-            (GgmlType::Q4_0, true) => rect_vnni::<Q40>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::Q4_1, true) => rect_vnni::<Q41>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::Q8_0, true) => rect_vnni::<Q80>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::Q4_0, false) => rect_bw::<Q40>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::Q4_1, false) => rect_bw::<Q41>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::Q8_0, false) => rect_bw::<Q80>(data, row_bytes, act, rows, tokens, out),
-            (GgmlType::F32 | GgmlType::F16, _) => unreachable!("float weights take the f32 path"),
-        }
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rect_vnni<F: BlockFormat>(
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the body needs are enabled here.
-    unsafe { rect_body::<F, true>(data, row_bytes, act, rows, tokens, out) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn rect_bw<F: BlockFormat>(
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the body needs are enabled here.
-    unsafe { rect_body::<F, false>(data, row_bytes, act, rows, tokens, out) }
-}
-
-/// Walks the rectangle in groups of 16 rows × token tiles of 8, 4, 2, 1; leftover rows
-/// (fewer than 16) take the scalar path, which computes the same bits.
-#[inline(always)]
-unsafe fn rect_body<F: BlockFormat, const VNNI: bool>(
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    let nb = row_bytes / F::BLOCK_BYTES;
-    let simd_end = rows.start + rows.len() / GROUP * GROUP;
-    for r in (rows.start..simd_end).step_by(GROUP) {
-        let mut t = tokens.start;
-        while t < tokens.end {
-            // SAFETY: rows r..r+16 and tokens t..t+tile are inside the caller's rectangle
-            // and inside `data` / `act`.
-            unsafe {
-                let w = data.as_ptr().add(r * row_bytes);
-                // The first token tile of a group prefetches the next group's weights:
-                // the hardware prefetchers see 16 interleaved row streams too late.
-                let next = if t == tokens.start && r + 2 * GROUP <= simd_end {
-                    w.add(GROUP * row_bytes)
-                } else {
-                    std::ptr::null()
-                };
-                let o = out.at(t, r);
-                let s = out.stride;
-                t += match tokens.end - t {
-                    8.. => group::<F, 8, VNNI>(w, next, row_bytes, nb, act, t, o, s),
-                    4.. => group::<F, 4, VNNI>(w, next, row_bytes, nb, act, t, o, s),
-                    2.. => group::<F, 2, VNNI>(w, next, row_bytes, nb, act, t, o, s),
-                    _ => group::<F, 1, VNNI>(w, next, row_bytes, nb, act, t, o, s),
-                };
-            }
-        }
-    }
-    if simd_end < rows.end {
-        // SAFETY: forwarded to the caller.
-        unsafe { scalar::quant_rect::<F>(data, row_bytes, act, simd_end..rows.end, tokens, out) };
-    }
-}
+/// AVX-512 F + BW (+ VNNI when `VNNI`).
+#[derive(Clone, Copy)]
+pub(crate) struct Avx512<const VNNI: bool>;
 
 /// Four 16-byte loads into the four 128-bit lanes of a vector.
 #[inline(always)]
@@ -127,167 +27,418 @@ unsafe fn load4(p0: *const u8, p1: *const u8, p2: *const u8, p3: *const u8) -> _
     }
 }
 
-/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it.
+/// The four activation bytes at `a`, broadcast to every lane.
 #[inline(always)]
-unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
-    let from = next.wrapping_add(b * span);
-    for off in (0..span).step_by(64).chain([span - 1]) {
-        // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
-        // defined even past the end of `data`.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(off) as *const i8) };
+unsafe fn broadcast4(a: *const i8) -> __m512i {
+    // SAFETY: the caller guarantees 4 readable bytes at `a`.
+    unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(a as *const i32)) }
+}
+
+/// Byte offsets of the 32-bit words of a 128-bit lane, for `vpshufb` controls.
+#[inline(always)]
+unsafe fn dword_base() -> __m512i {
+    _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x0404_0404, 0x0808_0808, 0x0c0c_0c0c))
+}
+
+impl<const VNNI: bool> Isa for Avx512<VNNI> {
+    const LANES: usize = 16;
+    const VNNI: bool = VNNI;
+    const TILE: usize = 8;
+    const UNIT: usize = 8;
+    type I = __m512i;
+    type F = __m512;
+
+    #[inline(always)]
+    unsafe fn zero() -> __m512i {
+        _mm512_setzero_si512()
     }
-}
-
-/// Lane `4L + k` of the result is dword 0 of 128-bit lane `L` of `a[k]` (the layout
-/// `transpose_sum` produces).
-#[inline(always)]
-unsafe fn first_dwords(a: [__m512i; 4]) -> __m512i {
-    let t0 = _mm512_unpacklo_epi32(a[0], a[1]);
-    let t1 = _mm512_unpacklo_epi32(a[2], a[3]);
-    _mm512_unpacklo_epi64(t0, t1)
-}
-
-/// Sums the four i32 of every 128-bit lane of four vectors: lane `4L + k` of the result is
-/// the sum of 128-bit lane `L` of `p[k]`.
-#[inline(always)]
-unsafe fn transpose_sum(p: [__m512i; 4]) -> __m512i {
-    let t0 = _mm512_add_epi32(
-        _mm512_unpacklo_epi32(p[0], p[1]),
-        _mm512_unpackhi_epi32(p[0], p[1]),
-    );
-    let t1 = _mm512_add_epi32(
-        _mm512_unpacklo_epi32(p[2], p[3]),
-        _mm512_unpackhi_epi32(p[2], p[3]),
-    );
-    _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1))
-}
-
-/// 16 rows × `T` tokens: `out[t·out_stride + i]` for row `i` of the group. Returns `T`.
-///
-/// # Safety
-/// `w` points at 16 consecutive rows of `nb` blocks of `F`; tokens `t0..t0+T` exist in
-/// `act`; `out` is writable for 16 floats at each of the `T` token strides.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn group<F: BlockFormat, const T: usize, const VNNI: bool>(
-    w: *const u8,
-    next: *const u8,
-    row_bytes: usize,
-    nb: usize,
-    act: &ActBlocks<'_>,
-    t0: usize,
-    out: *mut f32,
-    out_stride: usize,
-) -> usize {
-    let zero = _mm512_setzero_si512();
-    let nibble_mask = _mm512_set1_epi8(0x0f);
-    let ones16 = _mm512_set1_epi16(1);
-    let bpt = act.blocks_per_token;
-    let mut acc = [_mm512_setzero_ps(); T];
-    for b in 0..nb {
-        // SAFETY: block b of the 16 rows is inside `w` (caller); every activation index is
-        // below n_tokens · blocks_per_token (caller).
+    #[inline(always)]
+    unsafe fn splat(v: i32) -> __m512i {
+        _mm512_set1_epi32(v)
+    }
+    #[inline(always)]
+    unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_and_si512(a, b)
+    }
+    #[inline(always)]
+    unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_or_si512(a, b)
+    }
+    #[inline(always)]
+    unsafe fn add32(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_add_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub32(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_sub_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn sub8(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_sub_epi8(a, b)
+    }
+    #[inline(always)]
+    unsafe fn mullo32(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_mullo_epi32(a, b)
+    }
+    #[inline(always)]
+    unsafe fn srl32(a: __m512i, n: u32) -> __m512i {
+        _mm512_srl_epi32(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn sll32(a: __m512i, n: u32) -> __m512i {
+        _mm512_sll_epi32(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn sra32(a: __m512i, n: u32) -> __m512i {
+        _mm512_sra_epi32(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn sra16(a: __m512i, n: u32) -> __m512i {
+        _mm512_sra_epi16(a, _mm_cvtsi32_si128(n as i32))
+    }
+    #[inline(always)]
+    unsafe fn dword_bytes(a: __m512i, ctrl: u32) -> __m512i {
+        // SAFETY: plain vector arithmetic (caller's features).
         unsafe {
-            let blk = w.add(b * F::BLOCK_BYTES);
-            if !next.is_null() {
-                prefetch_slice(next, b, GROUP * F::BLOCK_BYTES);
+            _mm512_shuffle_epi8(
+                a,
+                _mm512_add_epi8(_mm512_set1_epi32(ctrl as i32), dword_base()),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn bits_to_ones(a: __m512i, mask: __m512i) -> __m512i {
+        _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(a, mask), _mm512_set1_epi8(1))
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const __m512i) -> __m512i {
+        // SAFETY: the caller guarantees 64 readable bytes.
+        unsafe { _mm512_load_si512(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut __m512i, v: __m512i) {
+        // SAFETY: the caller guarantees 64 writable, aligned bytes.
+        unsafe { _mm512_store_si512(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn rows_x16(p: *const u8, stride: usize) -> [__m512i; 4] {
+        // SAFETY: the caller guarantees 16 readable bytes at p + i·stride, i < 16.
+        unsafe {
+            // Vector k holds rows k, 4+k, 8+k, 12+k in its 128-bit lanes; a 4×4 transpose of
+            // the 32-bit words within the lanes puts row i in lane i.
+            let mut v = [_mm512_setzero_si512(); 4];
+            for (k, vk) in v.iter_mut().enumerate() {
+                let row = p.add(k * stride);
+                let s4 = 4 * stride;
+                *vk = load4(row, row.add(s4), row.add(2 * s4), row.add(3 * s4));
             }
-            // d (low half) and m (high half, Q4_1) of the 16 rows: the first dword of each
-            // row's block.
-            // (Loads and three shuffles: a gather is several times slower on Zen 4 and on
-            // Intel parts with the gather-data-sampling microcode fix.)
-            let head = |k: usize| {
-                let row = |l: usize| blk.add((4 * l + k) * row_bytes);
-                load4(row(0), row(1), row(2), row(3))
-            };
-            let dm = first_dwords([head(0), head(1), head(2), head(3)]);
-            let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
-            let m = if F::HAS_MIN {
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)))
+            let [v0, v1, v2, v3] = v;
+            let t0 = _mm512_unpacklo_epi32(v0, v1);
+            let t1 = _mm512_unpackhi_epi32(v0, v1);
+            let t2 = _mm512_unpacklo_epi32(v2, v3);
+            let t3 = _mm512_unpackhi_epi32(v2, v3);
+            [
+                _mm512_unpacklo_epi64(t0, t2),
+                _mm512_unpackhi_epi64(t0, t2),
+                _mm512_unpacklo_epi64(t1, t3),
+                _mm512_unpackhi_epi64(t1, t3),
+            ]
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot_codes(codes: &[__m512i], a: *const i8) -> __m512i {
+        // SAFETY: 4·codes.len() readable bytes at `a` (caller).
+        unsafe { pair_sums::<VNNI>(codes, a, _mm512_set1_epi16(1)) }
+    }
+    #[inline(always)]
+    unsafe fn dot_codes_scaled(codes: &[__m512i], a: *const i8, scale: __m512i) -> __m512i {
+        // SAFETY: as above.
+        unsafe {
+            if VNNI {
+                _mm512_mullo_epi32(pair_sums::<VNNI>(codes, a, scale), scale)
             } else {
-                _mm512_setzero_ps()
-            };
-            // Quad k holds rows k, 4+k, 8+k, 12+k in its 128-bit lanes, so `transpose_sum`
-            // puts row i in lane i.
-            let qs = blk.add(F::QS_OFFSET);
-            let row = |k: usize, l: usize| qs.add((4 * l + k) * row_bytes);
-            let mut low = [zero; 4];
-            let mut high = [zero; 4];
-            let mut low_neg = [0u64; 4];
-            let mut high_neg = [0u64; 4];
-            for k in 0..4 {
-                if F::NIBBLES {
-                    let v = load4(row(k, 0), row(k, 1), row(k, 2), row(k, 3));
-                    low[k] = _mm512_and_si512(v, nibble_mask);
-                    high[k] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble_mask);
-                } else {
-                    let vl = load4(row(k, 0), row(k, 1), row(k, 2), row(k, 3));
-                    let vh = load4(
-                        row(k, 0).add(16),
-                        row(k, 1).add(16),
-                        row(k, 2).add(16),
-                        row(k, 3).add(16),
-                    );
-                    // u8 × s8 needs an unsigned operand: |w| times a with w's sign. (The
-                    // alternative, w ^ 0x80 = w + 128 and a correction of 128·Σa, computes
-                    // faster from cache but streams from memory markedly slower on Zen 4.)
-                    low[k] = _mm512_abs_epi8(vl);
-                    high[k] = _mm512_abs_epi8(vh);
-                    low_neg[k] = _mm512_movepi8_mask(vl);
-                    high_neg[k] = _mm512_movepi8_mask(vh);
-                }
-            }
-            for (t, acc_t) in acc.iter_mut().enumerate() {
-                let i = (t0 + t) * bpt + b;
-                let a = act.qs.as_ptr().add(i * QK) as *const __m128i;
-                let a_low = _mm512_broadcast_i32x4(_mm_loadu_si128(a));
-                let a_high = _mm512_broadcast_i32x4(_mm_loadu_si128(a.add(1)));
-                let mut partial = [zero; 4];
-                for k in 0..4 {
-                    partial[k] = if F::NIBBLES && VNNI {
-                        let p = _mm512_dpbusd_epi32(zero, low[k], a_low);
-                        _mm512_dpbusd_epi32(p, high[k], a_high)
-                    } else if F::NIBBLES {
-                        // 4-bit × 7-bit pair sums stay far inside i16.
-                        let p = _mm512_add_epi16(
-                            _mm512_maddubs_epi16(low[k], a_low),
-                            _mm512_maddubs_epi16(high[k], a_high),
-                        );
-                        _mm512_madd_epi16(p, ones16)
-                    } else if VNNI {
-                        let al = _mm512_mask_sub_epi8(a_low, low_neg[k], zero, a_low);
-                        let ah = _mm512_mask_sub_epi8(a_high, high_neg[k], zero, a_high);
-                        let p = _mm512_dpbusd_epi32(zero, low[k], al);
-                        _mm512_dpbusd_epi32(p, high[k], ah)
-                    } else {
-                        let al = _mm512_mask_sub_epi8(a_low, low_neg[k], zero, a_low);
-                        let ah = _mm512_mask_sub_epi8(a_high, high_neg[k], zero, a_high);
-                        _mm512_add_epi32(
-                            _mm512_madd_epi16(_mm512_maddubs_epi16(low[k], al), ones16),
-                            _mm512_madd_epi16(_mm512_maddubs_epi16(high[k], ah), ones16),
-                        )
-                    };
-                }
-                let mut isum = transpose_sum(partial);
-                if F::ZERO != 0 {
-                    let offset = F::ZERO * *act.qsum.get_unchecked(i);
-                    isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset));
-                }
-                let da = _mm512_set1_ps(*act.scale.get_unchecked(i));
-                let mut term = _mm512_mul_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(isum));
-                if F::HAS_MIN {
-                    let s = _mm512_set1_ps(*act.scaled_sum.get_unchecked(i));
-                    term = _mm512_add_ps(term, _mm512_mul_ps(m, s));
-                }
-                *acc_t = _mm512_add_ps(*acc_t, term);
+                pair_sums::<VNNI>(codes, a, scale)
             }
         }
     }
-    for (t, acc_t) in acc.iter().enumerate() {
-        // SAFETY: 16 writable floats at each token stride (caller).
-        unsafe { _mm512_storeu_ps(out.add(t * out_stride), *acc_t) };
+    #[inline(always)]
+    unsafe fn scale_form(bytes: __m512i, k: u32, signed: bool) -> __m512i {
+        // SAFETY: plain vector arithmetic (caller's features).
+        unsafe {
+            match (VNNI, signed) {
+                (true, false) => Self::dword_bytes(bytes, 0x8080_8000 | k),
+                (true, true) => Self::sra32(Self::dword_bytes(bytes, 0x0080_8080 | (k << 24)), 24),
+                (false, false) => Self::dword_bytes(bytes, 0x8000_8000 | k | (k << 16)),
+                (false, true) => Self::sra16(
+                    Self::dword_bytes(bytes, 0x0080_0080 | (k << 8) | (k << 24)),
+                    8,
+                ),
+            }
+        }
     }
-    T
+    #[inline(always)]
+    unsafe fn madd_pairs(acc: __m512i, pairs: __m512i, s: *const i16) -> __m512i {
+        // SAFETY: 4 readable bytes at `s` (caller).
+        unsafe {
+            let s = _mm512_set1_epi32(std::ptr::read_unaligned(s as *const i32));
+            if VNNI {
+                _mm512_dpwssd_epi32(acc, pairs, s)
+            } else {
+                _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, s))
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn dot4_signed(acc: __m512i, abs_q: __m512i, q: __m512i, a: *const i8) -> __m512i {
+        // SAFETY: 4 readable bytes at `a` (caller).
+        unsafe {
+            // |q| × (a with q's sign): pair sums ≤ 2·128·127 fit i16.
+            let a = broadcast4(a);
+            let signed_a =
+                _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(q), _mm512_setzero_si512(), a);
+            let p = _mm512_maddubs_epi16(abs_q, signed_a);
+            _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn abs8(q: __m512i) -> __m512i {
+        _mm512_abs_epi8(q)
+    }
+
+    #[inline(always)]
+    unsafe fn fzero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn fsplat(v: f32) -> __m512 {
+        _mm512_set1_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn fadd(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fsub(a: __m512, b: __m512) -> __m512 {
+        _mm512_sub_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn fmul(a: __m512, b: __m512) -> __m512 {
+        _mm512_mul_ps(a, b)
+    }
+    #[inline(always)]
+    unsafe fn cvt(a: __m512i) -> __m512 {
+        _mm512_cvtepi32_ps(a)
+    }
+    #[inline(always)]
+    unsafe fn f16_low(a: __m512i) -> __m512 {
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a))
+    }
+    #[inline(always)]
+    unsafe fn fload(p: *const __m512) -> __m512 {
+        // SAFETY: 64 readable, aligned bytes (caller).
+        unsafe { _mm512_load_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    unsafe fn fstore(p: *mut __m512, v: __m512) {
+        // SAFETY: 64 writable, aligned bytes (caller).
+        unsafe { _mm512_store_ps(p as *mut f32, v) }
+    }
+    #[inline(always)]
+    unsafe fn fstore_out(p: *mut f32, v: __m512) {
+        // SAFETY: 16 writable floats (caller).
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        // SAFETY: prefetches never fault.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
+    }
+}
+
+/// `Σ_v` of the code vectors' dot products with the activation words, each `vpmaddwd` pair
+/// sum multiplied by `pair_weight` (ones, or a group scale) without VNNI. Without VNNI two
+/// `vpmaddubsw` results are added in i16 first: codes below 64 keep 4 products
+/// (≤ 4·63·127) inside i16. With VNNI, `vpdpbusd` chains and `pair_weight` is unused.
+#[inline(always)]
+unsafe fn pair_sums<const VNNI: bool>(
+    codes: &[__m512i],
+    a: *const i8,
+    pair_weight: __m512i,
+) -> __m512i {
+    // SAFETY: 4·codes.len() readable bytes at `a` (caller).
+    unsafe {
+        let mut acc = _mm512_setzero_si512();
+        if VNNI {
+            for (v, &c) in codes.iter().enumerate() {
+                acc = _mm512_dpbusd_epi32(acc, c, broadcast4(a.add(4 * v)));
+            }
+        } else {
+            for (k, pair) in codes.chunks_exact(2).enumerate() {
+                let p0 = _mm512_maddubs_epi16(pair[0], broadcast4(a.add(8 * k)));
+                let p1 = _mm512_maddubs_epi16(pair[1], broadcast4(a.add(8 * k + 4)));
+                let p = _mm512_madd_epi16(_mm512_add_epi16(p0, p1), pair_weight);
+                acc = _mm512_add_epi32(acc, p);
+            }
+        }
+        acc
+    }
+}
+
+/// AVX-512 rectangle of a quantized matmul with a 32-element format.
+///
+/// # Safety
+/// The CPU supports AVX-512 F + BW (+ VNNI when `vnni`); otherwise as for `lanes::rect`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn quant_rect(
+    dtype: GgmlType,
+    vnni: bool,
+    data: &[u8],
+    row_bytes: usize,
+    act: &ActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        if vnni {
+            rect_vnni(dtype, data, row_bytes, act, rows, tokens, out)
+        } else {
+            rect_bw(dtype, data, row_bytes, act, rows, tokens, out)
+        }
+    }
+}
+
+/// Dispatches a 32-element format to `lanes::rect` with ISA `$isa`.
+macro_rules! small_rect {
+    ($isa:ty, $dtype:expr, $($arg:expr),*) => {
+        match $dtype {
+            GgmlType::Q4_0 => lanes::rect::<$isa, Small<Q40>>($($arg),*),
+            GgmlType::Q4_1 => lanes::rect::<$isa, Small<Q41>>($($arg),*),
+            GgmlType::Q5_0 => lanes::rect::<$isa, Small<Q50>>($($arg),*),
+            GgmlType::Q5_1 => lanes::rect::<$isa, Small<Q51>>($($arg),*),
+            GgmlType::Q8_0 => lanes::rect::<$isa, Small<Q80>>($($arg),*),
+            other => unreachable!("{other} is not a 32-element format"),
+        }
+    };
+}
+
+/// Dispatches a k-quant to `lanes::rect` with ISA `$isa`.
+macro_rules! super_rect {
+    ($isa:ty, $dtype:expr, $($arg:expr),*) => {
+        match $dtype {
+            GgmlType::Q2_K => lanes::rect::<$isa, Super<Q2K>>($($arg),*),
+            GgmlType::Q3_K => lanes::rect::<$isa, Super<Q3K>>($($arg),*),
+            GgmlType::Q4_K => lanes::rect::<$isa, Super<Q4K>>($($arg),*),
+            GgmlType::Q5_K => lanes::rect::<$isa, Super<Q5K>>($($arg),*),
+            GgmlType::Q6_K => lanes::rect::<$isa, Super<Q6K>>($($arg),*),
+            other => unreachable!("{other} is not a k-quant"),
+        }
+    };
+}
+pub(crate) use {small_rect, super_rect};
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn rect_vnni(
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &ActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
+    unsafe { small_rect!(Avx512<true>, dtype, data, row_bytes, act, rows, tokens, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn rect_bw(
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &ActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
+    unsafe {
+        small_rect!(
+            Avx512<false>,
+            dtype,
+            data,
+            row_bytes,
+            act,
+            rows,
+            tokens,
+            out
+        )
+    }
+}
+
+/// AVX-512 rectangle of a k-quant matmul.
+///
+/// # Safety
+/// As for [`quant_rect`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn k_rect(
+    dtype: GgmlType,
+    vnni: bool,
+    data: &[u8],
+    row_bytes: usize,
+    act: &SuperActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        if vnni {
+            k_rect_vnni(dtype, data, row_bytes, act, rows, tokens, out)
+        } else {
+            k_rect_bw(dtype, data, row_bytes, act, rows, tokens, out)
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn k_rect_vnni(
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &SuperActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
+    unsafe { super_rect!(Avx512<true>, dtype, data, row_bytes, act, rows, tokens, out) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn k_rect_bw(
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &SuperActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
+    unsafe {
+        super_rect!(
+            Avx512<false>,
+            dtype,
+            data,
+            row_bytes,
+            act,
+            rows,
+            tokens,
+            out
+        )
+    }
 }
 
 /// AVX-512 rectangle of a float-weight matmul (F32 or F16 weights, f32 activations).
@@ -364,49 +515,52 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
     }
 }
 
-/// AVX-512 version of `activation::quantize_blocks` (same operations, same bits).
+/// AVX-512 version of `activation::quantize_spans` (same operations, same bits).
 ///
 /// # Safety
-/// The CPU supports AVX-512 F + BW; `x` and `qs` hold `32 · scale.len()` elements and the
-/// other slices `scale.len()`.
+/// The CPU supports AVX-512 F + BW; `block` is a multiple of 16; `x` and `qs` hold
+/// `block · scale.len()` elements and `qsum` `scale.len()`.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn quantize_blocks(
+pub(crate) unsafe fn quantize_spans(
     x: &[f32],
     qs: &mut [i8],
+    block: usize,
     scale: &mut [f32],
-    scaled_sum: &mut [f32],
     qsum: &mut [i32],
 ) {
     let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
     let magic = _mm512_set1_ps(ROUNDING_MAGIC);
     let magic_bits = _mm512_set1_epi32(ROUNDING_MAGIC.to_bits() as i32);
     for b in 0..scale.len() {
-        let (xb, qb) = (&x[b * QK..(b + 1) * QK], &mut qs[b * QK..(b + 1) * QK]);
-        // SAFETY: 32 floats readable in `xb`, 32 bytes writable in `qb`.
+        let (xb, qb) = (
+            &x[b * block..(b + 1) * block],
+            &mut qs[b * block..(b + 1) * block],
+        );
+        // SAFETY: `block` floats readable in `xb`, `block` bytes writable in `qb`, in steps
+        // of 16.
         unsafe {
-            let v0 = _mm512_loadu_ps(xb.as_ptr());
-            let v1 = _mm512_loadu_ps(xb.as_ptr().add(16));
-            let amax = _mm512_max_epu32(
-                _mm512_and_si512(_mm512_castps_si512(v0), abs_mask),
-                _mm512_and_si512(_mm512_castps_si512(v1), abs_mask),
-            );
+            let mut amax = _mm512_setzero_si512();
+            for i in (0..block).step_by(16) {
+                let bits = _mm512_castps_si512(_mm512_loadu_ps(xb.as_ptr().add(i)));
+                amax = _mm512_max_epu32(amax, _mm512_and_si512(bits, abs_mask));
+            }
             let Some((d, id)) = block_scale(_mm512_reduce_max_epu32(amax)) else {
-                (scale[b], scaled_sum[b], qsum[b]) = quantize_block(xb, qb);
+                (scale[b], qsum[b]) = quantize_span(xb, qb);
                 continue;
             };
             let id = _mm512_set1_ps(id);
-            let round = |v: __m512| {
+            let mut sum = _mm512_setzero_si512();
+            for i in (0..block).step_by(16) {
+                let v = _mm512_loadu_ps(xb.as_ptr().add(i));
                 let m = _mm512_add_ps(_mm512_mul_ps(v, id), magic);
-                _mm512_sub_epi32(_mm512_castps_si512(m), magic_bits)
-            };
-            let (r0, r1) = (round(v0), round(v1));
-            _mm_storeu_si128(qb.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(r0));
-            _mm_storeu_si128(
-                qb.as_mut_ptr().add(16) as *mut __m128i,
-                _mm512_cvtepi32_epi8(r1),
-            );
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(r0, r1));
-            (scale[b], scaled_sum[b], qsum[b]) = (d, d * sum as f32, sum);
+                let r = _mm512_sub_epi32(_mm512_castps_si512(m), magic_bits);
+                _mm_storeu_si128(
+                    qb.as_mut_ptr().add(i) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(r),
+                );
+                sum = _mm512_add_epi32(sum, r);
+            }
+            (scale[b], qsum[b]) = (d, _mm512_reduce_add_epi32(sum));
         }
     }
 }

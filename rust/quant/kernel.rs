@@ -8,52 +8,10 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::activation::{ActBlocks, QuantizedInput};
-use super::format::{GgmlType, Q4_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES};
+use super::activation::{ActBlocks, QuantizedInput, SuperActBlocks};
+use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
+use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
 use super::{scalar, QMatrix, QuantError};
-
-/// Compile-time description of a quantized block layout, shared by every kernel.
-pub(crate) trait BlockFormat {
-    /// Bytes per 32-element block.
-    const BLOCK_BYTES: usize;
-    /// Offset of the codes inside a block.
-    const QS_OFFSET: usize;
-    /// Whether the block carries a min `m` (f16 at byte 2): value `q·d + m`.
-    const HAS_MIN: bool;
-    /// 4-bit codes (low nibbles = elements 0..15, high = 16..31) rather than 8-bit.
-    const NIBBLES: bool;
-    /// Zero point subtracted from unsigned codes: value `(q − ZERO)·d`.
-    const ZERO: i32;
-}
-
-/// `Q4_0` block layout.
-pub(crate) struct Q40;
-/// `Q4_1` block layout.
-pub(crate) struct Q41;
-/// `Q8_0` block layout.
-pub(crate) struct Q80;
-
-impl BlockFormat for Q40 {
-    const BLOCK_BYTES: usize = Q4_0_BLOCK_BYTES;
-    const QS_OFFSET: usize = 2;
-    const HAS_MIN: bool = false;
-    const NIBBLES: bool = true;
-    const ZERO: i32 = 8;
-}
-impl BlockFormat for Q41 {
-    const BLOCK_BYTES: usize = Q4_1_BLOCK_BYTES;
-    const QS_OFFSET: usize = 4;
-    const HAS_MIN: bool = true;
-    const NIBBLES: bool = true;
-    const ZERO: i32 = 0;
-}
-impl BlockFormat for Q80 {
-    const BLOCK_BYTES: usize = Q8_0_BLOCK_BYTES;
-    const QS_OFFSET: usize = 2;
-    const HAS_MIN: bool = false;
-    const NIBBLES: bool = false;
-    const ZERO: i32 = 0;
-}
 
 /// Raw output pointer shared by the tasks of one matmul; each task writes a disjoint
 /// rectangle of `(token, row)` elements of the `(n_tokens, rows)` output.
@@ -206,12 +164,17 @@ pub(crate) fn matmul_with(
             actual: out.len(),
         });
     }
-    // Quantized weights need the 8-bit blocks, which exist because cols matched and a
-    // quantized matrix has cols % 32 == 0.
-    let blocks = if w.dtype().is_quantized() {
-        Some(input.blocks().expect("cols is a multiple of 32"))
+    // Quantized weights need the matching 8-bit blocks, which exist because cols matched
+    // and a quantized matrix's cols is a multiple of its block size.
+    let act = if w.dtype().is_k_quant() {
+        Act::Super(input.super_blocks().expect("cols is a multiple of 256"))
+    } else if w.dtype().is_quantized() {
+        Act::Blocks(input.blocks().expect("cols is a multiple of 32"))
     } else {
-        None
+        Act::Float {
+            x: input.f32_rows(),
+            tokens: input.f32_rows().len() / w.cols(),
+        }
     };
     let out_ptr = OutPtr {
         ptr: out.as_mut_ptr(),
@@ -220,8 +183,7 @@ pub(crate) fn matmul_with(
     let job = Job {
         kernel,
         w,
-        x: input.f32_rows(),
-        blocks,
+        act,
         out: out_ptr,
     };
 
@@ -266,12 +228,23 @@ pub(crate) fn matmul_with(
     Ok(())
 }
 
+/// The activations a matmul multiplies by, in the form its weight type needs.
+#[derive(Clone, Copy)]
+pub(crate) enum Act<'a> {
+    /// f32 rows for float weights; token rows from `tokens` on (the residual half of a
+    /// refined input) are zero.
+    Float { x: &'a [f32], tokens: usize },
+    /// 32-element blocks for `Q4_0`…`Q8_0`.
+    Blocks(ActBlocks<'a>),
+    /// 256-element super-blocks for the k-quants.
+    Super(SuperActBlocks<'a>),
+}
+
 /// One validated matmul: everything a task needs to compute its rectangle.
 pub(crate) struct Job<'a> {
     pub(crate) kernel: Kernel,
     pub(crate) w: &'a QMatrix<'a>,
-    pub(crate) x: &'a [f32],
-    pub(crate) blocks: Option<ActBlocks<'a>>,
+    pub(crate) act: Act<'a>,
     pub(crate) out: OutPtr,
 }
 
@@ -287,29 +260,38 @@ impl Job<'_> {
         }
         let w = self.w;
         let (data, row_bytes) = (w.data(), w.row_bytes());
+        let dtype = w.dtype();
         // SAFETY: (all arms) the rectangle is in bounds and exclusively ours (caller), the
         // weights and activations hold every row and token of the matmul (`matmul_with`
         // checked the shapes), and the kernel's CPU features were checked by
         // `Kernel::is_available` in `matmul_with`.
         unsafe {
-            match (self.kernel, self.blocks) {
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512Vnni | Kernel::Avx512, Some(act)) => {
-                    let vnni = self.kernel == Kernel::Avx512Vnni;
-                    super::avx512::quant_rect(
-                        w.dtype(),
-                        vnni,
+            match self.act {
+                Act::Float {
+                    x,
+                    tokens: x_tokens,
+                } => {
+                    let computed = tokens.start..tokens.end.min(x_tokens).max(tokens.start);
+                    float_rect(
+                        self.kernel,
+                        dtype,
                         data,
                         row_bytes,
-                        &act,
-                        rows,
-                        tokens,
+                        x,
+                        w.cols(),
+                        rows.clone(),
+                        computed,
                         self.out,
-                    )
+                    );
+                    for t in tokens.start.max(x_tokens)..tokens.end {
+                        for r in rows.clone() {
+                            self.out.write(t, r, 0.0);
+                        }
+                    }
                 }
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx2, Some(act)) => super::avx2::quant_rect(
-                    w.dtype(),
+                Act::Blocks(act) => quant_rect(
+                    self.kernel,
+                    dtype,
                     data,
                     row_bytes,
                     &act,
@@ -317,37 +299,12 @@ impl Job<'_> {
                     tokens,
                     self.out,
                 ),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512Vnni | Kernel::Avx512, None) => super::avx512::float_rect(
-                    w.dtype() == GgmlType::F16,
+                Act::Super(act) => super_rect(
+                    self.kernel,
+                    dtype,
                     data,
                     row_bytes,
-                    self.x,
-                    w.cols(),
-                    rows,
-                    tokens,
-                    self.out,
-                ),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx2, None) => super::avx2::float_rect(
-                    w.dtype() == GgmlType::F16,
-                    data,
-                    row_bytes,
-                    self.x,
-                    w.cols(),
-                    rows,
-                    tokens,
-                    self.out,
-                ),
-                (_, Some(act)) => {
-                    scalar_quant_rect(w.dtype(), data, row_bytes, &act, rows, tokens, self.out)
-                }
-                (_, None) => scalar::float_rect(
-                    w.dtype() == GgmlType::F16,
-                    data,
-                    row_bytes,
-                    self.x,
-                    w.cols(),
+                    &act,
                     rows,
                     tokens,
                     self.out,
@@ -357,7 +314,70 @@ impl Job<'_> {
     }
 }
 
-/// Scalar rectangle for any quantized type.
+/// Float-weight rectangle with `kernel`.
+///
+/// # Safety
+/// As for [`scalar::float_rect`], plus the kernel's CPU features.
+#[allow(clippy::too_many_arguments)]
+unsafe fn float_rect(
+    kernel: Kernel,
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    x: &[f32],
+    cols: usize,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    let f16 = dtype == GgmlType::F16;
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni | Kernel::Avx512 => {
+                super::avx512::float_rect(f16, data, row_bytes, x, cols, rows, tokens, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                super::avx2::float_rect(f16, data, row_bytes, x, cols, rows, tokens, out)
+            }
+            _ => scalar::float_rect(f16, data, row_bytes, x, cols, rows, tokens, out),
+        }
+    }
+}
+
+/// Rectangle of a 32-element format with `kernel`.
+///
+/// # Safety
+/// As for [`scalar::quant_rect`], plus the kernel's CPU features.
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_rect(
+    kernel: Kernel,
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &ActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni | Kernel::Avx512 => {
+                let vnni = kernel == Kernel::Avx512Vnni;
+                super::avx512::quant_rect(dtype, vnni, data, row_bytes, act, rows, tokens, out)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => super::avx2::quant_rect(dtype, data, row_bytes, act, rows, tokens, out),
+            _ => scalar_quant_rect(dtype, data, row_bytes, act, rows, tokens, out),
+        }
+    }
+}
+
+/// Scalar rectangle for any 32-element format.
 ///
 /// # Safety
 /// As for [`scalar::quant_rect`].
@@ -375,8 +395,50 @@ pub(crate) unsafe fn scalar_quant_rect(
         match dtype {
             GgmlType::Q4_0 => scalar::quant_rect::<Q40>(data, row_bytes, act, rows, tokens, out),
             GgmlType::Q4_1 => scalar::quant_rect::<Q41>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q5_0 => scalar::quant_rect::<Q50>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q5_1 => scalar::quant_rect::<Q51>(data, row_bytes, act, rows, tokens, out),
             GgmlType::Q8_0 => scalar::quant_rect::<Q80>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::F32 | GgmlType::F16 => unreachable!("float weights take the f32 path"),
+            _ => unreachable!("{dtype} is not a 32-element format"),
+        }
+    }
+}
+
+/// Rectangle of a k-quant with `kernel`.
+///
+/// # Safety
+/// As for [`scalar::super_rect`], plus the kernel's CPU features.
+#[allow(clippy::too_many_arguments)]
+unsafe fn super_rect(
+    kernel: Kernel,
+    dtype: GgmlType,
+    data: &[u8],
+    row_bytes: usize,
+    act: &SuperActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni | Kernel::Avx512 => {
+                let vnni = kernel == Kernel::Avx512Vnni;
+                return super::avx512::k_rect(dtype, vnni, data, row_bytes, act, rows, tokens, out);
+            }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                return super::avx2::k_rect(dtype, data, row_bytes, act, rows, tokens, out)
+            }
+            _ => {}
+        }
+        match dtype {
+            GgmlType::Q2_K => scalar::super_rect::<Q2K>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q3_K => scalar::super_rect::<Q3K>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q4_K => scalar::super_rect::<Q4K>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q5_K => scalar::super_rect::<Q5K>(data, row_bytes, act, rows, tokens, out),
+            GgmlType::Q6_K => scalar::super_rect::<Q6K>(data, row_bytes, act, rows, tokens, out),
+            _ => unreachable!("{dtype} is not a k-quant"),
         }
     }
 }

@@ -2,32 +2,52 @@
 //!
 //! A weight matrix is a borrowed view of ggml bytes ([`QMatrix`]): `rows` rows of `cols`
 //! elements, each row a sequence of blocks (a GGUF tensor with dims `[cols, rows]`). The
+//! types are F32, F16, the 32-element formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants
+//! Q2_K…Q6_K (256-element super-blocks of 16 or 8 groups with their own 4-, 6- or 8-bit
+//! scales). Every other ggml type is refused by name ([`unsupported_type_message`]). The
 //! input of a matmul is quantized once ([`QuantizedInput`]) into 8-bit blocks with f32
-//! scales and can then be multiplied by several matrices ([`matmul`]); the output is
-//! `(n_tokens, rows)` row-major.
+//! scales — 32-element blocks for the 32-element formats, 256-element super-blocks with
+//! per-16 and per-32 sums (llama.cpp's Q8_K) for the k-quants — and can then be multiplied by
+//! several matrices ([`matmul`]); the output is `(n_tokens, rows)` row-major.
 //!
 //! # Bit-exactness
 //! Every output element `out[t, r]` is computed with one canonical sequence of f32
-//! operations, defined by the scalar kernel: integer block dot products (exact), then per
-//! block `term = (dw·da)·isum (+ m·s)` and `acc = acc + term` in block order, starting from
-//! `0.0`; float weights use 16 lane accumulators and a fixed reduction tree. The SIMD kernels
-//! put *rows* in vector lanes, so each lane performs exactly that sequence. Consequently the
-//! result does not depend on the kernel (scalar, AVX2, AVX-512, AVX-512 VNNI), on how many
-//! tokens are computed together or where a token sits in the batch, nor on the rayon thread
-//! count: decode, chunked prefill and unchunked prefill agree bit for bit.
+//! operations, defined by the scalar kernel: exact integer block dot products, then per
+//! block `term = (dw·da)·isum (+ m·s)` (32-element formats) or per super-block
+//! `term = (d·da)·isum (− (dmin·da)·msum)` (k-quants, with the group scales and mins applied
+//! in the exact integers `isum` and `msum`), and `acc = acc + term` in block order, starting
+//! from `0.0`; float weights use 16 lane accumulators and a fixed reduction tree. The SIMD
+//! kernels put *rows* in vector lanes, so each lane performs exactly that sequence.
+//! Consequently the result does not depend on the kernel (scalar, AVX2, AVX-512, AVX-512
+//! VNNI), on how many tokens are computed together or where a token sits in the batch, nor
+//! on the rayon thread count: decode, chunked prefill and unchunked prefill agree bit for
+//! bit.
 //!
 //! # Accuracy
-//! Quantized weights are used exactly (the integer block dot products are exact); the only
+//! Quantized weights are used exactly (the integer dot products are exact); the only
 //! approximation is the 8-bit activation: each element moves by at most half a step
-//! `d_b = max|x_b| / 127` of its 32-block, so `|out − x·wᵀ| ≤ Σ_b (d_b/2)·Σ_{i∈b} |w_i|` plus
-//! f32 rounding (a few ulps of `Σ|w_i|·|x_i|` per block). llama.cpp makes the same trade;
-//! its block scales are f16, ours f32. Float (F32/F16) weights use the f32 input as is.
+//! `d_b = max|x_b| / 127` of its activation block `b` (32 elements, or 256 for k-quant
+//! weights), so `|out − x·wᵀ| ≤ Σ_b (d_b/2)·Σ_{i∈b} |w_i|` plus f32 rounding (a few ulps of
+//! `Σ|w_i|·|x_i|` per block). The 256-element blocks of the k-quants are coarser where the
+//! input has outliers (one large value sets the step of 256 elements, not 32): that is
+//! llama.cpp's trade too. Its block scales are f16 (32-element) or f32 (Q8_K); ours are f32.
+//! The refined precision ([`QuantizedInput::quantize_refined`]) quantizes the residual
+//! `x − dq(q(x))` of each format in a second pass and adds the two products
+//! ([`fold_refined`]): the activation error becomes ~1/254 of the bound above (about 14
+//! bits), at twice the integer work but the same weight traffic. Float (F32/F16) weights use
+//! the f32 input as is.
 //!
 //! # Speed
-//! Rows sit in vector lanes (16 for AVX-512, 8 for AVX2); weight codes are unpacked once per
-//! block and reused for a tile of up to 8 tokens (prefill GEMM); the next row group is
-//! prefetched; `matmul` splits rows (and tokens for large batches) over the current rayon
-//! pool. Run a forward pass inside `ThreadPool::install` so the calling thread takes part.
+//! Rows sit in vector lanes (16 for AVX-512, 8 for AVX2). Each block of a row group is
+//! unpacked once into dword-interleaved code vectors (lane = row, four codes per lane), so a
+//! token's dot product is one `vpdpbusd` per four elements with the activation word
+//! broadcast, straight into the row lanes (`lanes`). Up to 8 activation rows (4 with AVX2;
+//! a refined input has two per token) consume each block as it is unpacked, with their
+//! accumulators in registers; more rows share the unpacked blocks of a column chunk from an
+//! L1 buffer, 8 (4) at a time.
+//! The next row group is prefetched into L2; `matmul` splits rows (and tokens for large
+//! batches) over the current rayon pool. Run a forward pass inside `ThreadPool::install` so
+//! the calling thread takes part.
 
 mod activation;
 #[cfg(target_arch = "x86_64")]
@@ -36,16 +56,35 @@ mod avx2;
 mod avx512;
 mod format;
 mod kernel;
+mod kquant;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod scalar;
 #[cfg(test)]
 mod tests;
 
 pub use activation::{fold_refined, QuantScratch, QuantizedInput};
-pub use format::{quantize_weights, GgmlType, QK};
+pub use format::{ggml_type_name, quantize_weights, GgmlType, QK};
 pub use kernel::Kernel;
+pub use kquant::QK_K;
 
-/// The supported ggml types and their ids, for error messages.
-pub(crate) const SUPPORTED_TYPES: &str = "F32=0, F16=1, Q4_0=2, Q4_1=3, Q8_0=8";
+/// The supported ggml types and their ids, for error messages (in [`GgmlType::ALL`] order).
+pub const SUPPORTED_TYPES: &str =
+    "F32=0, F16=1, Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14";
+
+/// The message refusing ggml type id `id` (of tensor `tensor`, when known): names the type,
+/// e.g. `unsupported tensor type IQ2_XS in blk.3.ffn_down.weight (ggml type id 17; …)`.
+pub fn unsupported_type_message(id: u32, tensor: Option<&str>) -> String {
+    let place = tensor.map(|t| format!(" in {t}")).unwrap_or_default();
+    match ggml_type_name(id) {
+        Some(name) => format!(
+            "unsupported tensor type {name}{place} (ggml type id {id}; supported: {SUPPORTED_TYPES})"
+        ),
+        None => format!(
+            "unknown ggml type id {id}{place} (supported: {SUPPORTED_TYPES})"
+        ),
+    }
+}
 
 /// Errors of the quantized formats and kernels. Every check happens before any output is
 /// written, so a failed call leaves its output buffer untouched.
@@ -137,7 +176,7 @@ impl std::fmt::Display for QuantError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             QuantError::UnsupportedType { id } => {
-                write!(f, "unsupported ggml type id {id} (supported: {SUPPORTED_TYPES})")
+                f.write_str(&unsupported_type_message(*id, None))
             }
             QuantError::EmptyShape { rows, cols } => {
                 write!(f, "empty shape ({rows}, {cols}): rows and columns must be positive")

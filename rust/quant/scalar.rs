@@ -1,9 +1,13 @@
 //! The portable scalar kernels. They *define* the canonical arithmetic every SIMD path
 //! reproduces bit for bit (see the module docs of `quant`):
 //!
-//! - quantized weights: per (row, token), `acc = 0.0; for each block b in order:
-//!   acc = acc + term_b` with `term_b = (dw·da)·(isum as f32)` (+ `m·s` for Q4_1), where
-//!   `isum` is the block's exact integer dot product (offset-corrected for Q4_0);
+//! - 32-element formats: per (row, token), `acc = 0.0; for each block b in order:
+//!   acc = acc + term_b` with `term_b = (dw·da)·(isum as f32)` (+ `m·s` for Q4_1/Q5_1), where
+//!   `isum = Σ u·a − zero·Σa` is the block's exact integer dot product;
+//! - k-quants: per (row, token), `acc = acc + term_b` over the super-blocks with
+//!   `term_b = (d·da)·(isum as f32)` (− `(dmin·da)·(msum as f32)` for the min formats), where
+//!   `isum = Σ_g s_g·(Σ_{i∈g} u_i·a_i − zero·Σ_{i∈g} a_i)` and `msum = Σ_g m_g·Σ_{i∈g} a_i`
+//!   are exact integers over the groups `g`;
 //! - float weights: 16 lane accumulators, element `i` into lane `i mod 16` with
 //!   `lane = lane + w·x`, then the fixed tree `lane[i] += lane[i + h]` for h = 8, 4, 2, 1.
 //!
@@ -11,28 +15,20 @@
 
 use std::ops::Range;
 
-use super::activation::ActBlocks;
-use super::format::{f16_at, QK};
-use super::kernel::{BlockFormat, OutPtr};
+use super::activation::{ActBlocks, SuperActBlocks};
+use super::format::{f16_at, BlockFormat};
+use super::kernel::OutPtr;
+use super::kquant::{SuperBlockFormat, QK_K};
 
-/// Exact integer dot product of one weight block's codes with one activation block,
-/// including the format's zero-point offset (`Σ (q − zero)·a = Σ q·a − zero·Σa`).
+/// Exact integer dot product of one weight block with one activation block, including the
+/// format's zero point (`Σ (u − zero)·a = Σ u·a − zero·Σa`).
 #[inline(always)]
-pub(crate) fn block_isum<F: BlockFormat>(qs: &[u8], a: &[i8], a_sum: i32) -> i32 {
-    let dot: i32 = if F::NIBBLES {
-        let (a_low, a_high) = a.split_at(QK / 2);
-        qs[..QK / 2]
-            .iter()
-            .zip(a_low.iter().zip(a_high))
-            .map(|(&q, (&l, &h))| (q & 0x0f) as i32 * l as i32 + (q >> 4) as i32 * h as i32)
-            .sum()
-    } else {
-        qs[..QK]
-            .iter()
-            .zip(a)
-            .map(|(&q, &v)| q as i8 as i32 * v as i32)
-            .sum()
-    };
+pub(crate) fn block_isum<F: BlockFormat>(blk: &[u8], a: &[i8], a_sum: i32) -> i32 {
+    let dot: i32 = F::codes(blk)
+        .iter()
+        .zip(a)
+        .map(|(&u, &v)| u as i32 * v as i32)
+        .sum();
     dot - F::ZERO * a_sum
 }
 
@@ -55,7 +51,7 @@ pub(crate) fn quant_row_dot<F: BlockFormat>(row: &[u8], act: &ActBlocks<'_>, t: 
         let i = act.index(t, b);
         let dw = f16_at(blk);
         let m = if F::HAS_MIN { f16_at(&blk[2..]) } else { 0.0 };
-        let isum = block_isum::<F>(&blk[F::QS_OFFSET..], act.block(t, b), act.qsum[i]);
+        let isum = block_isum::<F>(blk, act.block(t, b), act.qsum[i]);
         acc += block_term::<F>(dw, m, act.scale[i], act.scaled_sum[i], isum);
     }
     acc
@@ -79,6 +75,91 @@ pub(crate) unsafe fn quant_rect<F: BlockFormat>(
         for t in tokens.clone() {
             // SAFETY: (t, r) lies in the rectangle the caller owns.
             unsafe { out.write(t, r, quant_row_dot::<F>(row, act, t)) };
+        }
+    }
+}
+
+/// The canonical f32 contribution of one super-block: `(d·da)·isum (− (dmin·da)·msum)`.
+#[inline(always)]
+pub(crate) fn super_block_term<F: SuperBlockFormat>(
+    d: f32,
+    dmin: f32,
+    da: f32,
+    isum: i32,
+    msum: i32,
+) -> f32 {
+    let t = (d * da) * isum as f32;
+    if F::HAS_MIN {
+        t - (dmin * da) * msum as f32
+    } else {
+        t
+    }
+}
+
+/// The activation sums of super-block `i` per group of `F` (16 or 32 elements).
+#[inline(always)]
+pub(crate) fn group_sums<'a, F: SuperBlockFormat>(act: &SuperActBlocks<'a>, i: usize) -> &'a [i16] {
+    if F::GROUP == 16 {
+        &act.sums16[i * 16..(i + 1) * 16]
+    } else {
+        &act.sums32[i * 8..(i + 1) * 8]
+    }
+}
+
+/// Canonical dot product of one k-quant weight row with token `t` of `act`.
+#[inline]
+pub(crate) fn super_row_dot<F: SuperBlockFormat>(
+    row: &[u8],
+    act: &SuperActBlocks<'_>,
+    t: usize,
+) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
+        let i = act.index(t, b);
+        let a = &act.qs[i * QK_K..(i + 1) * QK_K];
+        let sums = group_sums::<F>(act, i);
+        let codes = F::codes(blk);
+        let (scales, mins) = F::scales_mins(blk);
+        let (mut isum, mut msum) = (0i32, 0i32);
+        for g in 0..F::GROUPS {
+            let span = g * F::GROUP..(g + 1) * F::GROUP;
+            let dot: i32 = codes[span.clone()]
+                .iter()
+                .zip(&a[span])
+                .map(|(&u, &v)| u as i32 * v as i32)
+                .sum();
+            let a_sum = sums[g] as i32;
+            isum += scales[g] * (dot - F::ZERO * a_sum);
+            msum += mins[g] * a_sum;
+        }
+        let d = f16_at(&blk[F::D_OFFSET..]);
+        let dmin = if F::HAS_MIN {
+            f16_at(&blk[F::D_OFFSET + 2..])
+        } else {
+            0.0
+        };
+        acc += super_block_term::<F>(d, dmin, act.scale[i], isum, msum);
+    }
+    acc
+}
+
+/// Scalar k-quant rectangle (same contract as [`quant_rect`]).
+///
+/// # Safety
+/// As for [`quant_rect`].
+pub(crate) unsafe fn super_rect<F: SuperBlockFormat>(
+    data: &[u8],
+    row_bytes: usize,
+    act: &SuperActBlocks<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    for r in rows {
+        let row = &data[r * row_bytes..(r + 1) * row_bytes];
+        for t in tokens.clone() {
+            // SAFETY: (t, r) lies in the rectangle the caller owns.
+            unsafe { out.write(t, r, super_row_dot::<F>(row, act, t)) };
         }
     }
 }

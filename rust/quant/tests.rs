@@ -32,19 +32,34 @@ fn f16_le(v: f32) -> [u8; 2] {
     half::f16::from_f32(v).to_bits().to_le_bytes()
 }
 
-/// Random weights: quantized from random floats for even seeds (what real weights look
-/// like), raw random codes with random finite scales for odd ones (every code value,
-/// including Q8_0's −128 which the quantizer never emits).
+/// Offsets of the f16 scale fields (`d`, and `m`/`dmin` where the format has one) in a block.
+fn scale_offsets(dtype: GgmlType) -> &'static [usize] {
+    match dtype {
+        GgmlType::F32 | GgmlType::F16 => &[],
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+    }
+}
+
+/// Random weights: quantized from random floats for `raw == false` (what real weights look
+/// like), raw random codes and sub-block scales with random finite f16 scales otherwise
+/// (every code value, including Q8_0's −128 which the quantizer never emits, and every
+/// k-quant group scale and min).
 fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng, raw: bool) -> Vec<u8> {
     if !raw || !dtype.is_quantized() {
         let src = rng.floats(rows * cols, 0.5);
         return quantize_weights(dtype, &src, cols).unwrap();
     }
     let mut data = rng.bytes(rows * dtype.row_bytes(cols).unwrap());
+    // k-quant scales multiply 6- or 8-bit group scales: keep products of the same size.
+    let magnitude = if dtype.is_k_quant() { 0.002 } else { 0.05 };
     for blk in data.chunks_exact_mut(dtype.block_bytes()) {
-        blk[..2].copy_from_slice(&f16_le(rng.unit() * 0.05));
-        if dtype == GgmlType::Q4_1 {
-            blk[2..4].copy_from_slice(&f16_le(rng.unit() * 0.2));
+        for (k, &o) in scale_offsets(dtype).iter().enumerate() {
+            let v = rng.unit() * if k == 0 { magnitude } else { 4.0 * magnitude };
+            blk[o..o + 2].copy_from_slice(&f16_le(v));
         }
     }
     data
@@ -62,6 +77,17 @@ fn run(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
+/// The refined product's `2n` rows (value pass, then residual pass), unfolded.
+fn run_refined(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let mut scratch = QuantScratch::new();
+    let mut stacked = Vec::new();
+    let input =
+        QuantizedInput::quantize_refined(x, n, w.cols(), &mut stacked, &mut scratch).unwrap();
+    let mut out = vec![f32::NAN; 2 * n * w.rows()];
+    matmul_with_kernel(kernel, w, &input, &mut out).unwrap();
+    out
+}
+
 #[test]
 fn type_ids_and_layouts_match_ggml() {
     let expected = [
@@ -69,14 +95,24 @@ fn type_ids_and_layouts_match_ggml() {
         (1, GgmlType::F16, 1, 2),
         (2, GgmlType::Q4_0, 32, 18),
         (3, GgmlType::Q4_1, 32, 20),
+        (6, GgmlType::Q5_0, 32, 22),
+        (7, GgmlType::Q5_1, 32, 24),
         (8, GgmlType::Q8_0, 32, 34),
+        (10, GgmlType::Q2_K, 256, 84),
+        (11, GgmlType::Q3_K, 256, 110),
+        (12, GgmlType::Q4_K, 256, 144),
+        (13, GgmlType::Q5_K, 256, 176),
+        (14, GgmlType::Q6_K, 256, 210),
     ];
+    assert_eq!(expected.len(), GgmlType::ALL.len());
     for (id, t, block, bytes) in expected {
         assert_eq!(GgmlType::from_id(id).unwrap(), t);
         assert_eq!(t.id(), id);
         assert_eq!((t.block_size(), t.block_bytes()), (block, bytes));
+        assert_eq!(t.is_k_quant(), block == 256);
+        assert_eq!(format!("{t:?}"), t.name());
     }
-    for bad in [4, 5, 6, 7, 9, 10, 30, u32::MAX] {
+    for bad in [4, 5, 9, 15, 16, 17, 30, 39, 42, 43, u32::MAX] {
         assert_eq!(
             GgmlType::from_id(bad),
             Err(QuantError::UnsupportedType { id: bad })
@@ -84,6 +120,41 @@ fn type_ids_and_layouts_match_ggml() {
     }
     assert_eq!(GgmlType::Q4_1.row_bytes(576).unwrap(), 360);
     assert_eq!(GgmlType::Q8_0.row_bytes(576).unwrap(), 612);
+    assert_eq!(GgmlType::Q4_K.row_bytes(2048).unwrap(), 8 * 144);
+    // SUPPORTED_TYPES lists exactly ALL, in order.
+    let listed: Vec<String> = GgmlType::ALL
+        .iter()
+        .map(|t| format!("{}={}", t.name(), t.id()))
+        .collect();
+    assert_eq!(SUPPORTED_TYPES, listed.join(", "));
+}
+
+#[test]
+fn every_ggml_type_id_has_its_name_in_refusals() {
+    assert_eq!(ggml_type_name(17), Some("IQ2_XS"));
+    assert_eq!(ggml_type_name(30), Some("BF16"));
+    assert_eq!(ggml_type_name(15), Some("Q8_K"));
+    assert_eq!(ggml_type_name(42), Some("Q2_0"));
+    assert_eq!(ggml_type_name(43), None);
+    let names: Vec<&str> = (0..43).map(|id| ggml_type_name(id).unwrap()).collect();
+    let mut unique = names.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), names.len(), "names are distinct");
+    let err = QuantError::UnsupportedType { id: 17 }.to_string();
+    assert!(
+        err.starts_with("unsupported tensor type IQ2_XS (ggml type id 17; supported: F32=0"),
+        "{err}"
+    );
+    assert_eq!(
+        unsupported_type_message(17, Some("blk.3.ffn_down.weight"))
+            .split(" (")
+            .next(),
+        Some("unsupported tensor type IQ2_XS in blk.3.ffn_down.weight")
+    );
+    assert!(QuantError::UnsupportedType { id: 99 }
+        .to_string()
+        .starts_with("unknown ggml type id 99 (supported: "));
 }
 
 #[test]
@@ -146,7 +217,7 @@ fn quantize_dequantize_round_trip_within_format_error() {
     let mut rng = Rng(1);
     let cols = 96;
     let src = rng.floats(4 * cols, 2.0);
-    for dtype in GgmlType::ALL {
+    for dtype in GgmlType::ALL.into_iter().filter(|t| !t.is_k_quant()) {
         let data = quantize_weights(dtype, &src, cols).unwrap();
         let m = QMatrix::new(dtype, 4, cols, &data).unwrap();
         let back = m.dequantize();
@@ -156,19 +227,143 @@ fn quantize_dequantize_round_trip_within_format_error() {
                 .iter()
                 .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
             // Half a quantization step, plus the f16 rounding of the scale(s) times the
-            // largest code (f16 has an 11-bit significand). Q4_0 maps the extreme value to
-            // −8, so the opposite side clips at +7 steps: up to a whole step d = amax/8.
+            // largest code (f16 has an 11-bit significand). Q4_0/Q5_0 map the extreme value to
+            // the lowest code, so the opposite side clips one step short: up to a whole step.
+            let f16_err = |v: f32| v * 2f32.powi(-10);
             let tol = match dtype {
                 GgmlType::F32 => 0.0,
                 GgmlType::F16 => amax * 2f32.powi(-11),
-                GgmlType::Q4_0 => amax / 8.0 + amax * 2f32.powi(-10),
-                GgmlType::Q4_1 => (hi - lo) / 15.0 * 0.5 + (hi - lo + lo.abs()) * 2f32.powi(-10),
-                GgmlType::Q8_0 => amax / 127.0 * 0.5 + amax * 2f32.powi(-10),
+                GgmlType::Q4_0 => amax / 8.0 + f16_err(amax),
+                GgmlType::Q5_0 => amax / 16.0 + f16_err(amax),
+                GgmlType::Q4_1 => (hi - lo) / 15.0 * 0.5 + f16_err(hi - lo + lo.abs()),
+                GgmlType::Q5_1 => (hi - lo) / 31.0 * 0.5 + f16_err(hi - lo + lo.abs()),
+                GgmlType::Q8_0 => amax / 127.0 * 0.5 + f16_err(amax),
+                _ => unreachable!(),
             };
             for (a, b) in blk_src.iter().zip(blk_back) {
                 assert!((a - b).abs() <= tol, "{dtype}: {a} vs {b} (tol {tol})");
             }
         }
+    }
+}
+
+#[test]
+fn k_quant_round_trip_error_shrinks_with_the_bits() {
+    // RMS error relative to the RMS of the weights, for Gaussian-like weights with a few
+    // outliers: each extra bit should roughly halve it. Bounds: about 1.3× what the simple
+    // quantizer measures (0.35, 0.18, 0.084, 0.042, 0.022), below the next-coarser format's.
+    let mut rng = Rng(12);
+    let cols = 1024;
+    let mut src: Vec<f32> = (0..8 * cols)
+        .map(|_| (rng.unit() + rng.unit() + rng.unit()) * 0.02)
+        .collect();
+    for i in (0..src.len()).step_by(397) {
+        src[i] *= 8.0;
+    }
+    let rms = |v: &mut dyn Iterator<Item = f32>| {
+        let (sum, n) = v.fold((0.0f64, 0usize), |(s, n), x| {
+            (s + (x as f64).powi(2), n + 1)
+        });
+        (sum / n as f64).sqrt()
+    };
+    let signal = rms(&mut src.iter().copied());
+    let mut previous = f64::INFINITY;
+    for (dtype, bound) in [
+        (GgmlType::Q2_K, 0.45),
+        (GgmlType::Q3_K, 0.25),
+        (GgmlType::Q4_K, 0.11),
+        (GgmlType::Q5_K, 0.055),
+        (GgmlType::Q6_K, 0.03),
+    ] {
+        let data = quantize_weights(dtype, &src, cols).unwrap();
+        assert_eq!(data.len(), 8 * dtype.row_bytes(cols).unwrap());
+        let back = QMatrix::new(dtype, 8, cols, &data).unwrap().dequantize();
+        let err = rms(&mut src.iter().zip(&back).map(|(a, b)| a - b)) / signal;
+        assert!(err < bound, "{dtype}: relative RMS error {err} >= {bound}");
+        assert!(err < 0.75 * previous, "{dtype}: {err} vs {previous}");
+        previous = err;
+    }
+}
+
+#[test]
+fn hand_built_q5_0_and_q5_1_blocks() {
+    // Codes u_j = j (0..31): the 5th bit of element j is bit j of qh.
+    let qh: u32 = (0..32u32).filter(|j| j & 16 != 0).map(|j| 1 << j).sum();
+    let qs: Vec<u8> = (0..16u8).map(|j| j | (j << 4)).collect();
+    let mut q5_0 = f16_le(0.5).to_vec();
+    q5_0.extend(qh.to_le_bytes());
+    q5_0.extend(&qs);
+    let got = QMatrix::new(GgmlType::Q5_0, 1, 32, &q5_0)
+        .unwrap()
+        .dequantize();
+    for (j, v) in got.iter().enumerate() {
+        assert_eq!(*v, (j as f32 - 16.0) * 0.5, "element {j}");
+    }
+    let mut q5_1 = f16_le(0.25).to_vec();
+    q5_1.extend(f16_le(-3.0));
+    q5_1.extend(qh.to_le_bytes());
+    q5_1.extend(&qs);
+    let got = QMatrix::new(GgmlType::Q5_1, 1, 32, &q5_1)
+        .unwrap()
+        .dequantize();
+    for (j, v) in got.iter().enumerate() {
+        assert_eq!(*v, j as f32 * 0.25 - 3.0, "element {j}");
+    }
+}
+
+#[test]
+fn hand_built_q4_k_and_q6_k_blocks() {
+    // Q4_K: d = 0.5, dmin = 0.25; group j has scale j + 1 and min 2j (6-bit packing), codes
+    // u_e = e % 16.
+    let scales: Vec<i32> = (1..=8).collect();
+    let mins: Vec<i32> = (0..8).map(|j| 2 * j).collect();
+    let mut blk = vec![0u8; 144];
+    blk[..2].copy_from_slice(&f16_le(0.5));
+    blk[2..4].copy_from_slice(&f16_le(0.25));
+    for j in 0..8 {
+        let (s, m) = (scales[j] as u8, mins[j] as u8);
+        if j < 4 {
+            blk[4 + j] = s;
+            blk[8 + j] = m;
+        } else {
+            blk[12 + j - 4] = (s & 15) | ((m & 15) << 4);
+            blk[4 + j - 4] |= (s >> 4) << 6;
+            blk[8 + j - 4] |= (m >> 4) << 6;
+        }
+    }
+    for c in 0..4 {
+        for l in 0..32 {
+            // Element 64c + l in the low nibble, 64c + 32 + l in the high one.
+            blk[16 + 32 * c + l] = (l % 16) as u8 | (((l + 32) % 16) << 4) as u8;
+        }
+    }
+    let got = QMatrix::new(GgmlType::Q4_K, 1, 256, &blk)
+        .unwrap()
+        .dequantize();
+    for (e, v) in got.iter().enumerate() {
+        let j = e / 32;
+        let expected = (0.5 * scales[j] as f32) * (e % 16) as f32 - 0.25 * mins[j] as f32;
+        assert_eq!(*v, expected, "element {e}");
+    }
+    // Q6_K: d = 0.125, group g (16 elements) has scale g − 8; code u_e = e % 64, value
+    // (d·s)·(u − 32).
+    let mut blk = vec![0u8; 210];
+    for e in 0..256 {
+        let u = (e % 64) as u8;
+        let (h, q, l) = (e / 128, (e % 128) / 32, e % 32);
+        blk[64 * h + 32 * (q % 2) + l] |= (u & 15) << (4 * (q / 2));
+        blk[128 + 32 * h + l] |= (u >> 4) << (2 * q);
+    }
+    for g in 0..16 {
+        blk[192 + g] = (g as i8 - 8) as u8;
+    }
+    blk[208..].copy_from_slice(&f16_le(0.125));
+    let got = QMatrix::new(GgmlType::Q6_K, 1, 256, &blk)
+        .unwrap()
+        .dequantize();
+    for (e, v) in got.iter().enumerate() {
+        let expected = (0.125 * ((e / 16) as f32 - 8.0)) * ((e % 64) as f32 - 32.0);
+        assert_eq!(*v, expected, "element {e}");
     }
 }
 
@@ -198,17 +393,20 @@ fn activation_quantization_is_within_half_a_step() {
 #[test]
 fn activation_quantization_is_identical_under_every_isa() {
     let mut rng = Rng(11);
-    let blocks = 300;
+    let blocks = 296; // 37 super-blocks
     let mut x = rng.floats(blocks * 32, 50.0);
-    // Edge cases: an all-zero block, a tiny-scale block, non-finite blocks, exact ties.
+    // Edge cases: an all-zero block, a tiny-scale block, non-finite blocks, exact ties; the
+    // non-finite ones poison super-blocks 0 and 1, the others leave super-blocks clean.
     x[32..64].fill(0.0);
     x[64..96].iter_mut().for_each(|v| *v *= 1e-30);
     x[96] = f32::NAN;
-    x[130] = f32::NEG_INFINITY;
-    x[192..224].fill(f32::NAN);
-    for (i, v) in x[160..192].iter_mut().enumerate() {
+    x[300] = f32::NEG_INFINITY;
+    x[512..768].fill(0.0);
+    x[800..832].fill(f32::NAN);
+    for (i, v) in x[1024..1056].iter_mut().enumerate() {
         *v = i as f32 - 15.5;
     }
+    x[1280..1536].iter_mut().for_each(|v| *v *= 1e-35);
     let run = |kernel: Kernel| {
         let (mut qs, mut d, mut s, mut sum) = (
             vec![0i8; x.len()],
@@ -217,9 +415,18 @@ fn activation_quantization_is_identical_under_every_isa() {
             vec![0i32; blocks],
         );
         activation::quantize_blocks(kernel, &x, &mut qs, &mut d, &mut s, &mut sum);
-        (qs, bits(&d), bits(&s), sum)
+        let supers = blocks / 8;
+        let (mut k_qs, mut k_d, mut s16, mut s32) = (
+            vec![0i8; x.len()],
+            vec![0.0f32; supers],
+            vec![0i16; supers * 16],
+            vec![0i16; supers * 8],
+        );
+        activation::quantize_super_blocks(kernel, &x, &mut k_qs, &mut k_d, &mut s16, &mut s32);
+        (qs, bits(&d), bits(&s), sum, k_qs, bits(&k_d), s16, s32)
     };
     let reference = run(Kernel::Scalar);
+    assert!(f32::from_bits(reference.5[1]).is_nan() && f32::from_bits(reference.5[2]) == 0.0);
     for kernel in Kernel::available() {
         assert!(run(kernel) == reference, "{kernel}");
     }
@@ -257,14 +464,21 @@ fn activation_rounding_is_ties_to_even() {
     assert_eq!(blocks.scaled_sum[0], sum as f32);
 }
 
+/// Elements per activation block for weights of `dtype` (`None`: f32 activations).
+fn act_block(dtype: GgmlType) -> Option<usize> {
+    dtype.is_quantized().then_some(dtype.block_size())
+}
+
 /// Max |out − reference| allowed for one output element: the activation quantization error
-/// `Σ_b (d_b / 2)·Σ_{i∈b} |w_i|` (each element is off by at most half a step `d_b`), plus
-/// f32 rounding of `nb + 4` dependent operations on terms bounded by `Σ |w_i|·(|x_i| + d_b)`.
-fn error_bound(w_row: &[f32], x: &[f32], quantized: bool) -> f64 {
+/// `Σ_b (d_b / 2)·Σ_{i∈b} |w_i|` (each element is off by at most half a step `d_b` of its
+/// activation block of 32 or 256), plus f32 rounding of `nb + 8` dependent operations on
+/// terms bounded by `Σ |w_i|·(|x_i| + d_b)`.
+fn error_bound(w_row: &[f32], x: &[f32], act_block: Option<usize>) -> f64 {
+    let block = act_block.unwrap_or(32);
     let mut act = 0.0f64;
     let mut magnitude = 0.0f64;
-    for (wb, xb) in w_row.chunks(32).zip(x.chunks(32)) {
-        let d = if quantized {
+    for (wb, xb) in w_row.chunks(block).zip(x.chunks(block)) {
+        let d = if act_block.is_some() {
             xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64 / 127.0
         } else {
             0.0
@@ -284,7 +498,7 @@ fn error_bound(w_row: &[f32], x: &[f32], quantized: bool) -> f64 {
 #[test]
 fn matmul_matches_f64_reference_within_the_derived_bound() {
     let mut rng = Rng(3);
-    let (rows, cols, n) = (37, 576, 5);
+    let (rows, cols, n) = (37, 768, 5);
     for dtype in GgmlType::ALL {
         for raw in [false, true] {
             let data = random_weights(dtype, rows, cols, &mut rng, raw);
@@ -300,7 +514,7 @@ fn matmul_matches_f64_reference_within_the_derived_bound() {
                         let wr = &wf[r * cols..(r + 1) * cols];
                         let exact: f64 =
                             wr.iter().zip(xt).map(|(a, b)| *a as f64 * *b as f64).sum();
-                        let bound = error_bound(wr, xt, dtype.is_quantized());
+                        let bound = error_bound(wr, xt, act_block(dtype));
                         let err = (out[t * rows + r] as f64 - exact).abs();
                         assert!(
                             err <= bound,
@@ -322,15 +536,20 @@ fn matmul_matches_f64_reference_within_the_derived_bound() {
 fn quantized_matmul_equals_dequantized_times_dequantized_activations() {
     // With the activations replaced by their own quantization, only f32 rounding remains.
     let mut rng = Rng(4);
-    let (rows, cols, n) = (16, 128, 3);
-    for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+    let (rows, cols, n) = (16, 512, 3);
+    for dtype in GgmlType::ALL.into_iter().filter(|t| t.is_quantized()) {
         let data = random_weights(dtype, rows, cols, &mut rng, true);
         let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
         let wf = w.dequantize();
         let x = rng.floats(n * cols, 1.0);
         let mut scratch = QuantScratch::new();
         let input = QuantizedInput::quantize(&x, n, cols, &mut scratch).unwrap();
-        let xq = input.dequantized().unwrap();
+        let xq = if dtype.is_k_quant() {
+            input.dequantized_super()
+        } else {
+            input.dequantized()
+        }
+        .unwrap();
         let mut out = vec![0.0; n * rows];
         matmul(&w, &input, &mut out).unwrap();
         for t in 0..n {
@@ -353,27 +572,43 @@ fn quantized_matmul_equals_dequantized_times_dequantized_activations() {
     }
 }
 
+/// Shapes `(rows, cols)` for kernel comparisons: rows below, at and past the 8- and 16-lane
+/// groups with tails, columns of one to many blocks.
+fn kernel_shapes(dtype: GgmlType) -> &'static [(usize, usize)] {
+    if dtype.is_k_quant() {
+        &[
+            (1, 256),
+            (7, 512),
+            (16, 256),
+            (37, 1536),
+            (67, 768),
+            (19, 2048),
+        ]
+    } else {
+        &[
+            (1, 32),
+            (7, 64),
+            (16, 96),
+            (37, 576),
+            (67, 1536),
+            (24, 40),
+            (19, 17),
+        ]
+    }
+}
+
 #[test]
 fn every_simd_kernel_is_bit_identical_to_scalar() {
     let mut rng = Rng(5);
-    let shapes = [
-        (1, 32),
-        (7, 64),
-        (16, 96),
-        (37, 576),
-        (67, 1536),
-        (24, 40),
-        (19, 17),
-    ];
     for dtype in GgmlType::ALL {
-        for &(rows, cols) in &shapes {
+        for &(rows, cols) in kernel_shapes(dtype) {
             if cols % dtype.block_size() != 0 {
                 continue;
             }
             for raw in [false, true] {
                 let data = random_weights(dtype, rows, cols, &mut rng, raw);
                 let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
-                for n in [1, 2, 3, 5, 8, 13] {
+                for n in [1, 2, 3, 5, 8, 13, 17] {
                     let x = rng.floats(n * cols, 4.0);
                     let reference = bits(&run(Kernel::Scalar, &w, &x, n));
                     for kernel in Kernel::available() {
@@ -381,6 +616,11 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
                             bits(&run(kernel, &w, &x, n)),
                             reference,
                             "{dtype} {kernel} rows={rows} cols={cols} n={n} raw={raw}"
+                        );
+                        assert_eq!(
+                            bits(&run_refined(kernel, &w, &x, n)),
+                            bits(&run_refined(Kernel::Scalar, &w, &x, n)),
+                            "refined {dtype} {kernel} rows={rows} cols={cols} n={n} raw={raw}"
                         );
                     }
                 }
@@ -400,17 +640,30 @@ fn this_cpu_tests_every_kernel_it_has() {
     }
 }
 
-/// Output rows of one token computed alone.
-fn single(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], t: usize) -> Vec<u32> {
+/// Output rows of one token computed alone: its value pass, and for `refined` its residual
+/// pass after it.
+fn single(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], t: usize, refined: bool) -> Vec<u32> {
     let cols = w.cols();
-    bits(&run(kernel, w, &x[t * cols..(t + 1) * cols], 1))
+    let xt = &x[t * cols..(t + 1) * cols];
+    bits(&if refined {
+        run_refined(kernel, w, xt, 1)
+    } else {
+        run(kernel, w, xt, 1)
+    })
+}
+
+/// Rows of token `t` in the output of an `n`-token matmul (both passes when `refined`).
+fn token_rows(out: &[f32], t: usize, n: usize, rows: usize, refined: bool) -> Vec<u32> {
+    let mut v = bits(&out[t * rows..(t + 1) * rows]);
+    if refined {
+        v.extend(bits(&out[(n + t) * rows..(n + t + 1) * rows]));
+    }
+    v
 }
 
 #[test]
 fn batch_invariance_any_size_position_and_thread_count() {
     let mut rng = Rng(6);
-    // 53 rows: 3 SIMD groups of 16 plus a tail; 96 columns: 3 blocks.
-    let (rows, cols) = (53, 96);
     let pools: Vec<rayon::ThreadPool> = [1, 2]
         .iter()
         .map(|&n| {
@@ -421,39 +674,108 @@ fn batch_invariance_any_size_position_and_thread_count() {
         })
         .collect();
     for dtype in GgmlType::ALL {
+        // 53 rows: 3 SIMD groups of 16 plus a tail; 3 blocks of 32, or 2 super-blocks.
+        let (rows, cols) = (53, if dtype.is_k_quant() { 512 } else { 96 });
         let data = random_weights(dtype, rows, cols, &mut rng, true);
         let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
         let x = rng.floats(256 * cols, 3.0);
         for kernel in Kernel::available() {
-            let alone: Vec<Vec<u32>> = (0..256).map(|t| single(kernel, &w, &x, t)).collect();
-            for n in [1, 3, 7, 64, 256] {
-                for pool in &pools {
-                    let out = pool.install(|| run(kernel, &w, &x[..n * cols], n));
-                    for t in 0..n {
-                        assert_eq!(
-                            bits(&out[t * rows..(t + 1) * rows]),
-                            alone[t],
-                            "{dtype} {kernel} n={n} t={t}"
-                        );
+            for refined in [false, true] {
+                let alone: Vec<Vec<u32>> = (0..256)
+                    .map(|t| single(kernel, &w, &x, t, refined))
+                    .collect();
+                let product = |n: usize, x: &[f32]| {
+                    if refined {
+                        run_refined(kernel, &w, x, n)
+                    } else {
+                        run(kernel, &w, x, n)
+                    }
+                };
+                for n in [1, 2, 3, 7, 16, 64, 256] {
+                    for pool in &pools {
+                        let out = pool.install(|| product(n, &x[..n * cols]));
+                        for (t, expected) in alone.iter().enumerate().take(n) {
+                            assert_eq!(
+                                &token_rows(&out, t, n, rows, refined),
+                                expected,
+                                "{dtype} {kernel} refined={refined} n={n} t={t}"
+                            );
+                        }
                     }
                 }
-            }
-            // Same tokens in another order (every token at another position and tile slot).
-            let n = 64;
-            let order: Vec<usize> = (0..n).map(|i| (i * 37 + 11) % n).collect();
-            let shuffled: Vec<f32> = order
-                .iter()
-                .flat_map(|&t| x[t * cols..(t + 1) * cols].to_vec())
-                .collect();
-            let out = pools[1].install(|| run(kernel, &w, &shuffled, n));
-            for (pos, &t) in order.iter().enumerate() {
-                assert_eq!(
-                    bits(&out[pos * rows..(pos + 1) * rows]),
-                    alone[t],
-                    "{dtype} {kernel} shuffled"
-                );
+                // Same tokens in another order (every token at another position and tile
+                // slot).
+                let n = 64;
+                let order: Vec<usize> = (0..n).map(|i| (i * 37 + 11) % n).collect();
+                let shuffled: Vec<f32> = order
+                    .iter()
+                    .flat_map(|&t| x[t * cols..(t + 1) * cols].to_vec())
+                    .collect();
+                let out = pools[1].install(|| product(n, &shuffled));
+                for (pos, &t) in order.iter().enumerate() {
+                    assert_eq!(
+                        token_rows(&out, pos, n, rows, refined),
+                        alone[t],
+                        "{dtype} {kernel} refined={refined} shuffled"
+                    );
+                }
             }
         }
+    }
+}
+
+#[test]
+fn refined_product_is_the_value_pass_then_the_residual_pass() {
+    // Rows 0..n of a refined product are bit for bit the plain product of x; rows n..2n are
+    // the plain product of the residual x − dq(q(x)) of the weights' activation format (zero
+    // for float weights, which use x itself); folded, the error shrinks ~100-fold.
+    let mut rng = Rng(13);
+    let (rows, cols, n) = (21, 512, 3);
+    for dtype in GgmlType::ALL {
+        let data = random_weights(dtype, rows, cols, &mut rng, false);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        let x = rng.floats(n * cols, 2.0);
+        let full = run_refined(Kernel::detect(), &w, &x, n);
+        assert_eq!(
+            bits(&full[..n * rows]),
+            bits(&run(Kernel::detect(), &w, &x, n))
+        );
+        let mut scratch = QuantScratch::new();
+        let input = QuantizedInput::quantize(&x, n, cols, &mut scratch).unwrap();
+        let deq = match act_block(dtype) {
+            Some(256) => input.dequantized_super().unwrap(),
+            Some(_) => input.dequantized().unwrap(),
+            None => x.clone(),
+        };
+        let residual: Vec<f32> = x.iter().zip(&deq).map(|(a, b)| a - b).collect();
+        assert_eq!(
+            bits(&full[n * rows..]),
+            bits(&run(Kernel::detect(), &w, &residual, n)),
+            "{dtype}"
+        );
+        if !dtype.is_quantized() {
+            assert!(full[n * rows..].iter().all(|&v| v == 0.0));
+            continue;
+        }
+        let mut folded = vec![0.0; n * rows];
+        fold_refined(&full, &mut folded);
+        let wf = w.dequantize();
+        let (mut fast_err, mut refined_err) = (0.0f64, 0.0f64);
+        for t in 0..n {
+            for r in 0..rows {
+                let exact: f64 = wf[r * cols..(r + 1) * cols]
+                    .iter()
+                    .zip(&x[t * cols..(t + 1) * cols])
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum();
+                fast_err = fast_err.max((full[t * rows + r] as f64 - exact).abs());
+                refined_err = refined_err.max((folded[t * rows + r] as f64 - exact).abs());
+            }
+        }
+        assert!(
+            refined_err * 30.0 < fast_err,
+            "{dtype}: refined {refined_err} vs fast {fast_err}"
+        );
     }
 }
 
@@ -461,10 +783,6 @@ fn batch_invariance_any_size_position_and_thread_count() {
 fn big_matrices_split_over_threads_stay_bit_identical() {
     // Large enough to take the parallel split (rows and tokens), compared with one thread.
     let mut rng = Rng(7);
-    let (rows, cols) = (1536, 576);
-    let data = random_weights(GgmlType::Q4_1, rows, cols, &mut rng, false);
-    let w = QMatrix::new(GgmlType::Q4_1, rows, cols, &data).unwrap();
-    let x = rng.floats(40 * cols, 1.0);
     let one = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
@@ -473,23 +791,39 @@ fn big_matrices_split_over_threads_stay_bit_identical() {
         .num_threads(3)
         .build()
         .unwrap();
-    for n in [1, 40] {
-        let a = one.install(|| run(Kernel::detect(), &w, &x[..n * cols], n));
-        let b = three.install(|| run(Kernel::detect(), &w, &x[..n * cols], n));
-        assert_eq!(bits(&a), bits(&b), "n={n}");
+    for (dtype, rows, cols) in [
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q5_0, 1536, 640),
+        (GgmlType::Q4_K, 640, 2048),
+        (GgmlType::Q6_K, 1024, 1536),
+    ] {
+        let data = random_weights(dtype, rows, cols, &mut rng, false);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        let x = rng.floats(40 * cols, 1.0);
+        for n in [1, 5, 40] {
+            let a = one.install(|| run(Kernel::detect(), &w, &x[..n * cols], n));
+            let b = three.install(|| run(Kernel::detect(), &w, &x[..n * cols], n));
+            assert_eq!(bits(&a), bits(&b), "{dtype} n={n}");
+            let a = one.install(|| run_refined(Kernel::detect(), &w, &x[..n * cols], n));
+            let b = three.install(|| run_refined(Kernel::detect(), &w, &x[..n * cols], n));
+            assert_eq!(bits(&a), bits(&b), "refined {dtype} n={n}");
+        }
     }
 }
 
 #[test]
 fn one_input_serves_several_matrices() {
     let mut rng = Rng(8);
-    let cols = 64;
+    let cols = 512;
     let x = rng.floats(2 * cols, 1.0);
     let mut scratch = QuantScratch::with_capacity(2, cols);
     let input = QuantizedInput::quantize(&x, 2, cols, &mut scratch).unwrap();
     for (dtype, rows) in [
         (GgmlType::Q4_1, 24),
         (GgmlType::Q8_0, 8),
+        (GgmlType::Q4_K, 17),
+        (GgmlType::Q5_0, 16),
+        (GgmlType::Q6_K, 3),
         (GgmlType::F16, 5),
     ] {
         let data = random_weights(dtype, rows, cols, &mut rng, false);
@@ -561,12 +895,23 @@ fn from_gguf_reads_ggml_dims() {
     assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::Q4_1, 6, 32));
     let m = QMatrix::from_gguf(3, &[32, 2, 3], &data).unwrap();
     assert_eq!((m.rows(), m.cols()), (6, 32));
+    let k = vec![0u8; 3 * 2 * 210];
+    let m = QMatrix::from_gguf(14, &[512, 3], &k).unwrap();
+    assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::Q6_K, 3, 512));
+    assert_eq!(
+        QMatrix::from_gguf(12, &[640, 3], &k).unwrap_err(),
+        QuantError::ColsNotBlockMultiple {
+            dtype: GgmlType::Q4_K,
+            cols: 640,
+            block_size: 256
+        }
+    );
     let norm = vec![0u8; 4 * 576];
     let m = QMatrix::from_gguf(0, &[576], &norm).unwrap();
     assert_eq!((m.dtype(), m.rows(), m.cols()), (GgmlType::F32, 1, 576));
     assert_eq!(
-        QMatrix::from_gguf(12, &[256, 6], &data).unwrap_err(),
-        QuantError::UnsupportedType { id: 12 }
+        QMatrix::from_gguf(17, &[256, 6], &data).unwrap_err(),
+        QuantError::UnsupportedType { id: 17 }
     );
     assert!(matches!(
         QMatrix::from_gguf(3, &[], &data),
@@ -660,16 +1005,21 @@ fn bad_shapes_are_clear_errors() {
 
 #[test]
 fn scratch_is_reused_without_reallocation() {
-    let mut scratch = QuantScratch::with_capacity(4, 576);
-    let x = vec![0.5f32; 4 * 576];
+    let cols = 1536;
+    let mut scratch = QuantScratch::with_capacity(8, cols);
+    let x = vec![0.5f32; 4 * cols];
     let ptr = {
-        let input = QuantizedInput::quantize(&x, 4, 576, &mut scratch).unwrap();
+        let input = QuantizedInput::quantize(&x, 4, cols, &mut scratch).unwrap();
         input.f32_rows().as_ptr()
     };
-    let before = scratch.qs.as_ptr();
+    let before = (scratch.qs.as_ptr(), scratch.k_qs.as_ptr());
+    let mut stacked = Vec::with_capacity(4 * cols);
     for n in [1, 4, 2] {
-        QuantizedInput::quantize(&x[..n * 576], n, 576, &mut scratch).unwrap();
-        assert_eq!(scratch.qs.as_ptr(), before);
+        QuantizedInput::quantize(&x[..n * cols], n, cols, &mut scratch).unwrap();
+        assert_eq!((scratch.qs.as_ptr(), scratch.k_qs.as_ptr()), before);
+        QuantizedInput::quantize_refined(&x[..n * cols], n, cols, &mut stacked, &mut scratch)
+            .unwrap();
+        assert_eq!((scratch.qs.as_ptr(), scratch.k_qs.as_ptr()), before);
     }
     assert_eq!(ptr, x.as_ptr());
 }

@@ -265,7 +265,7 @@ fn a_ring_filled_from_blocks_equals_one_filled_from_the_whole_slab() {
         from_slab
             .append_volume(&s.keys, &s.vals, 150, kv_len, SpanType::User)
             .unwrap();
-        let (a, b) = (from_blocks.ring(), from_slab.ring());
+        let (a, b) = (from_blocks.rings().layer(0).0, from_slab.rings().layer(0).0);
         assert_eq!(a.clock(), b.clock());
         assert_eq!(a.active_slots(), b.active_slots());
         assert_eq!(a.spans().collect::<Vec<_>>(), b.spans().collect::<Vec<_>>());

@@ -1,0 +1,880 @@
+//! The SIMD matmul kernels of every quantized format, written once over a small vector
+//! abstraction ([`Isa`]) that AVX-512 (with or without VNNI) and AVX2 implement.
+//!
+//! Lanes are output rows. A group of `LANES` rows is unpacked block by block into
+//! *dword-interleaved* code vectors: vector `v` holds, in the 32-bit lane of row `i`, the
+//! four unsigned codes of row `i` for elements `4v..4v+4` of the block. A token's integer dot
+//! product is then `Σ_v dot4(code_v, broadcast(a[4v..4v+4]))`, accumulating straight into
+//! per-row lanes (one `vpdpbusd` per vector with VNNI) — no per-token transposes. The
+//! unpacked blocks of a column chunk sit in an L1-sized buffer and serve every token of the
+//! rectangle, `TILE` tokens at a time with their accumulators in registers; each lane then
+//! performs exactly the scalar canonical sequence (see `scalar`), so results are bit-identical
+//! to it whatever the ISA, the tiling or the chunking.
+
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
+use super::activation::{ActBlocks, SuperActBlocks};
+use super::format::{BlockFormat, QK};
+use super::kernel::OutPtr;
+use super::kquant::{SuperBlockFormat, QK_K};
+use super::scalar;
+
+/// The vector operations the kernels need. Integer vectors hold `LANES` 32-bit lanes (one
+/// per output row); the byte-level operations work within each 32-bit lane.
+///
+/// # Safety
+/// Every method needs the CPU features of its implementation; callers run them inside a
+/// function compiled with those features (`#[target_feature]`).
+pub(crate) trait Isa: Copy {
+    /// Output rows per vector.
+    const LANES: usize;
+    /// VNNI's exact `u8 × i8 → i32` dot: any byte codes, the scale applied after the sum.
+    const VNNI: bool;
+    /// Tokens whose accumulators stay in registers.
+    const TILE: usize;
+    /// Code vectors of a k-quant group dotted at once (register budget).
+    const UNIT: usize;
+    /// Integer vector.
+    type I: Copy;
+    /// f32 vector.
+    type F: Copy;
+
+    unsafe fn zero() -> Self::I;
+    unsafe fn splat(v: i32) -> Self::I;
+    unsafe fn and(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn or(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn add32(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn sub32(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn sub8(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn mullo32(a: Self::I, b: Self::I) -> Self::I;
+    /// Logical shifts of the 32-bit lanes.
+    unsafe fn srl32(a: Self::I, n: u32) -> Self::I;
+    unsafe fn sll32(a: Self::I, n: u32) -> Self::I;
+    /// Arithmetic right shifts of the 32- and 16-bit lanes.
+    unsafe fn sra32(a: Self::I, n: u32) -> Self::I;
+    unsafe fn sra16(a: Self::I, n: u32) -> Self::I;
+    /// Rearranges the bytes of every 32-bit lane: byte `k` of the result is byte
+    /// `ctrl.to_le_bytes()[k]` of the lane, or 0 where that control byte is `0x80`.
+    unsafe fn dword_bytes(a: Self::I, ctrl: u32) -> Self::I;
+    /// `0x01` in every byte where `a & mask` is non-zero, else 0.
+    unsafe fn bits_to_ones(a: Self::I, mask: Self::I) -> Self::I;
+    unsafe fn load(p: *const Self::I) -> Self::I;
+    unsafe fn store(p: *mut Self::I, v: Self::I);
+    /// The 16 bytes at `p + i·stride` of every row `i`, as four vectors: lane `i` of vector
+    /// `k` is the `k`-th 32-bit word of row `i`'s bytes.
+    unsafe fn rows_x16(p: *const u8, stride: usize) -> [Self::I; 4];
+    /// `Σ_v Σ_k codes[v]_k · a[4v + k]` per lane (codes below 64, or any byte with VNNI).
+    unsafe fn dot_codes(codes: &[Self::I], a: *const i8) -> Self::I;
+    /// `scale · Σ_v Σ_k codes[v]_k · a[4v + k]` per lane, `scale` in [`Isa::scale_form`].
+    unsafe fn dot_codes_scaled(codes: &[Self::I], a: *const i8, scale: Self::I) -> Self::I;
+    /// A group scale's form for [`Isa::dot_codes_scaled`], from the byte at index `k` of
+    /// every lane of `bytes` (sign-extended when `signed`).
+    unsafe fn scale_form(bytes: Self::I, k: u32, signed: bool) -> Self::I;
+    /// `acc + p_lo·s_lo + p_hi·s_hi` per lane: `pairs` holds two i16 per lane, `s` points at
+    /// two i16 (broadcast).
+    unsafe fn madd_pairs(acc: Self::I, pairs: Self::I, s: *const i16) -> Self::I;
+    /// `acc + Σ_k q_k·a_k` per lane for signed 8-bit weights `q` (`abs_q = |q|`), without
+    /// VNNI.
+    unsafe fn dot4_signed(acc: Self::I, abs_q: Self::I, q: Self::I, a: *const i8) -> Self::I;
+    /// `|q|` per byte.
+    unsafe fn abs8(q: Self::I) -> Self::I;
+
+    unsafe fn fzero() -> Self::F;
+    unsafe fn fsplat(v: f32) -> Self::F;
+    unsafe fn fadd(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn fsub(a: Self::F, b: Self::F) -> Self::F;
+    unsafe fn fmul(a: Self::F, b: Self::F) -> Self::F;
+    /// i32 lanes to f32 (round to nearest even, as `as f32`).
+    unsafe fn cvt(a: Self::I) -> Self::F;
+    /// The binary16 in the low 16 bits of every lane, as f32 (exact).
+    unsafe fn f16_low(a: Self::I) -> Self::F;
+    unsafe fn fload(p: *const Self::F) -> Self::F;
+    unsafe fn fstore(p: *mut Self::F, v: Self::F);
+    /// Stores `LANES` floats at `p` (unaligned).
+    unsafe fn fstore_out(p: *mut f32, v: Self::F);
+    unsafe fn prefetch(p: *const u8);
+}
+
+/// Bytes of the unpacked-block buffer (a column chunk of one row group: within L1).
+const BUFFER_BYTES: usize = 20 * 1024;
+/// Tokens per pass over a row group (their accumulators live in a stack array between
+/// column chunks).
+const TOKEN_CHUNK: usize = 64;
+
+#[repr(C, align(64))]
+struct Aligned<const N: usize>([u8; N]);
+
+/// A weight format the lane kernels compute: how a block of `LANES` rows unpacks into the
+/// buffer, and how a tile of tokens consumes it.
+pub(crate) trait LaneFormat<S: Isa> {
+    /// The activation blocks this format multiplies.
+    type Act<'a>;
+    /// Bytes per block of one row.
+    const BLOCK_BYTES: usize;
+    /// Vectors one unpacked block takes in the buffer.
+    const SLOTS: usize;
+
+    /// Unpacks block `blk` (of row 0; row `i` at `blk + i·row_bytes`) into `out[..SLOTS]`.
+    unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I);
+
+    /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and blocks `blocks` in order;
+    /// block `b` is unpacked at `buf + (b − blocks.start)·SLOTS`.
+    unsafe fn tile<const T: usize>(
+        buf: *const S::I,
+        blocks: Range<usize>,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    );
+
+    /// The scalar kernel, for the rows that do not fill a vector.
+    unsafe fn scalar_rect(
+        data: &[u8],
+        row_bytes: usize,
+        act: &Self::Act<'_>,
+        rows: Range<usize>,
+        tokens: Range<usize>,
+        out: OutPtr,
+    );
+}
+
+/// Computes `out[t, r]` for `r` in `rows`, `t` in `tokens` with ISA `S` and format `F`.
+///
+/// # Safety
+/// The CPU supports `S`; `data` holds whole rows of `row_bytes` for every row in `rows`;
+/// `act` holds every token in `tokens`; `out` is valid and exclusively owned for the
+/// rectangle `rows × tokens`.
+#[inline(always)]
+pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
+    data: &[u8],
+    row_bytes: usize,
+    act: &F::Act<'_>,
+    rows: Range<usize>,
+    tokens: Range<usize>,
+    out: OutPtr,
+) {
+    let nb = row_bytes / F::BLOCK_BYTES;
+    let vector_bytes = S::LANES * 4;
+    let chunk_blocks = (BUFFER_BYTES / (F::SLOTS * vector_bytes)).clamp(1, nb);
+    // Uninitialised: a slot is read only after `unpack` (or a tile) has written it.
+    let mut buffer = MaybeUninit::<Aligned<BUFFER_BYTES>>::uninit();
+    let buf = buffer.as_mut_ptr() as *mut S::I;
+    assert!(chunk_blocks * F::SLOTS * vector_bytes <= BUFFER_BYTES);
+    let mut partial = MaybeUninit::<Aligned<{ TOKEN_CHUNK * 64 }>>::uninit();
+    let partial = partial.as_mut_ptr() as *mut S::F;
+    let simd_end = rows.start + rows.len() / S::LANES * S::LANES;
+    for r in (rows.start..simd_end).step_by(S::LANES) {
+        // SAFETY: rows r..r+LANES are inside the caller's rectangle and inside `data`.
+        let w = unsafe { data.as_ptr().add(r * row_bytes) };
+        // The hardware prefetchers see LANES interleaved row streams too late: while a group
+        // unpacks its blocks it prefetches the same blocks of the next group.
+        let next = (r + 2 * S::LANES <= simd_end).then(|| w.wrapping_add(S::LANES * row_bytes));
+        if tokens.len() <= S::TILE {
+            // Few tokens: each block is unpacked and consumed at once (the compiler keeps it in
+            // registers), the accumulators stay in registers across all blocks; 5–7 tokens
+            // take two or three such passes.
+            let mut t = tokens.start;
+            while t < tokens.end {
+                let prefetch = if t == tokens.start { next } else { None };
+                // SAFETY: as below, each pass covering tokens t..t+T.
+                unsafe {
+                    let (o, s) = (out.at(t, r), out.stride);
+                    t += match tokens.end - t {
+                        8.. if S::TILE >= 8 => {
+                            direct::<S, F, 8>(w, prefetch, row_bytes, nb, buf, act, t, o, s)
+                        }
+                        4.. => direct::<S, F, 4>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
+                        2.. => direct::<S, F, 2>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
+                        _ => direct::<S, F, 1>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
+                    };
+                }
+            }
+            continue;
+        }
+        for chunk_start in tokens.clone().step_by(TOKEN_CHUNK) {
+            let chunk_end = (chunk_start + TOKEN_CHUNK).min(tokens.end);
+            for c0 in (0..nb).step_by(chunk_blocks) {
+                let c1 = (c0 + chunk_blocks).min(nb);
+                for b in c0..c1 {
+                    // SAFETY: block b of the LANES rows is inside `data`; the buffer holds
+                    // `chunk_blocks` unpacked blocks (asserted above).
+                    unsafe {
+                        let blk = w.add(b * F::BLOCK_BYTES);
+                        if let (Some(next), true) = (next, chunk_start == tokens.start) {
+                            prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
+                        }
+                        F::unpack(blk, row_bytes, buf.add((b - c0) * F::SLOTS));
+                    }
+                }
+                let (first, last) = (c0 == 0, c1 == nb);
+                let mut t = chunk_start;
+                while t < chunk_end {
+                    // SAFETY: tokens t..t+T are inside the caller's rectangle and `act`;
+                    // `partial` holds TOKEN_CHUNK vectors; `out` rows r..r+LANES at those
+                    // tokens are owned by the caller.
+                    unsafe {
+                        let p = partial.add(t - chunk_start);
+                        let o = out.at(t, r);
+                        t += match chunk_end - t {
+                            8.. if S::TILE >= 8 => run_tile::<S, F, 8>(
+                                buf,
+                                c0..c1,
+                                act,
+                                t,
+                                p,
+                                first,
+                                last,
+                                o,
+                                out.stride,
+                            ),
+                            4.. => run_tile::<S, F, 4>(
+                                buf,
+                                c0..c1,
+                                act,
+                                t,
+                                p,
+                                first,
+                                last,
+                                o,
+                                out.stride,
+                            ),
+                            2.. => run_tile::<S, F, 2>(
+                                buf,
+                                c0..c1,
+                                act,
+                                t,
+                                p,
+                                first,
+                                last,
+                                o,
+                                out.stride,
+                            ),
+                            _ => run_tile::<S, F, 1>(
+                                buf,
+                                c0..c1,
+                                act,
+                                t,
+                                p,
+                                first,
+                                last,
+                                o,
+                                out.stride,
+                            ),
+                        };
+                    }
+                }
+            }
+        }
+    }
+    if simd_end < rows.end {
+        // SAFETY: forwarded to the caller.
+        unsafe { F::scalar_rect(data, row_bytes, act, simd_end..rows.end, tokens, out) };
+    }
+}
+
+/// All blocks of one row group for a single tile of `T` tokens: unpack a block, consume it.
+///
+/// # Safety
+/// As for [`rect`]: `w` is the row group, `buf` holds one unpacked block, tokens
+/// `t0..t0 + T` exist, `out` is owned for LANES floats at T token strides.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(
+    w: *const u8,
+    next: Option<*const u8>,
+    row_bytes: usize,
+    nb: usize,
+    buf: *mut S::I,
+    act: &F::Act<'_>,
+    t0: usize,
+    out: *mut f32,
+    out_stride: usize,
+) -> usize {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        let mut acc = [S::fzero(); T];
+        for b in 0..nb {
+            if let Some(next) = next {
+                prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
+            }
+            F::unpack(w.add(b * F::BLOCK_BYTES), row_bytes, buf);
+            F::tile::<T>(buf, b..b + 1, act, t0, &mut acc);
+        }
+        for (t, a) in acc.into_iter().enumerate() {
+            S::fstore_out(out.add(t * out_stride), a);
+        }
+    }
+    T
+}
+
+/// One tile of `T` tokens over a column chunk: accumulators start at zero (first chunk) or
+/// from `partial`, and go to `out` (last chunk) or back to `partial`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_tile<S: Isa, F: LaneFormat<S>, const T: usize>(
+    buf: *const S::I,
+    blocks: Range<usize>,
+    act: &F::Act<'_>,
+    t0: usize,
+    partial: *mut S::F,
+    first: bool,
+    last: bool,
+    out: *mut f32,
+    out_stride: usize,
+) -> usize {
+    // SAFETY: `partial` holds T vectors and `out` LANES floats at T token strides (caller).
+    unsafe {
+        let mut acc = [S::fzero(); T];
+        if !first {
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = S::fload(partial.add(t));
+            }
+        }
+        F::tile::<T>(buf, blocks, act, t0, &mut acc);
+        for (t, a) in acc.into_iter().enumerate() {
+            if last {
+                S::fstore_out(out.add(t * out_stride), a);
+            } else {
+                S::fstore(partial.add(t), a);
+            }
+        }
+    }
+    T
+}
+
+/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it,
+/// into L2: a k-quant block's share is dozens of lines, and prefetches into L1 would stall
+/// on its few miss buffers.
+#[inline(always)]
+unsafe fn prefetch_slice<S: Isa>(next: *const u8, b: usize, span: usize) {
+    let from = next.wrapping_add(b * span);
+    for off in (0..span).step_by(64).chain([span - 1]) {
+        // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
+        // defined even past the end of `data`.
+        unsafe { S::prefetch(from.wrapping_add(off)) };
+    }
+}
+
+/// Low (`x & 0xf`) and high (`x >> 4`) nibbles of every byte.
+#[inline(always)]
+unsafe fn nibbles<S: Isa>(x: S::I) -> (S::I, S::I) {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe {
+        let mask = S::splat(0x0f0f_0f0f);
+        (S::and(x, mask), S::and(S::srl32(x, 4), mask))
+    }
+}
+
+/// `x | (bit << shift)` where `bit` is `(bits >> bit_shift) & 1` per byte of the lane.
+#[inline(always)]
+unsafe fn or_bit<S: Isa>(x: S::I, bits: S::I, bit_shift: u32, shift: u32) -> S::I {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe {
+        let b = S::and(S::srl32(bits, bit_shift), S::splat(0x0101_0101));
+        S::or(x, S::sll32(b, shift))
+    }
+}
+
+// ---- 32-element formats ------------------------------------------------------------------
+
+/// Buffer layout of a 32-element block: 8 code vectors (element order), for non-VNNI `Q8_0`
+/// 8 more (the signed codes, next to their magnitudes), then `d` and `m` as f32.
+const fn small_slots(signed: bool) -> usize {
+    if signed {
+        18
+    } else {
+        10
+    }
+}
+
+/// Whether format `F` runs `Q8_0`'s signed path on ISA `S` (no VNNI: `maddubs` needs the
+/// sign trick; with VNNI the codes are `q + 128` and the zero point removes the 128).
+const fn signed_path<S: Isa, F: BlockFormat>() -> bool {
+    !F::NIBBLES && !S::VNNI
+}
+
+/// Unpacks a 32-element block of `LANES` rows.
+#[inline(always)]
+unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize, out: *mut S::I) {
+    // SAFETY: the block of every row is readable (caller); `out` holds the block's slots.
+    unsafe {
+        let head = S::rows_x16(blk, row_bytes);
+        let dm = head[0];
+        let signed = signed_path::<S, F>();
+        let slots = small_slots(signed);
+        S::store(out.add(slots - 2), f_bits::<S>(S::f16_low(dm)));
+        S::store(
+            out.add(slots - 1),
+            f_bits::<S>(S::f16_low(S::srl32(dm, 16))),
+        );
+        if !F::NIBBLES {
+            // 32 signed bytes: dwords 0..3 from bytes 2..18, 4..7 from 18..34.
+            let lo = S::rows_x16(blk.add(2), row_bytes);
+            let hi = S::rows_x16(blk.add(18), row_bytes);
+            for (v, &q) in lo.iter().chain(&hi).enumerate() {
+                if signed {
+                    S::store(out.add(v), S::abs8(q));
+                    S::store(out.add(8 + v), q);
+                } else {
+                    S::store(out.add(v), S::sub8(q, S::splat(0x8080_8080u32 as i32)));
+                }
+            }
+            return;
+        }
+        let qs = S::rows_x16(blk.add(F::QS_OFFSET), row_bytes);
+        // The 32 high bits of Q5: bytes 2..6 (Q5_0) or 4..8 (Q5_1) of the block.
+        let qh = match F::QH_OFFSET {
+            Some(2) => Some(S::or(S::srl32(head[0], 16), S::sll32(head[1], 16))),
+            Some(_) => Some(head[1]),
+            None => None,
+        };
+        for (j, &q) in qs.iter().enumerate() {
+            let (mut low, mut high) = nibbles::<S>(q);
+            if let Some(qh) = qh {
+                // Element e's 5th bit is bit e of qh: the low nibbles of dword j are elements
+                // 4j..4j+4 (qh byte j/2, bits 4(j%2)..), the high ones 16+4j.. (byte 2 + j/2).
+                let mask = S::splat((0x0804_0201u32 << (4 * (j as u32 % 2))) as i32);
+                low = S::or(low, fifth_bits::<S>(qh, j as u32 / 2, mask));
+                high = S::or(high, fifth_bits::<S>(qh, 2 + j as u32 / 2, mask));
+            }
+            S::store(out.add(j), low);
+            S::store(out.add(4 + j), high);
+        }
+    }
+}
+
+/// `0x10` in byte `k` of every lane where byte `byte` of `qh` has bit `mask_k` set.
+#[inline(always)]
+unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe {
+        let spread = S::dword_bytes(qh, byte * 0x0101_0101);
+        S::sll32(S::bits_to_ones(spread, mask), 4)
+    }
+}
+
+/// The tile of a 32-element format: per block and token, `isum` from the codes, then
+/// `term = (dw·da)·isum (+ m·s)` and `acc = acc + term`.
+#[inline(always)]
+unsafe fn tile_small<S: Isa, F: BlockFormat, const T: usize>(
+    buf: *const S::I,
+    blocks: Range<usize>,
+    act: &ActBlocks<'_>,
+    t0: usize,
+    acc: &mut [S::F; T],
+) {
+    let signed = signed_path::<S, F>();
+    let slots = small_slots(signed);
+    let zero_point = if F::NIBBLES {
+        F::ZERO
+    } else if signed {
+        0
+    } else {
+        128
+    };
+    // SAFETY: the buffer holds every block of `blocks`; every activation index is below
+    // n_tokens · blocks_per_token (caller).
+    unsafe {
+        for (slot, b) in blocks.enumerate() {
+            let base = buf.add(slot * slots);
+            let mut codes = [S::zero(); 8];
+            for (v, c) in codes.iter_mut().enumerate() {
+                *c = S::load(base.add(v));
+            }
+            let dw = S::fload(base.add(slots - 2) as *const S::F);
+            let m = S::fload(base.add(slots - 1) as *const S::F);
+            for (t, acc_t) in acc.iter_mut().enumerate() {
+                let i = act.index(t0 + t, b);
+                let a = act.qs.as_ptr().add(i * QK);
+                let mut isum = if signed {
+                    let mut s = S::zero();
+                    for (v, &abs_q) in codes.iter().enumerate() {
+                        s = S::dot4_signed(s, abs_q, S::load(base.add(8 + v)), a.add(4 * v));
+                    }
+                    s
+                } else {
+                    S::dot_codes(&codes, a)
+                };
+                if zero_point != 0 {
+                    let offset = zero_point * *act.qsum.get_unchecked(i);
+                    isum = S::sub32(isum, S::splat(offset));
+                }
+                let da = S::fsplat(*act.scale.get_unchecked(i));
+                let mut term = S::fmul(S::fmul(dw, da), S::cvt(isum));
+                if F::HAS_MIN {
+                    let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
+                    term = S::fadd(term, S::fmul(m, s));
+                }
+                *acc_t = S::fadd(*acc_t, term);
+            }
+        }
+    }
+}
+
+/// Reinterprets an f32 vector as an integer vector (for the buffer).
+#[inline(always)]
+unsafe fn f_bits<S: Isa>(v: S::F) -> S::I {
+    // SAFETY: both are plain vectors of the same size (checked at compile time by the
+    // transmute).
+    unsafe { std::mem::transmute_copy(&v) }
+}
+
+/// A 32-element format as a lane format.
+pub(crate) struct Small<F>(std::marker::PhantomData<F>);
+
+impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
+    type Act<'a> = ActBlocks<'a>;
+    const BLOCK_BYTES: usize = F::BLOCK_BYTES;
+    const SLOTS: usize = small_slots(signed_path::<S, F>());
+
+    #[inline(always)]
+    unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
+        // SAFETY: forwarded to the caller.
+        unsafe { unpack_small::<S, F>(blk, row_bytes, out) }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const T: usize>(
+        buf: *const S::I,
+        blocks: Range<usize>,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { tile_small::<S, F, T>(buf, blocks, act, t0, acc) }
+    }
+
+    unsafe fn scalar_rect(
+        data: &[u8],
+        row_bytes: usize,
+        act: &Self::Act<'_>,
+        rows: Range<usize>,
+        tokens: Range<usize>,
+        out: OutPtr,
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { scalar::quant_rect::<F>(data, row_bytes, act, rows, tokens, out) }
+    }
+}
+
+// ---- k-quants ----------------------------------------------------------------------------
+
+/// Buffer layout of a k-quant super-block: 64 code vectors (element order), one scale
+/// vector per group ([`Isa::scale_form`]), the i16 pairs of the min (or zero-point) term per
+/// two groups, then `d` and `dmin` as f32.
+const fn super_slots<F: SuperBlockFormat>() -> usize {
+    64 + F::GROUPS + F::GROUPS / 2 + 2
+}
+
+/// Where the per-super-block pieces sit in the buffer.
+struct SuperLayout;
+
+impl SuperLayout {
+    const CODES: usize = 0;
+    const SCALES: usize = 64;
+    const fn pairs<F: SuperBlockFormat>() -> usize {
+        64 + F::GROUPS
+    }
+    const fn d<F: SuperBlockFormat>() -> usize {
+        64 + F::GROUPS + F::GROUPS / 2
+    }
+}
+
+/// The integer scale bytes of a super-block's groups, four per 32-bit lane: vector `g / 4`,
+/// byte `g % 4` is group `g`'s scale (`signed`: an i8); likewise the mins (min formats) —
+/// for the symmetric formats the pairs use the scales themselves (the zero-point term).
+struct GroupBytes<S: Isa> {
+    scales: [S::I; 4],
+    mins: [S::I; 4],
+    signed: bool,
+}
+
+impl<S: Isa> GroupBytes<S> {
+    #[inline(always)]
+    unsafe fn new(signed: bool) -> Self {
+        // SAFETY: a zero vector (caller's features).
+        let zero = unsafe { S::zero() };
+        Self {
+            scales: [zero; 4],
+            mins: [zero; 4],
+            signed,
+        }
+    }
+}
+
+/// Stores the group scales, the min/zero-point pairs, `d` and `dmin` of a super-block.
+#[inline(always)]
+unsafe fn store_super_params<S: Isa, F: SuperBlockFormat>(
+    g: &GroupBytes<S>,
+    d: S::F,
+    dmin: S::F,
+    out: *mut S::I,
+) {
+    // SAFETY: `out` holds the super-block's slots (caller).
+    unsafe {
+        for group in 0..F::GROUPS {
+            let v = S::scale_form(g.scales[group / 4], group as u32 % 4, g.signed);
+            S::store(out.add(SuperLayout::SCALES + group), v);
+        }
+        let pair_source = if F::HAS_MIN { &g.mins } else { &g.scales };
+        let signed_pairs = !F::HAS_MIN && g.signed;
+        for k in 0..F::GROUPS / 2 {
+            let lo = 2 * (k as u32 % 2);
+            let v = if signed_pairs {
+                let bytes = S::dword_bytes(
+                    pair_source[k / 2],
+                    0x0080_0080 | (lo << 8) | ((lo + 1) << 24),
+                );
+                S::sra16(bytes, 8)
+            } else {
+                S::dword_bytes(pair_source[k / 2], 0x8000_8000 | lo | ((lo + 1) << 16))
+            };
+            S::store(out.add(SuperLayout::pairs::<F>() + k), v);
+        }
+        S::store(out.add(SuperLayout::d::<F>()), f_bits::<S>(d));
+        S::store(out.add(SuperLayout::d::<F>() + 1), f_bits::<S>(dmin));
+    }
+}
+
+/// `N` consecutive 32-bit words of every row from `p` (`N` a multiple of 4): lane `i` of
+/// vector `k` is word `k` of row `i`.
+#[inline(always)]
+unsafe fn words<S: Isa, const N: usize>(p: *const u8, rs: usize) -> [S::I; N] {
+    let mut w = [S::zero(); N];
+    for k in (0..N).step_by(4) {
+        // SAFETY: 4·N readable bytes at p + i·rs for every row (caller).
+        let r = unsafe { S::rows_x16(p.add(4 * k), rs) };
+        w[k..k + 4].copy_from_slice(&r);
+    }
+    w
+}
+
+/// `(x >> shift) & mask` per 32-bit lane.
+#[inline(always)]
+unsafe fn field<S: Isa>(x: S::I, shift: u32, mask: u32) -> S::I {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe { S::and(S::srl32(x, shift), S::splat(mask as i32)) }
+}
+
+/// Unpacks one k-quant super-block of `LANES` rows (code positions as in `kquant`; code
+/// vector `v` covers elements `4v..4v+4`). Loops run over 8 words at a time with the
+/// innermost over those 8, so the compiler keeps them in registers.
+#[inline(always)]
+unsafe fn unpack_super<S: Isa, F: SuperBlockFormat>(blk: *const u8, rs: usize, out: *mut S::I) {
+    // SAFETY: every load reads inside the super-block of each row (every 16-byte window
+    // starts at most BLOCK_BYTES − 16); `out` holds the super-block's slots (caller).
+    unsafe {
+        let codes = out.add(SuperLayout::CODES);
+        match F::BLOCK_BYTES {
+            // Q2_K: scales[16] (scale | min << 4), qs[64], d, dmin.
+            84 => {
+                for h in 0..2 {
+                    let q = words::<S, 8>(blk.add(16 + 32 * h), rs);
+                    for j in 0..4 {
+                        for (l, &x) in q.iter().enumerate() {
+                            let v = 32 * h + 8 * j + l;
+                            S::store(codes.add(v), field::<S>(x, 2 * j as u32, 0x0303_0303));
+                        }
+                    }
+                }
+                let s = S::rows_x16(blk, rs);
+                let mut g = GroupBytes::<S>::new(false);
+                for (k, &x) in s.iter().enumerate() {
+                    g.scales[k] = field::<S>(x, 0, 0x0f0f_0f0f);
+                    g.mins[k] = field::<S>(x, 4, 0x0f0f_0f0f);
+                }
+                let tail = S::rows_x16(blk.add(68), rs)[3];
+                let (d, dmin) = (S::f16_low(tail), S::f16_low(S::srl32(tail, 16)));
+                store_super_params::<S, F>(&g, d, dmin, out);
+            }
+            // Q3_K: hmask[32], qs[64], scales[12] (6-bit, − 32), d.
+            110 => {
+                let hm = words::<S, 8>(blk, rs);
+                for h in 0..2 {
+                    let q = words::<S, 8>(blk.add(32 + 32 * h), rs);
+                    for j in 0..4 {
+                        for l in 0..8 {
+                            let low = field::<S>(q[l], 2 * j as u32, 0x0303_0303);
+                            let code = or_bit::<S>(low, hm[l], (4 * h + j) as u32, 2);
+                            S::store(codes.add(32 * h + 8 * j + l), code);
+                        }
+                    }
+                }
+                // Bytes 94..110: qs[62..64], scales[0..12], d.
+                let t = S::rows_x16(blk.add(94), rs);
+                let s0 = S::or(S::srl32(t[0], 16), S::sll32(t[1], 16));
+                let s1 = S::or(S::srl32(t[1], 16), S::sll32(t[2], 16));
+                let s2 = S::or(S::srl32(t[2], 16), S::sll32(t[3], 16));
+                let low = [s0, s1, S::srl32(s0, 4), S::srl32(s1, 4)];
+                let mut g = GroupBytes::<S>::new(true);
+                for (k, &low) in low.iter().enumerate() {
+                    let six = S::or(
+                        field::<S>(low, 0, 0x0f0f_0f0f),
+                        S::sll32(field::<S>(s2, 2 * k as u32, 0x0303_0303), 4),
+                    );
+                    g.scales[k] = S::sub8(six, S::splat(0x2020_2020));
+                }
+                let d = S::f16_low(S::srl32(t[3], 16));
+                store_super_params::<S, F>(&g, d, S::fzero(), out);
+            }
+            // Q4_K / Q5_K: d, dmin, scales[12] (6-bit scales and mins), [qh[32],] qs[128].
+            144 | 176 => {
+                let five = F::BLOCK_BYTES == 176;
+                let qh = if five {
+                    words::<S, 8>(blk.add(16), rs)
+                } else {
+                    [S::zero(); 8]
+                };
+                let qs = blk.add(if five { 48 } else { 16 });
+                for c in 0..4 {
+                    let q = words::<S, 8>(qs.add(32 * c), rs);
+                    for l in 0..8 {
+                        let (mut low, mut high) = nibbles::<S>(q[l]);
+                        if five {
+                            low = or_bit::<S>(low, qh[l], (2 * c) as u32, 4);
+                            high = or_bit::<S>(high, qh[l], (2 * c + 1) as u32, 4);
+                        }
+                        S::store(codes.add(16 * c + l), low);
+                        S::store(codes.add(16 * c + 8 + l), high);
+                    }
+                }
+                let head = S::rows_x16(blk, rs);
+                let mut g = GroupBytes::<S>::new(false);
+                g.scales[0] = field::<S>(head[1], 0, 0x3f3f_3f3f);
+                g.mins[0] = field::<S>(head[2], 0, 0x3f3f_3f3f);
+                // Groups 4..8: low nibbles in bytes 8..12, top two bits in bytes 0..8.
+                let (s_top, m_top) = (
+                    field::<S>(head[1], 2, 0x3030_3030),
+                    field::<S>(head[2], 2, 0x3030_3030),
+                );
+                g.scales[1] = S::or(field::<S>(head[3], 0, 0x0f0f_0f0f), s_top);
+                g.mins[1] = S::or(field::<S>(head[3], 4, 0x0f0f_0f0f), m_top);
+                let dm = head[0];
+                store_super_params::<S, F>(&g, S::f16_low(dm), S::f16_low(S::srl32(dm, 16)), out);
+            }
+            // Q6_K: ql[128], qh[64], scales[16] (i8), d.
+            _ => {
+                for h in 0..2 {
+                    let qh = words::<S, 8>(blk.add(128 + 32 * h), rs);
+                    for p in 0..2 {
+                        let ql = words::<S, 8>(blk.add(64 * h + 32 * p), rs);
+                        for l in 0..8 {
+                            // Quarter q of the half: ql's low nibbles for q < 2, high for
+                            // q ≥ 2; qh's bits 2q, 2q + 1.
+                            let (low, high) = nibbles::<S>(ql[l]);
+                            let low_top = field::<S>(qh[l], 2 * p as u32, 0x0303_0303);
+                            let high_top = field::<S>(qh[l], 2 * (p + 2) as u32, 0x0303_0303);
+                            let v = 32 * h + 8 * p + l;
+                            S::store(codes.add(v), S::or(low, S::sll32(low_top, 4)));
+                            S::store(codes.add(v + 16), S::or(high, S::sll32(high_top, 4)));
+                        }
+                    }
+                }
+                let mut g = GroupBytes::<S>::new(true);
+                g.scales = S::rows_x16(blk.add(192), rs);
+                let d = S::f16_low(S::srl32(S::rows_x16(blk.add(194), rs)[3], 16));
+                store_super_params::<S, F>(&g, d, S::fzero(), out);
+            }
+        }
+    }
+}
+
+/// The tile of a k-quant: per super-block and token, `isum = Σ_g s_g·dot_g` from the codes,
+/// the pair term `Σ_g x_g·Σa_g` (mins, or scales times the zero point), then the canonical
+/// `term` and `acc = acc + term`.
+#[inline(always)]
+unsafe fn tile_super<S: Isa, F: SuperBlockFormat, const T: usize>(
+    buf: *const S::I,
+    blocks: Range<usize>,
+    act: &SuperActBlocks<'_>,
+    t0: usize,
+    acc: &mut [S::F; T],
+) {
+    let slots = super_slots::<F>();
+    let group_vectors = F::GROUP / 4;
+    let unit = group_vectors.min(S::UNIT);
+    // SAFETY: the buffer holds every super-block of `blocks`; every activation index is below
+    // n_tokens · blocks_per_token (caller).
+    unsafe {
+        for (slot, b) in blocks.enumerate() {
+            let base = buf.add(slot * slots);
+            let mut isum = [S::zero(); T];
+            for group in 0..F::GROUPS {
+                let scale = S::load(base.add(SuperLayout::SCALES + group));
+                for first in (0..group_vectors).step_by(unit) {
+                    let v0 = group * group_vectors + first;
+                    let mut codes = [S::zero(); 8];
+                    for (k, c) in codes[..unit].iter_mut().enumerate() {
+                        *c = S::load(base.add(SuperLayout::CODES + v0 + k));
+                    }
+                    for (t, isum_t) in isum.iter_mut().enumerate() {
+                        let i = act.index(t0 + t, b);
+                        let a = act.qs.as_ptr().add(i * QK_K + 4 * v0);
+                        *isum_t = S::add32(*isum_t, S::dot_codes_scaled(&codes[..unit], a, scale));
+                    }
+                }
+            }
+            let d = S::fload(base.add(SuperLayout::d::<F>()) as *const S::F);
+            let dmin = S::fload(base.add(SuperLayout::d::<F>() + 1) as *const S::F);
+            for (t, (acc_t, isum_t)) in acc.iter_mut().zip(isum).enumerate() {
+                let i = act.index(t0 + t, b);
+                let sums = scalar::group_sums::<F>(act, i).as_ptr();
+                let mut pair = S::zero();
+                for k in 0..F::GROUPS / 2 {
+                    let p = S::load(base.add(SuperLayout::pairs::<F>() + k));
+                    pair = S::madd_pairs(pair, p, sums.add(2 * k));
+                }
+                let da = S::fsplat(*act.scale.get_unchecked(i));
+                let term = if F::HAS_MIN {
+                    let t = S::fmul(S::fmul(d, da), S::cvt(isum_t));
+                    S::fsub(t, S::fmul(S::fmul(dmin, da), S::cvt(pair)))
+                } else {
+                    let isum_t = S::sub32(isum_t, S::mullo32(pair, S::splat(F::ZERO)));
+                    S::fmul(S::fmul(d, da), S::cvt(isum_t))
+                };
+                *acc_t = S::fadd(*acc_t, term);
+            }
+        }
+    }
+}
+
+/// A k-quant as a lane format.
+pub(crate) struct Super<F>(std::marker::PhantomData<F>);
+
+impl<S: Isa, F: SuperBlockFormat> LaneFormat<S> for Super<F> {
+    type Act<'a> = SuperActBlocks<'a>;
+    const BLOCK_BYTES: usize = F::BLOCK_BYTES;
+    const SLOTS: usize = super_slots::<F>();
+
+    #[inline(always)]
+    unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
+        // SAFETY: forwarded to the caller.
+        unsafe { unpack_super::<S, F>(blk, row_bytes, out) }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const T: usize>(
+        buf: *const S::I,
+        blocks: Range<usize>,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { tile_super::<S, F, T>(buf, blocks, act, t0, acc) }
+    }
+
+    unsafe fn scalar_rect(
+        data: &[u8],
+        row_bytes: usize,
+        act: &Self::Act<'_>,
+        rows: Range<usize>,
+        tokens: Range<usize>,
+        out: OutPtr,
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe { scalar::super_rect::<F>(data, row_bytes, act, rows, tokens, out) }
+    }
+}
