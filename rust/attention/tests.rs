@@ -238,8 +238,10 @@ fn exp_polynomial_is_accurate_and_identical_across_isas() {
                         ScalarLanes::exp_nonpositive(ScalarLanes::load(padded.as_ptr().add(b)))
                             .store(out.as_mut_ptr().add(b))
                     }
-                    Isa::Avx2Fma => x86::exp_avx2(padded.as_ptr().add(b), out.as_mut_ptr().add(b)),
-                    Isa::Avx512 => x86::exp_avx512(padded.as_ptr().add(b), out.as_mut_ptr().add(b)),
+                    Isa::Avx2Fma => avx2::exp_avx2(padded.as_ptr().add(b), out.as_mut_ptr().add(b)),
+                    Isa::Avx512 => {
+                        avx512::exp_avx512(padded.as_ptr().add(b), out.as_mut_ptr().add(b))
+                    }
                 }
             }
         }
@@ -592,8 +594,8 @@ fn probe(isa: Isa, mut p: LanesProbe) -> LanesProbe {
     unsafe {
         match isa {
             Isa::Scalar => probe_lanes::<ScalarLanes>(&mut p),
-            Isa::Avx2Fma => x86::probe_avx2(&mut p),
-            Isa::Avx512 => x86::probe_avx512(&mut p),
+            Isa::Avx2Fma => avx2::probe_avx2(&mut p),
+            Isa::Avx512 => avx512::probe_avx512(&mut p),
         }
     }
     p
