@@ -1,0 +1,113 @@
+use super::*;
+
+#[test]
+fn rms_norm_matches_definition() {
+    let x: Vec<f32> = (0..24).map(|i| (i as f32 - 7.0) * 0.25).collect();
+    let w: Vec<f32> = (0..12).map(|i| 1.0 + i as f32 * 0.1).collect();
+    let mut out = vec![0.0; 24];
+    rms_norm(&x, &w, 1e-5, &mut out);
+    for r in 0..2 {
+        let row = &x[r * 12..(r + 1) * 12];
+        let ms: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / 12.0;
+        for i in 0..12 {
+            let expect = row[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+            assert!((out[r * 12 + i] as f64 - expect).abs() < 1e-5);
+        }
+    }
+}
+
+#[test]
+fn rms_norm_rows_are_independent_of_batching() {
+    let x: Vec<f32> = (0..64 * 3)
+        .map(|i| ((i * 37) % 101) as f32 * 0.03 - 1.5)
+        .collect();
+    let w = vec![0.9f32; 64];
+    let mut all = vec![0.0; x.len()];
+    rms_norm(&x, &w, 1e-5, &mut all);
+    for r in 0..3 {
+        let mut one = vec![0.0; 64];
+        rms_norm(&x[r * 64..(r + 1) * 64], &w, 1e-5, &mut one);
+        assert_eq!(one, all[r * 64..(r + 1) * 64]);
+    }
+}
+
+#[test]
+fn rope_is_a_rotation_and_relative() {
+    let hd = 8;
+    let q: Vec<f32> = (0..hd).map(|i| i as f32 * 0.3 - 1.0).collect();
+    let k: Vec<f32> = (0..hd).map(|i| 0.5 - i as f32 * 0.2).collect();
+    let dot_at = |pq: u64, pk: u64| {
+        let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+        let (mut qr, mut kr) = (q.clone(), k.clone());
+        rope_angles(pq, hd, 10000.0, &mut c, &mut s);
+        rope_apply(&mut qr, hd, &c, &s);
+        rope_angles(pk, hd, 10000.0, &mut c, &mut s);
+        rope_apply(&mut kr, hd, &c, &s);
+        qr.iter().zip(&kr).map(|(a, b)| a * b).sum::<f32>()
+    };
+    // Scores depend only on the distance, even far beyond the trained context.
+    assert!((dot_at(10, 3) - dot_at(1_000_007, 1_000_000)).abs() < 1e-4);
+    let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+    let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+    let mut qr = q.clone();
+    rope_angles(12345, hd, 10000.0, &mut c, &mut s);
+    rope_apply(&mut qr, hd, &c, &s);
+    assert!((norm(&qr) - norm(&q)).abs() < 1e-4);
+}
+
+#[test]
+fn rms_norm_in_place_equals_rms_norm_per_head() {
+    let x: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+    let w: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.2).collect();
+    let mut out = vec![0.0; 32];
+    rms_norm(&x, &w, 1e-6, &mut out);
+    let mut y = x.clone();
+    rms_norm_in_place(&mut y, &w, 1e-6);
+    assert_eq!(y, out);
+}
+
+#[test]
+fn rope_halves_pairs_the_two_halves() {
+    // Halves RoPE on x equals adjacent RoPE on x with its halves interleaved.
+    let hd = 8;
+    let x: Vec<f32> = (0..2 * hd).map(|i| i as f32 * 0.1 - 0.7).collect();
+    let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+    rope_angles(37, hd, 10000.0, &mut c, &mut s);
+    let interleave = |v: &[f32]| -> Vec<f32> {
+        v.chunks(hd)
+            .flat_map(|h| (0..hd / 2).flat_map(move |i| [h[i], h[i + hd / 2]]))
+            .collect()
+    };
+    let mut halves = x.clone();
+    rope_apply_halves(&mut halves, hd, &c, &s);
+    let mut adjacent = interleave(&x);
+    rope_apply(&mut adjacent, hd, &c, &s);
+    assert_eq!(interleave(&halves), adjacent);
+}
+
+#[test]
+fn geglu_matches_the_tanh_gelu() {
+    let mut g = vec![-3.0f32, -0.5, 0.0, 0.5, 2.0];
+    let up = vec![1.0f32, 2.0, 3.0, -1.0, 0.5];
+    let expect: Vec<f64> = g
+        .iter()
+        .zip(&up)
+        .map(|(&x, &u)| {
+            let x = x as f64;
+            let t = ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh();
+            0.5 * x * (1.0 + t) * u as f64
+        })
+        .collect();
+    geglu_tanh(&mut g, &up);
+    for (a, b) in g.iter().zip(&expect) {
+        assert!((*a as f64 - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
+
+#[test]
+fn swiglu_matches_definition() {
+    let mut g = vec![-2.0f32, 0.0, 1.5];
+    swiglu(&mut g, &[1.0, 2.0, -3.0]);
+    let silu = |x: f32| x / (1.0 + (-x).exp());
+    assert_eq!(g, vec![silu(-2.0), 0.0, silu(1.5) * -3.0]);
+}

@@ -1,0 +1,149 @@
+use super::*;
+
+fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        greedy: false,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+    }
+}
+
+#[test]
+fn greedy_takes_the_first_maximum() {
+    let mut s = Sampler::new(SamplingParams::default()).unwrap();
+    assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0], 0).unwrap(), 1);
+}
+
+#[test]
+fn same_seed_same_tokens_other_seed_differs() {
+    let logits: Vec<f32> = (0..100).map(|i| ((i * 7) % 13) as f32 * 0.2).collect();
+    let run = |seed| {
+        let mut s = Sampler::new(params(1.0, 0, 1.0, seed)).unwrap();
+        (0..50)
+            .map(|i| s.sample(&logits, i).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7), run(8));
+}
+
+#[test]
+fn top_k_one_is_greedy() {
+    let logits = [0.5f32, 2.0, 1.9, -4.0];
+    let mut s = Sampler::new(params(5.0, 1, 1.0, 3)).unwrap();
+    for i in 0..20 {
+        assert_eq!(s.sample(&logits, i).unwrap(), 1);
+    }
+}
+
+#[test]
+fn top_p_keeps_only_the_nucleus() {
+    // Token 0 carries ~0.88 of the mass: top_p 0.5 keeps it alone.
+    let logits = [4.0f32, 2.0, 0.0, -1.0];
+    let mut s = Sampler::new(params(1.0, 0, 0.5, 11)).unwrap();
+    for i in 0..50 {
+        assert_eq!(s.sample(&logits, i).unwrap(), 0);
+    }
+}
+
+#[test]
+fn temperature_sampling_follows_the_distribution() {
+    let logits = [0.0f32, (3.0f32).ln()]; // p = 0.25, 0.75
+    let mut s = Sampler::new(params(1.0, 0, 1.0, 99)).unwrap();
+    let ones = (0..20000)
+        .filter(|&i| s.sample(&logits, i).unwrap() == 1)
+        .count();
+    let frac = ones as f64 / 20000.0;
+    assert!((frac - 0.75).abs() < 0.02, "{frac}");
+}
+
+#[test]
+fn bad_parameters_and_logits_are_refused() {
+    assert!(Sampler::new(params(0.0, 0, 1.0, 0)).is_err());
+    assert!(Sampler::new(params(1.0, 0, 0.0, 0)).is_err());
+    assert!(Sampler::new(params(1.0, 0, 1.5, 0)).is_err());
+    let mut s = Sampler::new(SamplingParams::default()).unwrap();
+    assert!(s.sample(&[], 0).is_err());
+    assert!(s.sample(&[0.0, f32::NAN], 0).is_err());
+    let mut out = Vec::new();
+    assert!(s.verify(&[0.0; 5], 4, &[1], 0, &mut out).is_err());
+    assert!(out.is_empty());
+}
+
+#[test]
+fn sampling_is_a_function_of_the_position_not_of_call_order() {
+    let logits: Vec<f32> = (0..64).map(|i| ((i * 5) % 11) as f32 * 0.3).collect();
+    let mut a = Sampler::new(params(0.9, 0, 0.95, 5)).unwrap();
+    let mut b = Sampler::new(params(0.9, 0, 0.95, 5)).unwrap();
+    let forward: Vec<u32> = (0..40).map(|i| a.sample(&logits, i).unwrap()).collect();
+    let mut backward: Vec<u32> = (0..40)
+        .rev()
+        .map(|i| b.sample(&logits, i).unwrap())
+        .collect();
+    backward.reverse();
+    assert_eq!(forward, backward);
+}
+
+#[test]
+fn greedy_verification_emits_exactly_the_greedy_tokens() {
+    let vocab = 5;
+    // Row j's argmax is j + 1.
+    let rows: Vec<f32> = (0..4)
+        .flat_map(|j| (0..vocab).map(move |t| if t == j + 1 { 2.0 } else { 0.0 }))
+        .collect();
+    let mut s = Sampler::new(SamplingParams::default()).unwrap();
+    let mut out = Vec::new();
+    s.verify(&rows, vocab, &[1, 2, 3], 10, &mut out).unwrap();
+    assert_eq!(out, [1, 2, 3, 4], "all accepted + the bonus token");
+    out.clear();
+    s.verify(&rows, vocab, &[1, 0, 3], 10, &mut out).unwrap();
+    assert_eq!(
+        out,
+        [1, 2],
+        "stops at the first disagreement with the correction"
+    );
+    out.clear();
+    s.verify(&rows[..vocab], vocab, &[], 10, &mut out).unwrap();
+    assert_eq!(out, [1], "no draft: plain greedy");
+}
+
+/// The exact acceptance rule keeps the model's distribution: whatever the draft, the first
+/// emitted token is distributed as p (chi-square-style tolerance over 40 000 draws).
+#[test]
+fn sampled_verification_keeps_the_model_distribution() {
+    let logits = [0.0f32, 1.0, 2.0, 0.5];
+    let vocab = logits.len();
+    let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+    let p: Vec<f64> = logits.iter().map(|&l| (l as f64).exp() / z).collect();
+    let rows: Vec<f32> = logits.iter().chain(logits.iter()).copied().collect();
+    for draft in 0..vocab as u32 {
+        let mut counts = [0usize; 4];
+        let mut accepted = 0usize;
+        let n = 40_000;
+        for seed in 0..n as u64 {
+            let mut s = Sampler::new(params(1.0, 0, 1.0, seed)).unwrap();
+            let mut out = Vec::new();
+            s.verify(&rows, vocab, &[draft], 7, &mut out).unwrap();
+            counts[out[0] as usize] += 1;
+            accepted += usize::from(out.len() == 2);
+        }
+        for t in 0..vocab {
+            let freq = counts[t] as f64 / n as f64;
+            let sd = (p[t] * (1.0 - p[t]) / n as f64).sqrt();
+            assert!(
+                (freq - p[t]).abs() < 5.0 * sd,
+                "draft {draft}: token {t} at {freq:.4}, model p = {:.4}",
+                p[t]
+            );
+        }
+        // A draft is accepted with probability p(draft).
+        let rate = accepted as f64 / n as f64;
+        let sd = (p[draft as usize] * (1.0 - p[draft as usize]) / n as f64).sqrt();
+        assert!(
+            (rate - p[draft as usize]).abs() < 5.0 * sd,
+            "acceptance {rate}"
+        );
+    }
+}
