@@ -159,58 +159,63 @@ def test_splice_reports_first_non_finite_position_and_changes_nothing() -> None:
 
 
 BadCase = Callable[[ar.RingBuffer], object]
+IN, RG = ar.InputError, ar.RingError
 
 
-def _bad_cases() -> list[tuple[str, BadCase, str]]:
+def _bad_cases() -> list[tuple[str, BadCase, type[Exception], str]]:
     k, v = slab(3, 9)
     return [
-        ("dtype", lambda r: r.append(k.astype(np.float64), v), "dtype float32"),
-        ("ndim", lambda r: r.append(k[0], v[0]), "4 dimensions"),
-        ("layers", lambda r: r.append(k[:1], v[:1]), "keys must have shape"),
-        ("vals_shape", lambda r: r.append(k, v[:, :, :2]), "vals must have shape"),
-        ("not_array", lambda r: r.append(k.tolist(), v), "keys must be a numpy array"),
-        ("span_too_long", lambda r: r.append(*slab(57, 1)), "longer than the window"),
-        ("future", lambda r: r.rollback_clock(r.clock + 1), "after the current clock"),
-        ("negative", lambda r: r.rollback_clock(-1), "non-negative"),
-        ("beyond_journal", lambda r: r.rollback_clock(0), "history reaches back only"),
-        ("recall_overflow", lambda r: r.inject_recall(*slab(5, 2)), "recall overflow"),
-        ("recall_dtype", lambda r: r.inject_recall(k.astype(np.float16), v), "dtype float32"),
-        ("overwritten", lambda r: r.read_logical(10), "overwritten"),
-        ("unwritten", lambda r: r.read_logical(r.clock + 1), "has not been written"),
-        ("layer", lambda r: r.layer_keys(2), "layer 2 out of range"),
-        ("prune_negative", lambda r: r.prune_oldest_spans(-3), "non-negative"),
+        ("dtype", lambda r: r.append(k.astype(np.float64), v), IN, "dtype float32"),
+        ("ndim", lambda r: r.append(k[0], v[0]), IN, "4 dimensions"),
+        ("layers", lambda r: r.append(k[:1], v[:1]), IN, "keys must have shape"),
+        ("vals_shape", lambda r: r.append(k, v[:, :, :2]), IN, "vals must have shape"),
+        ("not_array", lambda r: r.append(k.tolist(), v), IN, "keys must be a numpy array"),
+        ("span_too_long", lambda r: r.append(*slab(57, 1)), RG, "longer than the window"),
+        ("future", lambda r: r.rollback_clock(r.clock + 1), RG, "after the current clock"),
+        ("negative", lambda r: r.rollback_clock(-1), IN, "non-negative"),
+        ("beyond_journal", lambda r: r.rollback_clock(0), RG, "history reaches back only"),
+        ("recall_overflow", lambda r: r.inject_recall(*slab(5, 2)), RG, "recall overflow"),
+        ("recall_dtype", lambda r: r.inject_recall(k.astype(np.float16), v), IN, "dtype float32"),
+        ("overwritten", lambda r: r.read_logical(10), RG, "overwritten"),
+        ("unwritten", lambda r: r.read_logical(r.clock + 1), RG, "has not been written"),
+        ("layer", lambda r: r.layer_keys(2), IN, "layer 2 out of range"),
+        ("prune_negative", lambda r: r.prune_oldest_spans(-3), IN, "non-negative"),
     ]
 
 
 @pytest.mark.parametrize(
-    ("name", "call", "message"), _bad_cases(), ids=[c[0] for c in _bad_cases()]
+    ("name", "call", "error", "message"), _bad_cases(), ids=[c[0] for c in _bad_cases()]
 )
-def test_bad_input_raises_value_error_and_changes_nothing(
-    name: str, call: BadCase, message: str
+def test_refusals_raise_their_type_and_change_nothing(
+    name: str, call: BadCase, error: type[Exception], message: str
 ) -> None:
+    """Bad arguments raise InputError (still a ValueError); valid arguments the ring's state
+    refuses raise RingError (not a ValueError)."""
     ring = make(undo_capacity=2)
     ring.append(*slab(4, 0), span=ar.SpanType.SYSTEM)
     ring.append(*slab(50, 1), span=ar.SpanType.USER)
     ring.append(*slab(20, 2), span=ar.SpanType.THOUGHT)  # wrapped: 14 overwrites, journal 2
     before = snapshot(ring)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ar.AmplituhedronError, match=message) as raised:
         call(ring)
+    assert type(raised.value) is error
+    assert isinstance(raised.value, ValueError) == (error is ar.InputError)
     assert snapshot(ring) == before
 
 
 def test_extending_without_an_open_span_is_an_error() -> None:
     ring = make(n_sys=0)
-    with pytest.raises(ValueError, match="no open span"):
+    with pytest.raises(ar.RingError, match="no open span"):
         ring.append(*slab(1, 0), new_span=False)
     assert ring.clock == 0
     ring.append(*slab(3, 0))
     ring.prune_oldest_spans(1)
-    with pytest.raises(ValueError, match="no open span"):
+    with pytest.raises(ar.RingError, match="no open span"):
         ring.append(*slab(1, 0), new_span=False)
 
 
-def test_invalid_config_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="n_sys = 60 must be below window_end"):
+def test_invalid_config_is_an_input_error() -> None:
+    with pytest.raises(ar.InputError, match="n_sys = 60 must be below window_end"):
         ar.RingBuffer(1, 1, 8, slots=64, recall=4, n_sys=60)
-    with pytest.raises(ValueError, match="max_chunk"):
+    with pytest.raises(ar.InputError, match="max_chunk"):
         ar.RingBuffer(1, 1, 8, slots=64, recall=4, max_chunk=100)

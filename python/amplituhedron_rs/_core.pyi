@@ -1,6 +1,8 @@
 """Type stubs for the native module, checked against the build by mypy.stubtest.
 
-Sections are kept per core module (volume, oracle, ring, model) so they stay easy to find.
+Sections are kept per core module (errors, defaults, volume, oracle, ring, model, quant) so
+they stay easy to find. Constructor defaults shown as ``...`` are the core's own (see
+:data:`DEFAULTS`).
 """
 
 import os
@@ -12,6 +14,56 @@ import numpy as np
 from numpy.typing import NDArray
 
 __version__: str
+
+# --- errors ------------------------------------------------------------------------------
+
+class AmplituhedronError(Exception):
+    """Base class of every error amplituhedron-rs raises."""
+
+class InputError(AmplituhedronError, ValueError):
+    """The arguments are wrong whatever the state: a bad shape, length, dtype, value or
+    setting. Also a ValueError."""
+
+class CacheError(AmplituhedronError):
+    """The volume cache refused an operation on what the pipeline gathered, or failed."""
+
+class RingError(AmplituhedronError):
+    """A session's KV ring refused the operation in its current state."""
+
+class ModelError(AmplituhedronError):
+    """The model file or its weights cannot be used."""
+
+class MeshError(AmplituhedronError):
+    """A mesh that cannot be used: a bad mesh file, or stations unreachable, failing or
+    inconsistent."""
+
+# --- defaults ----------------------------------------------------------------------------
+
+@final
+class Defaults:
+    """The core's defaults: volume cache (``CacheConfig``), longest-prefix replay threshold,
+    and a session's ring (``SessionConfig``)."""
+
+    @property
+    def max_entries(self) -> int: ...
+    @property
+    def max_prefix_len(self) -> int: ...
+    @property
+    def max_bytes(self) -> int | None: ...
+    @property
+    def policy(self) -> _Policy: ...
+    @property
+    def min_prefix_reuse(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def recall(self) -> int: ...
+    @property
+    def n_sys(self) -> int: ...
+    @property
+    def max_chunk(self) -> int: ...
+
+DEFAULTS: Defaults
 
 # --- volume cache, eviction, memo --------------------------------------------------------
 
@@ -66,8 +118,8 @@ class AmplituhedronCache:
 
     def __new__(
         cls,
-        max_entries: int = 4,
-        max_prefix_len: int = 512,
+        max_entries: int = ...,
+        max_prefix_len: int = ...,
         max_bytes: int | None = None,
         policy: _Policy | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -140,9 +192,9 @@ class MatVecMemo:
 
     def __new__(
         cls,
-        max_entries: int = 1024,
+        max_entries: int = ...,
         max_bytes: int | None = None,
-        policy: _Policy = "pisot",
+        policy: _Policy = ...,
     ) -> MatVecMemo: ...
     def get(self, weight_id: int, x: NDArray[np.float32]) -> NDArray[np.float32] | None: ...
     def insert(self, weight_id: int, x: NDArray[np.float32], y: NDArray[np.float32]) -> int: ...
@@ -163,10 +215,14 @@ def prefix_hash(tokens: _Tokens) -> int: ...
 
 # Exact integer/rational counterparts of the Lean oracles (lean/Gnosis). Matrices are
 # sequences of rows; points of P² are integer triples; rationals are reduced (num, den) with
-# den > 0. Semantic errors and wrong row lengths raise ValueError; non-integers raise
-# TypeError and integers outside the kernel's range (i64 entries, u64 sizes) OverflowError.
+# den > 0. Semantic errors and wrong row lengths raise InputError (a ValueError); non-integers
+# raise TypeError and integers outside the kernel's range (i64 entries, u64 sizes)
+# OverflowError. The package exposes them without the prefix as amplituhedron_rs.oracle.
 
 ORACLE_CLINAMEN_SWERVE: int
+
+def lean_modules() -> dict[str, str]:
+    """The Lean oracle modules built into the extension: ``{path under lean/: text}``."""
 
 def oracle_plucker_coordinates(m: Sequence[Sequence[int]]) -> list[int]: ...
 def oracle_totally_positive(m: Sequence[Sequence[int]]) -> bool: ...
@@ -235,8 +291,8 @@ class RingBuffer:
     """Fixed-size KV ring: anchors, a wrapping FIFO window, recall slots, spans, rollback.
 
     Slabs (``append``, ``splice``, ``inject_recall``, ``read_logical``) use the volume layout
-    ``(n_layers, kv_heads, n, head_dim)`` float32. Bad input raises ValueError and changes
-    nothing.
+    ``(n_layers, kv_heads, n, head_dim)`` float32. Bad arguments raise InputError (a
+    ValueError), operations the ring's state refuses RingError; either changes nothing.
     """
 
     def __new__(
@@ -244,11 +300,11 @@ class RingBuffer:
         n_layers: int,
         kv_heads: int,
         head_dim: int,
-        slots: int = 4096,
-        recall: int = 128,
-        n_sys: int = 0,
+        slots: int = ...,
+        recall: int = ...,
+        n_sys: int = ...,
         max_chunk: int | None = None,
-        undo_capacity: int = 64,
+        undo_capacity: int = ...,
     ) -> RingBuffer: ...
     @property
     def clock(self) -> int: ...
@@ -311,7 +367,8 @@ def attend(
 # --- model runtime -----------------------------------------------------------------------
 
 # The model runtime: memory-mapped GGUF weights, one session per layer range (the unit a
-# station runs), a pipeline = layer range + volume cache with the seed's amplituhedron_* calls.
+# station runs), a pipeline = layer range + volume cache with the design's amplituhedron_*
+# calls.
 
 _Logits: TypeAlias = Literal["none", "last", "all"]
 _Forwarded: TypeAlias = tuple[NDArray[np.float32], NDArray[np.float32] | None]
@@ -356,10 +413,10 @@ class RangeSession:
         weights: ModelWeights,
         layer_lo: int,
         layer_hi: int,
-        slots: int = 4096,
-        recall: int = 128,
-        n_sys: int = 0,
-        max_chunk: int = 256,
+        slots: int = ...,
+        recall: int = ...,
+        n_sys: int = ...,
+        max_chunk: int = ...,
     ) -> RangeSession: ...
     @property
     def clock(self) -> int: ...
@@ -388,11 +445,11 @@ class Sampler:
 
     def __new__(
         cls,
-        greedy: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
+        greedy: bool = ...,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        seed: int = ...,
     ) -> Sampler: ...
     def sample(self, logits: NDArray[np.float32], index: int) -> int: ...
 
@@ -411,15 +468,15 @@ class ReplayResult:
 
 @final
 class NativeLlamaPipeline:
-    """A layer range with its own volume cache (seed 000 §2, one-for-one)."""
+    """A layer range with its own volume cache (the design's API, one-for-one)."""
 
     def __new__(
         cls,
         weights: ModelWeights,
         layer_lo: int,
         layer_hi: int,
-        max_entries: int = 4,
-        max_prefix_len: int = 512,
+        max_entries: int = ...,
+        max_prefix_len: int = ...,
         max_bytes: int | None = None,
         policy: _Policy | None = None,
         cache_dir: str | os.PathLike[str] | None = None,

@@ -1,9 +1,12 @@
-//! Thin PyO3 layer: argument conversion, error mapping, GIL release. No logic lives here.
-//! One file per core module; each exposes `register(m)`.
+//! Thin PyO3 layer: argument conversion, GIL release. No logic lives here. One file per
+//! core module, each exposing `register(m)`; every core error becomes a Python exception in
+//! `exceptions`, and the core's defaults are exposed once in `defaults`.
 
 use pyo3::prelude::*;
 
+mod defaults;
 mod engine;
+mod exceptions;
 mod model;
 mod oracle;
 mod quant;
@@ -14,6 +17,8 @@ mod volume;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    exceptions::register(m)?;
+    defaults::register(m)?;
     volume::register(m)?;
     oracle::register(m)?;
     ring::register(m)?;

@@ -6,34 +6,31 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::model::{
-    Architecture, ChunkInput, LlamaWeights, LogitsWanted, ModelConfig, ModelError,
-    NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams,
-    SessionConfig, SlidingWindow, TensorInfo,
+    Architecture, ChunkInput, LlamaWeights, LogitsWanted, ModelConfig, NativeLlamaPipeline,
+    Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig, SlidingWindow,
+    TensorInfo,
 };
 use crate::quant::GgmlType;
 use crate::ring::SpanType;
+use crate::volume::CacheConfig;
 
+use super::exceptions::InputError;
 use super::ring::PySpanType;
 use super::volume::{cache_config, stats_dict};
 
 /// `(hidden rows, logits rows or None)` returned by a forward call.
 type Forwarded<'py> = (Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>);
 
-fn value_error(e: ModelError) -> PyErr {
-    PyValueError::new_err(e.to_string())
-}
-
 fn parse_logits(which: &str) -> PyResult<LogitsWanted> {
     match which {
         "none" => Ok(LogitsWanted::None),
         "last" => Ok(LogitsWanted::Last),
         "all" => Ok(LogitsWanted::All),
-        other => Err(PyValueError::new_err(format!(
+        other => Err(InputError::new_err(format!(
             "logits must be 'none', 'last' or 'all', got {other:?}"
         ))),
     }
@@ -67,7 +64,7 @@ impl PyModelWeights {
         precision: &str,
     ) -> PyResult<Self> {
         let precision = Precision::from_name(precision).ok_or_else(|| {
-            PyValueError::new_err(format!(
+            InputError::new_err(format!(
                 "precision must be 'refined' or 'fast', got {precision:?}"
             ))
         })?;
@@ -76,14 +73,14 @@ impl PyModelWeights {
             key: &str,
         ) -> PyResult<T> {
             d.get_item(key)?
-                .ok_or_else(|| PyValueError::new_err(format!("config is missing {key:?}")))?
+                .ok_or_else(|| InputError::new_err(format!("config is missing {key:?}")))?
                 .extract::<T>()
-                .map_err(|_| PyValueError::new_err(format!("config[{key:?}] has the wrong type")))
+                .map_err(|_| InputError::new_err(format!("config[{key:?}] has the wrong type")))
         }
         let sliding = match config.get_item("sliding_window")? {
             Some(window) if !window.is_none() => Some(SlidingWindow {
                 window: window.extract().map_err(|_| {
-                    PyValueError::new_err("config[\"sliding_window\"] must be an int")
+                    InputError::new_err("config[\"sliding_window\"] must be an int")
                 })?,
                 rope_base: get(config, "rope_base_local")?,
                 local: get(config, "local_layers")?,
@@ -92,7 +89,7 @@ impl PyModelWeights {
         };
         let arch: String = get(config, "arch")?;
         let config = ModelConfig {
-            arch: Architecture::from_name(&arch).map_err(value_error)?,
+            arch: Architecture::from_name(&arch).map_err(PyErr::from)?,
             n_layers: get(config, "n_layers")?,
             hidden: get(config, "hidden")?,
             ffn: get(config, "ffn")?,
@@ -117,7 +114,7 @@ impl PyModelWeights {
             .collect();
         let weights = py
             .detach(|| LlamaWeights::from_file(&path, config, &table, precision))
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(PyModelWeights {
             inner: Arc::new(weights),
         })
@@ -196,7 +193,7 @@ impl PyRangeSession {
         let mut out_logits = Vec::new();
         let session = &mut self.inner;
         py.detach(|| session.forward(input, span, wanted, &mut hidden, &mut out_logits))
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         let logits = if wanted == LogitsWanted::None {
             None
         } else {
@@ -210,7 +207,7 @@ impl PyRangeSession {
 impl PyRangeSession {
     /// A fresh session over `[layer_lo, layer_hi)`.
     #[new]
-    #[pyo3(signature = (weights, layer_lo, layer_hi, slots=4096, recall=128, n_sys=0, max_chunk=256))]
+    #[pyo3(signature = (weights, layer_lo, layer_hi, slots=SessionConfig::default().slots, recall=SessionConfig::default().recall, n_sys=SessionConfig::default().n_sys, max_chunk=SessionConfig::default().max_chunk))]
     fn new(
         weights: PyRef<'_, PyModelWeights>,
         layer_lo: usize,
@@ -227,7 +224,7 @@ impl PyRangeSession {
             max_chunk,
         };
         let inner = RangeSession::new(Arc::clone(&weights.inner), layer_lo, layer_hi, &cfg)
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(PyRangeSession { inner })
     }
 
@@ -291,7 +288,7 @@ impl PyRangeSession {
     ) -> PyResult<Forwarded<'py>> {
         let width = self.inner.weights().config().hidden;
         if hidden.shape()[1] != width {
-            return Err(PyValueError::new_err(format!(
+            return Err(InputError::new_err(format!(
                 "hidden states must have {width} columns, got {}",
                 hidden.shape()[1]
             )));
@@ -309,7 +306,7 @@ impl PyRangeSession {
 
     /// Undoes every position after `clock` (bit-exact rollback of probe tokens).
     fn rollback(&mut self, clock: u64) -> PyResult<()> {
-        self.inner.rollback(clock).map_err(value_error)
+        self.inner.rollback(clock).map_err(PyErr::from)
     }
 
     /// Forgets every position (clock 0), keeping the allocation.
@@ -327,7 +324,7 @@ pub struct PySampler {
 #[pymethods]
 impl PySampler {
     #[new]
-    #[pyo3(signature = (greedy=true, temperature=1.0, top_k=0, top_p=1.0, seed=0))]
+    #[pyo3(signature = (greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed))]
     fn new(greedy: bool, temperature: f32, top_k: usize, top_p: f32, seed: u64) -> PyResult<Self> {
         let inner = Sampler::new(SamplingParams {
             greedy,
@@ -336,7 +333,7 @@ impl PySampler {
             top_p,
             seed,
         })
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        .map_err(PyErr::from)?;
         Ok(PySampler { inner })
     }
 
@@ -351,9 +348,7 @@ impl PySampler {
                 &owned
             }
         };
-        self.inner
-            .sample(values, index)
-            .map_err(|e| PyValueError::new_err(e.to_string()))
+        self.inner.sample(values, index).map_err(PyErr::from)
     }
 }
 
@@ -371,7 +366,7 @@ pub struct PyReplayResult {
     logits: Option<Py<PyArray1<f32>>>,
 }
 
-/// A layer range with its own volume cache (seed 000 §2, one-for-one). Thread-safe: the
+/// A layer range with its own volume cache (the design's API, one-for-one). Thread-safe: the
 /// pipeline sits behind a lock shared with any engine built on it.
 #[pyclass(
     name = "NativeLlamaPipeline",
@@ -391,7 +386,7 @@ impl PyPipeline {
 #[pymethods]
 impl PyPipeline {
     #[new]
-    #[pyo3(signature = (weights, layer_lo, layer_hi, max_entries=4, max_prefix_len=512, max_bytes=None, policy=None, cache_dir=None, max_disk_bytes=None))]
+    #[pyo3(signature = (weights, layer_lo, layer_hi, max_entries=CacheConfig::default().max_entries as i64, max_prefix_len=CacheConfig::default().max_prefix_len as i64, max_bytes=None, policy=None, cache_dir=None, max_disk_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -417,7 +412,7 @@ impl PyPipeline {
         // Opening a cache directory reads every file header: no GIL needed for that.
         let inner = py
             .detach(|| NativeLlamaPipeline::new(weights, layer_lo, layer_hi, cache))
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(PyPipeline {
             inner: Arc::new(Mutex::new(inner)),
         })
@@ -436,20 +431,20 @@ impl PyPipeline {
     fn amplituhedron_set_max_entries(&self, n: usize) -> PyResult<()> {
         self.lock()
             .amplituhedron_set_max_entries(n)
-            .map_err(value_error)
+            .map_err(PyErr::from)
     }
 
     fn amplituhedron_set_max_prefix_len(&self, n: usize) -> PyResult<()> {
         self.lock()
             .amplituhedron_set_max_prefix_len(n)
-            .map_err(value_error)
+            .map_err(PyErr::from)
     }
 
     #[pyo3(signature = (n))]
     fn amplituhedron_set_max_bytes(&self, n: Option<usize>) -> PyResult<()> {
         self.lock()
             .amplituhedron_set_max_bytes(n)
-            .map_err(value_error)
+            .map_err(PyErr::from)
     }
 
     /// Longest-prefix replay threshold: after an exact miss, reuse a cached volume sharing
@@ -515,7 +510,7 @@ impl PyPipeline {
                     salt.as_deref(),
                 )
             })
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(outcome.cached_bytes())
     }
 
@@ -534,7 +529,7 @@ impl PyPipeline {
                 self.lock()
                     .amplituhedron_replay(session, &tokens, salt.as_deref())
             })
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(match outcome {
             ReplayOutcome::Miss => None,
             ReplayOutcome::Hit { tail, logits } => Some(PyReplayResult {
@@ -563,7 +558,7 @@ impl PyPipeline {
     ) -> PyResult<bool> {
         self.lock()
             .amplituhedron_inject_fault(&tokens, position, salt.as_deref())
-            .map_err(value_error)
+            .map_err(PyErr::from)
     }
 }
 

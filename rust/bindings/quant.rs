@@ -6,19 +6,15 @@ use numpy::{
     IntoPyArray, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn,
     PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::exceptions::InputError;
 use crate::quant::{self, GgmlType, Kernel, QMatrix, QuantError, QuantScratch, QuantizedInput};
-
-fn value_error(e: QuantError) -> PyErr {
-    PyValueError::new_err(e.to_string())
-}
 
 /// A dimension argument as `usize`, or a `ValueError` naming it.
 fn dim(name: &str, value: i64) -> PyResult<usize> {
     usize::try_from(value)
-        .map_err(|_| PyValueError::new_err(format!("{name} must be non-negative, got {value}")))
+        .map_err(|_| InputError::new_err(format!("{name} must be non-negative, got {value}")))
 }
 
 /// Validates `(qtype, data, rows, cols)` into a matrix view of the array's bytes.
@@ -29,19 +25,19 @@ fn matrix<'a>(
     cols: usize,
 ) -> PyResult<QMatrix<'a>> {
     let id = u32::try_from(qtype).map_err(|_| {
-        PyValueError::new_err(format!(
+        InputError::new_err(format!(
             "unknown ggml type id {qtype} (supported: {})",
             quant::SUPPORTED_TYPES
         ))
     })?;
-    let dtype = GgmlType::from_id(id).map_err(value_error)?;
+    let dtype = GgmlType::from_id(id).map_err(PyErr::from)?;
     // `as_slice` also accepts Fortran order, whose bytes are not in row order.
     let bytes = data
         .as_slice()
         .ok()
         .filter(|_| data.is_c_contiguous())
-        .ok_or_else(|| PyValueError::new_err("data must be a C-contiguous uint8 array"))?;
-    QMatrix::new(dtype, rows, cols, bytes).map_err(value_error)
+        .ok_or_else(|| InputError::new_err("data must be a C-contiguous uint8 array"))?;
+    QMatrix::new(dtype, rows, cols, bytes).map_err(PyErr::from)
 }
 
 fn to_2d<'py>(
@@ -94,12 +90,12 @@ fn quant_matmul<'py>(
             .find(|k| k.name() == name)
             .ok_or_else(|| {
                 let names: Vec<&str> = Kernel::ALL.iter().map(|k| k.name()).collect();
-                PyValueError::new_err(format!("unknown kernel {name:?} (one of {names:?})"))
+                InputError::new_err(format!("unknown kernel {name:?} (one of {names:?})"))
             })?,
     };
     let (n, x_cols) = x.as_array().dim();
     if x_cols != cols {
-        return Err(value_error(QuantError::ColsMismatch {
+        return Err(PyErr::from(QuantError::ColsMismatch {
             weight_cols: cols,
             input_cols: x_cols,
         }));
@@ -108,7 +104,7 @@ fn quant_matmul<'py>(
         .as_slice()
         .ok()
         .filter(|_| x.is_c_contiguous())
-        .ok_or_else(|| PyValueError::new_err("x must be a C-contiguous float32 array"))?;
+        .ok_or_else(|| InputError::new_err("x must be a C-contiguous float32 array"))?;
     let out = py.detach(|| -> Result<Vec<f32>, QuantError> {
         let mut scratch = QuantScratch::new();
         let mut out = vec![0.0f32; n * rows];
@@ -124,7 +120,7 @@ fn quant_matmul<'py>(
         }
         Ok(out)
     });
-    Ok(to_2d(py, out.map_err(value_error)?, n, rows))
+    Ok(to_2d(py, out.map_err(PyErr::from)?, n, rows))
 }
 
 /// Embedding lookup: rows `ids` of a `(rows, cols)` matrix, dequantized → `(len(ids), cols)`.
@@ -141,7 +137,7 @@ fn quant_embed<'py>(
     let m = matrix(qtype, &data, rows, cols)?;
     let ids = ids.as_array().to_vec();
     let mut out = vec![0.0f32; ids.len() * cols];
-    m.embed(&ids, &mut out).map_err(value_error)?;
+    m.embed(&ids, &mut out).map_err(PyErr::from)?;
     Ok(to_2d(py, out, ids.len(), cols))
 }
 

@@ -5,14 +5,14 @@ use numpy::{
     dtype, PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyUntypedArray,
     PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::exceptions::InputError;
 use crate::attention::{self, AttnDims, AttnInputs};
 use crate::ring::{DynamicRingBuffer, RingConfig, SemanticSpan, SpanType};
 
-fn value_error(e: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(e.to_string())
+fn value_error(message: impl Into<String>) -> PyErr {
+    InputError::new_err(message)
 }
 
 /// A float32 numpy array of `ndim` dimensions: its shape and C-order data (copied).
@@ -181,7 +181,7 @@ impl PyRingBuffer {
 #[pymethods]
 impl PyRingBuffer {
     #[new]
-    #[pyo3(signature = (n_layers, kv_heads, head_dim, slots=4096, recall=128, n_sys=0, max_chunk=None, undo_capacity=64))]
+    #[pyo3(signature = (n_layers, kv_heads, head_dim, slots=RingConfig::new(0, 0, 0).slots, recall=RingConfig::new(0, 0, 0).recall, n_sys=RingConfig::new(0, 0, 0).n_sys, max_chunk=None, undo_capacity=RingConfig::new(0, 0, 0).undo_capacity))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_layers: usize,
@@ -193,17 +193,18 @@ impl PyRingBuffer {
         max_chunk: Option<usize>,
         undo_capacity: usize,
     ) -> PyResult<Self> {
+        let defaults = RingConfig::new(n_layers, kv_heads, head_dim);
         let window = slots.saturating_sub(recall).saturating_sub(n_sys);
         let cfg = RingConfig {
             slots,
             recall,
             n_sys,
-            max_chunk: max_chunk.unwrap_or(512.min(window.max(1))),
+            max_chunk: max_chunk.unwrap_or(defaults.max_chunk.min(window.max(1))),
             undo_capacity,
-            ..RingConfig::new(n_layers, kv_heads, head_dim)
+            ..defaults
         };
         Ok(PyRingBuffer {
-            ring: DynamicRingBuffer::new(cfg).map_err(value_error)?,
+            ring: DynamicRingBuffer::new(cfg).map_err(PyErr::from)?,
         })
     }
 
@@ -304,7 +305,7 @@ impl PyRingBuffer {
         let (n, k, v) = self.slab(keys, vals)?;
         let ring = &mut self.ring;
         py.detach(|| ring.append_slab(n, &k, &v, span.into(), new_span))
-            .map_err(value_error)
+            .map_err(PyErr::from)
     }
 
     /// Writes a volume slab into positions `[clock, clock + n)` as one new span; with
@@ -327,25 +328,25 @@ impl PyRingBuffer {
                 ring.splice(n, &k, &v, span.into())
             }
         })
-        .map_err(value_error)
+        .map_err(PyErr::from)
     }
 
     /// Undoes every position after `saved` (exactly).
     fn rollback_clock(&mut self, saved: i64) -> PyResult<()> {
         let saved = u64::try_from(saved)
             .map_err(|_| value_error(format!("clock must be non-negative, got {saved}")))?;
-        self.ring.rollback_clock(saved).map_err(value_error)
+        self.ring.rollback_clock(saved).map_err(PyErr::from)
     }
 
     /// Adds recall rows `(n_layers, kv_heads, n, head_dim)` float32 to tier 3.
     fn inject_recall(&mut self, keys: &Bound<'_, PyAny>, vals: &Bound<'_, PyAny>) -> PyResult<()> {
         let (n, k, v) = self.slab(keys, vals)?;
-        self.ring.inject_recall(n, &k, &v).map_err(value_error)
+        self.ring.inject_recall(n, &k, &v).map_err(PyErr::from)
     }
 
     /// Removes every recall entry from the table.
     fn clear_recall(&mut self) -> PyResult<()> {
-        self.ring.clear_recall().map_err(value_error)
+        self.ring.clear_recall().map_err(PyErr::from)
     }
 
     /// Evicts oldest whole window spans until `min_tokens` positions left; returns how many.
@@ -355,7 +356,7 @@ impl PyRingBuffer {
         })?;
         self.ring
             .prune_oldest_spans(min_tokens)
-            .map_err(value_error)
+            .map_err(PyErr::from)
     }
 
     /// Copy of one layer's keys, `(slots, kv_heads, head_dim)`.
@@ -394,7 +395,7 @@ impl PyRingBuffer {
         let (mut k, mut v) = (vec![0.0; len], vec![0.0; len]);
         self.ring
             .read_logical(layer_lo, layer_hi, n, &mut k, &mut v)
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         let shape = vec![layers, cfg.kv_heads, n, cfg.head_dim];
         Ok((
             PyArray1::from_vec(py, k).reshape(shape.clone())?,
@@ -467,7 +468,7 @@ fn attend<'py>(
     let mut out = vec![0.0; n_q_heads * head_dim];
     let scale = 1.0 / (head_dim as f32).sqrt();
     py.detach(|| attention::attend(&inputs, dims, scale, &mut scratch, &mut out))
-        .map_err(value_error)?;
+        .map_err(PyErr::from)?;
     PyArray1::from_vec(py, out).reshape(vec![n_q_heads, head_dim])
 }
 

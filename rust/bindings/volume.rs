@@ -1,7 +1,7 @@
 //! Python bindings of the volume cache, the matvec memo and `prefix_hash`.
 //!
 //! Argument conversion and error mapping only: every rule lives in `crate::volume`,
-//! `crate::memo` and `crate::keys`. Bad input raises `ValueError` and leaves state as it
+//! `crate::memo` and `crate::keys`. Bad input raises `InputError` (a `ValueError`) and leaves state as it
 //! was (the core validates before mutating; conversions here happen before the core runs).
 
 use std::fmt::Display;
@@ -14,10 +14,10 @@ use numpy::{
     PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::conversion::FromPyObjectOwned;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+use super::exceptions::{poisoned, CacheError, InputError};
 use crate::eviction::EvictionPolicy;
 use crate::keys;
 use crate::memo::{MatVecMemo, MemoConfig};
@@ -26,11 +26,7 @@ use crate::volume::{
     VolumeData, VolumeKey,
 };
 
-fn value_error(e: impl Display) -> PyErr {
-    PyValueError::new_err(e.to_string())
-}
-
-/// An integer argument of a fixed-width type; anything else is a `ValueError`.
+/// An integer argument of a fixed-width type; anything else is an `InputError`.
 fn int_arg<'py, T: FromPyObjectOwned<'py>>(
     obj: &Bound<'py, PyAny>,
     name: &str,
@@ -40,7 +36,7 @@ fn int_arg<'py, T: FromPyObjectOwned<'py>>(
         let shown = obj
             .repr()
             .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string());
-        PyValueError::new_err(format!("{name} must be an integer in {range}, got {shown}"))
+        InputError::new_err(format!("{name} must be an integer in {range}, got {shown}"))
     })
 }
 
@@ -58,11 +54,11 @@ fn limit_arg(value: i64, name: &str) -> PyResult<usize> {
     usize::try_from(value)
         .ok()
         .filter(|&v| v >= 1)
-        .ok_or_else(|| PyValueError::new_err(format!("{name} must be at least 1, got {value}")))
+        .ok_or_else(|| InputError::new_err(format!("{name} must be at least 1, got {value}")))
 }
 
 fn policy_arg(policy: &str) -> PyResult<EvictionPolicy> {
-    policy.parse().map_err(value_error)
+    policy.parse().map_err(PyErr::from)
 }
 
 /// The volume cache's configuration from the Python arguments shared by `AmplituhedronCache`
@@ -93,7 +89,7 @@ fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         if arr.ndim() != 1 {
-            return Err(PyValueError::new_err(format!(
+            return Err(InputError::new_err(format!(
                 "tokens must be a 1-D array, got {}-D",
                 arr.ndim()
             )));
@@ -122,26 +118,26 @@ fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
                     .map(|(i, &t)| u32::try_from(t).map_err(|_| token_range_error(i, t)))
                     .collect()
             }
-            _ => Err(PyValueError::new_err(format!(
+            _ => Err(InputError::new_err(format!(
                 "tokens must be integers, got an array of dtype {dtype}"
             ))),
         };
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyValueError::new_err(
+        return Err(InputError::new_err(
             "tokens must be a sequence of ints, not a string",
         ));
     }
     let iter = obj
         .try_iter()
-        .map_err(|_| PyValueError::new_err("tokens must be a sequence of ints or a 1-D array"))?;
+        .map_err(|_| InputError::new_err("tokens must be a sequence of ints or a 1-D array"))?;
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for (i, item) in iter.enumerate() {
         let item = item?;
         match item.extract::<i128>() {
             Ok(t) => out.push(u32::try_from(t).map_err(|_| token_range_error(i, t))?),
             Err(_) => {
-                return Err(PyValueError::new_err(format!(
+                return Err(InputError::new_err(format!(
                     "token at index {i} is not an integer: {}",
                     item.repr()?
                 )))
@@ -152,7 +148,7 @@ fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 }
 
 fn token_range_error(index: usize, value: impl Display) -> PyErr {
-    PyValueError::new_err(format!(
+    InputError::new_err(format!(
         "token id {value} at index {index} does not fit u32 (must be in [0, 4294967295])"
     ))
 }
@@ -168,16 +164,16 @@ fn f32_array<'py>(
             .get_type()
             .name()
             .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-        PyValueError::new_err(format!("{name} must be a float32 numpy array, got {ty}"))
+        InputError::new_err(format!("{name} must be a float32 numpy array, got {ty}"))
     })?;
     if !arr.dtype().is_equiv_to(&numpy::dtype::<f32>(obj.py())) {
-        return Err(PyValueError::new_err(format!(
+        return Err(InputError::new_err(format!(
             "{name} must have dtype float32, got {}",
             arr.dtype()
         )));
     }
     if arr.ndim() != ndim {
-        return Err(PyValueError::new_err(format!(
+        return Err(InputError::new_err(format!(
             "{name} must be {ndim}-D, got {}-D with shape {:?}",
             arr.ndim(),
             arr.shape()
@@ -185,7 +181,7 @@ fn f32_array<'py>(
     }
     arr.cast::<PyArrayDyn<f32>>()?
         .try_readonly()
-        .map_err(|e| PyValueError::new_err(format!("{name} cannot be borrowed: {e}")))
+        .map_err(|e| InputError::new_err(format!("{name} cannot be borrowed: {e}")))
 }
 
 /// The values in logical (C) order, copied once.
@@ -246,8 +242,8 @@ impl PyVolume {
             s.head_dim,
             1,
         ));
-        let view = ArrayView4::from_shape(shape, slab)
-            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        let view =
+            ArrayView4::from_shape(shape, slab).map_err(|e| CacheError::new_err(e.to_string()))?;
         Ok(Self::view(slf, view))
     }
 
@@ -397,9 +393,7 @@ struct PyCache {
 
 impl PyCache {
     fn lock(&self) -> PyResult<MutexGuard<'_, AmplituhedronCache>> {
-        self.inner
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("volume cache lock poisoned by a panic"))
+        self.inner.lock().map_err(|_| poisoned("volume cache"))
     }
 }
 
@@ -443,7 +437,7 @@ impl KeyArgs {
 #[pymethods]
 impl PyCache {
     #[new]
-    #[pyo3(signature = (max_entries=4, max_prefix_len=512, max_bytes=None, policy=None, cache_dir=None, max_disk_bytes=None))]
+    #[pyo3(signature = (max_entries=CacheConfig::default().max_entries as i64, max_prefix_len=CacheConfig::default().max_prefix_len as i64, max_bytes=None, policy=None, cache_dir=None, max_disk_bytes=None))]
     fn new(
         py: Python<'_>,
         max_entries: i64,
@@ -464,7 +458,7 @@ impl PyCache {
         // Opening a directory reads every file header: no GIL needed for that.
         let cache = py
             .detach(|| AmplituhedronCache::new(config))
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(PyCache {
             inner: Mutex::new(cache),
         })
@@ -492,7 +486,7 @@ impl PyCache {
         let vals = f32_array(kv_vals, "kv_vals", 4)?;
         let logits = logits.map(|l| f32_array(l, "logits", 1)).transpose()?;
         if keys.shape() != vals.shape() {
-            return Err(PyValueError::new_err(format!(
+            return Err(InputError::new_err(format!(
                 "kv_vals shape {:?} differs from kv_keys shape {:?}",
                 vals.shape(),
                 keys.shape()
@@ -501,7 +495,7 @@ impl PyCache {
         let kv_shape: [usize; 4] = keys
             .shape()
             .try_into()
-            .map_err(|_| PyValueError::new_err("kv_keys must be 4-D"))?;
+            .map_err(|_| InputError::new_err("kv_keys must be 4-D"))?;
         let (tail, keys, vals) = (tail.as_array(), keys.as_array(), vals.as_array());
         let logits = logits.as_ref().map(|l| l.as_array());
         let key = args.key();
@@ -532,7 +526,7 @@ impl PyCache {
                     self.lock()?.capture_owned(&key, owned)
                 }
             };
-            result.map_err(value_error)
+            result.map_err(PyErr::from)
         })?;
         Ok(outcome.cached_bytes())
     }
@@ -550,7 +544,7 @@ impl PyCache {
     ) -> PyResult<Option<PyVolume>> {
         let args = KeyArgs::parse(fingerprint, tokens, layer_lo, layer_hi, salt)?;
         let key = args.key();
-        let hit = py.detach(|| self.lock()?.replay(&key).map_err(value_error))?;
+        let hit = py.detach(|| self.lock()?.replay(&key).map_err(PyErr::from))?;
         Ok(hit.map(|inner| PyVolume { inner }))
     }
 
@@ -575,7 +569,7 @@ impl PyCache {
         let hit = py.detach(|| {
             self.lock()?
                 .replay_longest_prefix(&key, min_len)
-                .map_err(value_error)
+                .map_err(PyErr::from)
         })?;
         Ok(hit.map(|(inner, n)| (PyVolume { inner }, n)))
     }
@@ -607,7 +601,7 @@ impl PyCache {
         let outcome = self
             .lock()?
             .report_damage(&args.key(), position)
-            .map_err(value_error)?;
+            .map_err(PyErr::from)?;
         Ok(match outcome {
             DamageOutcome::Trimmed { .. } => "trimmed",
             DamageOutcome::Cleared => "cleared",
@@ -629,20 +623,20 @@ impl PyCache {
     /// Sets the entry limit and evicts down to it at once.
     fn set_max_entries(&self, n: i64) -> PyResult<()> {
         let n = limit_arg(n, "max_entries")?;
-        self.lock()?.set_max_entries(n).map_err(value_error)
+        self.lock()?.set_max_entries(n).map_err(PyErr::from)
     }
 
     /// Sets the longest prefix future captures accept.
     fn set_max_prefix_len(&self, n: i64) -> PyResult<()> {
         let n = limit_arg(n, "max_prefix_len")?;
-        self.lock()?.set_max_prefix_len(n).map_err(value_error)
+        self.lock()?.set_max_prefix_len(n).map_err(PyErr::from)
     }
 
     /// Sets the byte limit (None = unbounded) and evicts down to it at once.
     #[pyo3(signature = (n))]
     fn set_max_bytes(&self, n: Option<i64>) -> PyResult<()> {
         let n = n.map(|b| limit_arg(b, "max_bytes")).transpose()?;
-        self.lock()?.set_max_bytes(n).map_err(value_error)
+        self.lock()?.set_max_bytes(n).map_err(PyErr::from)
     }
 
     /// Drops every entry (counters are kept).
@@ -710,16 +704,14 @@ struct PyMemo {
 
 impl PyMemo {
     fn lock(&self) -> PyResult<MutexGuard<'_, MatVecMemo>> {
-        self.inner
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("memo lock poisoned by a panic"))
+        self.inner.lock().map_err(|_| poisoned("memo"))
     }
 }
 
 #[pymethods]
 impl PyMemo {
     #[new]
-    #[pyo3(signature = (max_entries=1024, max_bytes=None, policy="pisot"))]
+    #[pyo3(signature = (max_entries=MemoConfig::default().max_entries as i64, max_bytes=None, policy=MemoConfig::default().policy.name()))]
     fn new(max_entries: i64, max_bytes: Option<i64>, policy: &str) -> PyResult<Self> {
         let config = MemoConfig {
             max_entries: limit_arg(max_entries, "max_entries")?,
@@ -727,7 +719,7 @@ impl PyMemo {
             policy: policy_arg(policy)?,
         };
         Ok(PyMemo {
-            inner: Mutex::new(MatVecMemo::new(config).map_err(value_error)?),
+            inner: Mutex::new(MatVecMemo::new(config).map_err(PyErr::from)?),
         })
     }
 
@@ -754,7 +746,7 @@ impl PyMemo {
         let w = u64_arg(weight_id, "weight_id")?;
         let x = to_vec(&f32_array(x, "x", 1)?.as_array());
         let y = to_vec(&f32_array(y, "y", 1)?.as_array());
-        let outcome = self.lock()?.insert(w, &x, &y).map_err(value_error)?;
+        let outcome = self.lock()?.insert(w, &x, &y).map_err(PyErr::from)?;
         Ok(outcome.cached_bytes())
     }
 
@@ -788,14 +780,14 @@ impl PyMemo {
     /// Sets the entry limit and evicts down to it at once.
     fn set_max_entries(&self, n: i64) -> PyResult<()> {
         let n = limit_arg(n, "max_entries")?;
-        self.lock()?.set_max_entries(n).map_err(value_error)
+        self.lock()?.set_max_entries(n).map_err(PyErr::from)
     }
 
     /// Sets the byte limit (None = unbounded) and evicts down to it at once.
     #[pyo3(signature = (n))]
     fn set_max_bytes(&self, n: Option<i64>) -> PyResult<()> {
         let n = n.map(|b| limit_arg(b, "max_bytes")).transpose()?;
-        self.lock()?.set_max_bytes(n).map_err(value_error)
+        self.lock()?.set_max_bytes(n).map_err(PyErr::from)
     }
 
     /// Whether the memo is on.

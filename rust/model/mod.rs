@@ -32,7 +32,7 @@ use std::sync::OnceLock;
 pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
 pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};
-pub use pipeline::{NativeLlamaPipeline, ReplayOutcome};
+pub use pipeline::{NativeLlamaPipeline, ReplayOutcome, DEFAULT_MIN_PREFIX_REUSE};
 pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
 pub use session::RangeSession;
 pub use weights::{LayerView, LlamaWeights, TensorInfo};
