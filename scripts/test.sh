@@ -13,7 +13,7 @@ step "cargo clippy (core)";         cargo clippy --all-targets -- -D warnings
 step "cargo clippy (bindings)";     cargo clippy --features python -- -D warnings
 step "cargo test";                  cargo test --quiet
 step "cargo bench --no-run";        cargo bench --no-run --quiet
-step "ruff";                        ruff check python tests && ruff format --check python tests
+step "ruff";                        ruff check python tests scripts && ruff format --check python tests scripts
 step "mypy";                        mypy
 step "stubtest (_core.pyi vs the built module)"
 python -m mypy.stubtest amplituhedron_rs._core --allowlist scripts/stubtest-allowlist.txt

@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from amplituhedron_rs.gguf_file import (
+from amplituhedron_rs import Model, load_model
+from amplituhedron_rs.runtime.gguf_file import (
     GEMMA_INSTALL_HINT,
     ModelFileError,
     bundled_model_path,
     gemma_model_path,
 )
-from amplituhedron_rs.model import Model, load_model
 
 REFDATA = Path(__file__).parent / "refdata"
 

@@ -17,11 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from amplituhedron_rs import bench_report, cli
-from amplituhedron_rs.bench_eviction import (
-    CONVERSATIONS,
-    TenantSpec,
-    TraceSpec,
+from amplituhedron_rs import cli
+from amplituhedron_rs.bench import report as bench_report
+from amplituhedron_rs.bench.config import CONVERSATIONS, TenantSpec, TraceSpec
+from amplituhedron_rs.bench.eviction import (
     compare_on_tenants,
     luminary_tails,
     replay_tenants,
@@ -29,7 +28,7 @@ from amplituhedron_rs.bench_eviction import (
     tenant_trace,
     zipf_trace,
 )
-from amplituhedron_rs.bench_verdicts import (
+from amplituhedron_rs.bench.verdicts import (
     F3_MIN_UPLIFT,
     P3_MIN_UPLIFT,
     Measurements,
@@ -559,6 +558,7 @@ def test_tiny_run_writes_plot_and_report(tiny_run: tuple[Path, dict[str, Any]]) 
     png = (out / "plots" / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
     md = (out / "report.md").read_text()
+    assert "seed 0" not in md  # users have no design notes: the claims are named instead
     assert "](plots/bench.png)" in md  # relative to the report's folder
     for key in ("p1", "p2", "p3", "p4", "p5"):
         verdict = "upheld" if r[key]["upheld"] else "FALSIFIED"

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import numpy as np
 import pytest
 
-from amplituhedron_rs.gguf_file import read_model_file
-from amplituhedron_rs.model import Model, SessionOptions
-from amplituhedron_rs.tokenizer import Tokenizer
+from amplituhedron_rs.runtime import Model, SessionOptions
+from amplituhedron_rs.runtime.gguf_file import read_model_file
+from amplituhedron_rs.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -199,8 +199,8 @@ def test_a_two_station_mesh_equals_one_process(
 ) -> None:
     import asyncio
 
-    from amplituhedron_rs.coordinator import Coordinator
-    from amplituhedron_rs.mesh import LocalMesh
+    from amplituhedron_rs.mesh.coordinator import Coordinator
+    from amplituhedron_rs.mesh.launcher import LocalMesh
 
     ids = gemma_prompts["chat"]["token_ids"]
     single = gemma.generate(ids, 8, use_cache=False, stop_at_eos=False)

@@ -1,7 +1,8 @@
 """Lean ↔ Rust parity: every one-line oracle in lean/**/*.lean against the kernel (F5).
 
 The oracles are parsed at collection time, so a new oracle line becomes a new test case with
-no change here; an oracle without a kernel counterpart fails.
+no change here; an oracle without a kernel counterpart fails. The modules built into the
+extension must be exactly the repository's, so an installed wheel checks the same text.
 """
 
 from __future__ import annotations
@@ -10,21 +11,22 @@ from pathlib import Path
 
 import pytest
 
-import amplituhedron_rs
+import amplituhedron_rs as ar
 from amplituhedron_rs import _core
-from amplituhedron_rs.oracles import (
+from amplituhedron_rs.oracle.lean import (
     KERNEL,
     LEAN_DIR_ENV,
     PENTAD,
     LeanOracle,
     check_oracle,
-    default_lean_dir,
+    embedded_sources,
     lean_equal,
-    oracle_parity,
+    lean_sources,
     parse_lean_literal,
     parse_oracle_line,
     read_oracles,
 )
+from amplituhedron_rs.oracle.lean import parity as oracle_parity
 
 REPO_LEAN_DIR = Path(__file__).resolve().parents[1] / "lean"
 ORACLES = read_oracles(REPO_LEAN_DIR)
@@ -61,12 +63,15 @@ def test_registry_has_no_stale_entries() -> None:
     assert set(KERNEL) - {o.name for o in ORACLES} == set()
 
 
-def test_oracle_parity_default_dir_is_the_repository_lean_dir(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_extension_embeds_exactly_the_repository_lean_modules() -> None:
+    embedded = embedded_sources()
+    assert embedded == lean_sources(REPO_LEAN_DIR)
+    assert "Gnosis/AmplituhedronFalsifiability.lean" in embedded
+
+
+def test_parity_by_default_checks_the_embedded_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(LEAN_DIR_ENV, raising=False)
-    assert default_lean_dir().resolve() == REPO_LEAN_DIR
-    results = amplituhedron_rs.oracle_parity()
+    results = ar.oracle.parity()
     assert [r.name for r in results] == [o.name for o in ORACLES]
     assert all(r.ok for r in results), [r.detail for r in results if not r.ok]
     amplitude = next(r for r in results if r.name == "vandermonde_runtime_oracle_amplitude")
@@ -165,7 +170,7 @@ def test_a_kernel_error_is_a_failed_result_not_an_exception(tmp_path: Path) -> N
     }
     result = check_oracle(oracle, registry)
     assert not result.ok
-    assert "ValueError" in result.detail and "spurious pole" in result.detail
+    assert "InputError" in result.detail and "spurious pole" in result.detail
 
 
 def test_duplicate_oracle_names_are_rejected(tmp_path: Path) -> None:

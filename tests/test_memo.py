@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import amplituhedron_rs as ar
+from amplituhedron_rs import _core
 
 KEY_BYTES = 41  # encoded memo key: tag + weight id + BLAKE3 digest
 
@@ -18,14 +18,14 @@ def vec(*values: float) -> np.ndarray[Any, np.dtype[np.float32]]:
     return np.array(values, dtype=np.float32)
 
 
-def enabled(**kwargs: Any) -> ar.MatVecMemo:
-    memo = ar.MatVecMemo(**kwargs)
+def enabled(**kwargs: Any) -> _core.MatVecMemo:
+    memo = _core.MatVecMemo(**kwargs)
     memo.enable(True)
     return memo
 
 
 def test_off_by_default_and_inert_while_off() -> None:
-    memo = ar.MatVecMemo()
+    memo = _core.MatVecMemo()
     assert not memo.enabled and memo.policy == "pisot"
     assert memo.insert(1, vec(1.0), vec(2.0)) == 0
     assert memo.get(1, vec(1.0)) is None
@@ -90,9 +90,9 @@ def test_bad_config_raises_value_error() -> None:
     bad: list[dict[str, Any]] = [{"max_entries": 0}, {"max_entries": -2}, {"max_bytes": 0}]
     for kwargs in bad:
         with pytest.raises(ValueError, match="at least 1"):
-            ar.MatVecMemo(**kwargs)
+            _core.MatVecMemo(**kwargs)
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        ar.MatVecMemo(policy="random")  # type: ignore[arg-type]
+        _core.MatVecMemo(policy="random")  # type: ignore[arg-type]
     memo = enabled()
     with pytest.raises(ValueError, match="at least 1"):
         memo.set_max_entries(0)

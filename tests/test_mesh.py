@@ -5,17 +5,21 @@ a station killed mid-session, and the erasure path over the wire."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from amplituhedron_rs.coordinator import Coordinator, MeshGeneration
-from amplituhedron_rs.mesh import LocalMesh, MeshError, MeshSpec, split_layers
-from amplituhedron_rs.model import Model
+from amplituhedron_rs import MeshError, Model
+from amplituhedron_rs.mesh.coordinator import Coordinator, MeshGeneration
+from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec, split_layers
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
 
@@ -179,7 +183,6 @@ def test_sampled_generation_matches_single_process(
 ) -> None:
     ids = prompts["sentence"]["token_ids"]
     kw: dict[str, Any] = {
-        "greedy": False,
         "temperature": 0.8,
         "top_k": 30,
         "top_p": 0.9,
@@ -205,3 +208,32 @@ def test_longest_prefix_replay_over_the_wire(
     assert g.replayed_tokens == shared and not g.cache_hit
     assert g.output_ids == cold.output_ids
     assert all(v.captured_bytes > 0 for v in g.stations)  # the full second chat is captured
+
+
+def test_generate_no_cache_over_a_mesh_skips_the_cache_for_that_run_only(
+    mesh: MeshSpec, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from amplituhedron_rs.cli import main
+
+    ids = [12615, 36411, 418, 582, 3822, 5027]
+    run(_clear(mesh))
+    urls = ",".join(s.url for s in mesh.stations)
+    argv = ["generate", "--mesh", urls, "--token", TOKEN, "--prompt-ids", ",".join(map(str, ids))]
+    assert main([*argv, "--max-new-tokens", "3", "--json", "--no-cache"]) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    assert [v["replay"] for v in json.loads(line)["cache"]["stations"]] == ["off"] * 3
+    # The stations' caches are still on: the next runs capture, then replay.
+    first = run(_generate(mesh, ids, 3))
+    second = run(_generate(mesh, ids, 3))
+    assert not first.cache_hit and all(v.captured_bytes > 0 for v in first.stations)
+    assert second.cache_hit and second.output_ids == first.output_ids
+
+
+def test_a_local_mesh_keeps_no_descriptor_of_its_station_logs(mesh: MeshSpec) -> None:
+    """The station processes own their log files; the launcher closed its copies."""
+    fds = Path("/proc/self/fd")
+    targets = []
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            targets.append(os.readlink(fd))
+    assert not [t for t in targets if "amplituhedron-mesh-" in t and t.endswith(".log")]

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import amplituhedron_rs as ar
-from amplituhedron_rs.model import Model, SessionOptions
+from amplituhedron_rs import Model, SessionOptions
+from amplituhedron_rs.runtime.tokenizer import StreamDecoder
 
 pytestmark = pytest.mark.model
 
@@ -200,8 +201,8 @@ def test_bad_input_is_refused_and_changes_nothing(model: Model) -> None:
         model.generate([], 4)
     with pytest.raises(ValueError, match="vocabulary"):
         model.generate([1, 2, model.vocab_size], 4)
-    with pytest.raises(ValueError, match="temperature"):
-        model.generate([1, 2], 4, temperature=-1.0, greedy=False)
+    with pytest.raises(ar.InputError, match="temperature"):
+        model.generate([1, 2], 4, temperature=-1.0)
     s = model.new_session(0, model.n_layers)
     with pytest.raises(ValueError, match="token ids"):
         s.forward_hidden(np.zeros((1, 576), dtype=np.float32))
@@ -262,3 +263,45 @@ def test_a_new_question_under_a_cached_system_prompt_prefills_only_itself(
     assert not warm.cache_hit and warm.replayed_tokens == shared
     assert warm.output_ids == cold.output_ids
     assert model.cache_stats()["prefix_hits"] == 1
+
+
+@pytest.mark.parametrize("name", ["multilingual", "rust", "long"])
+def test_streaming_is_incremental_and_exact(
+    model: Model, prompts: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pushing ids one by one gives exactly the full decode, and each push decodes only a
+    few recent ids (never the whole stream)."""
+    ids = model.tokenize(prompts[name]["text"])
+    tokenizer = model.tokenizer
+    decode = tokenizer.decode
+    widths: list[int] = []
+
+    def spy(window: Any, *, skip_special: bool = False) -> str:
+        window = list(window)
+        widths.append(len(window))
+        return decode(window, skip_special=skip_special)
+
+    decoder = StreamDecoder(tokenizer)
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenizer, "decode", spy)
+        pieces = [decoder.push(i) for i in ids]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special=True)
+    assert len(ids) > 20 and max(widths) <= 8
+
+
+def test_the_pipeline_reports_what_its_cache_refuses_as_a_cache_error(
+    model: Model, prompts: dict[str, Any]
+) -> None:
+    ids = prompts["sentence"]["token_ids"]
+    model.clear_cache()  # a volume already present would be declined before any check
+    session = model.new_session(0, model.n_layers)
+    hidden, logits = session.forward_tokens(ids)
+    assert logits is not None
+    tail = hidden[-1].copy()
+    tail[3] = np.nan
+    before = model.cache_stats()
+    with pytest.raises(ar.CacheError, match="non-finite"):
+        model.pipeline.amplituhedron_capture(session, ids, tail, logits[-1])
+    assert model.cache_stats() == before
+    with pytest.raises(ar.RingError, match="after the current clock"):
+        session.rollback(session.clock + 1)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from amplituhedron_rs.gguf_file import (
+from amplituhedron_rs.runtime.gguf_file import (
     SUPPORTED_ARCHITECTURES,
     ModelFileError,
     read_gguf,

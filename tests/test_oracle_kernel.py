@@ -121,30 +121,30 @@ def positive_polygons(draw: st.DrawFn) -> list[Point]:
 
 @given(matrices_2x4)
 def test_plucker_relation_residual_vanishes(m: list[list[int]]) -> None:
-    assert ar.oracle_plucker_residual(m) == 0
-    assert ar.oracle_plucker_coordinates(m) == pluckers(m)
+    assert ar.oracle.plucker_residual(m) == 0
+    assert ar.oracle.plucker_coordinates(m) == pluckers(m)
 
 
 @given(st.lists(st.lists(small, min_size=4, max_size=4), min_size=2, max_size=2))
 def test_boundary_profile_agrees_with_the_coordinates(m: list[list[int]]) -> None:
     p = pluckers(m)
     profile = (all(x > 0 for x in p), all(x >= 0 for x in p), p.count(0))
-    assert ar.oracle_boundary_profile(m) == profile
-    assert ar.oracle_totally_positive(m) is profile[0]
-    assert ar.oracle_totally_nonnegative(m) is profile[1]
-    assert ar.oracle_zero_minor_count(m) == profile[2]
+    assert ar.oracle.boundary_profile(m) == profile
+    assert ar.oracle.totally_positive(m) is profile[0]
+    assert ar.oracle.totally_nonnegative(m) is profile[1]
+    assert ar.oracle.zero_minor_count(m) == profile[2]
 
 
 def test_matrix_shape_errors_are_value_errors() -> None:
     with pytest.raises(ValueError, match="length 4"):
-        ar.oracle_plucker_coordinates([[1, 2, 3], [4, 5, 6]])
+        ar.oracle.plucker_coordinates([[1, 2, 3], [4, 5, 6]])
     with pytest.raises(ValueError, match="length 2"):
-        ar.oracle_plucker_coordinates([[1, 2, 3, 4]])
+        ar.oracle.plucker_coordinates([[1, 2, 3, 4]])
     with pytest.raises(OverflowError):
-        ar.oracle_plucker_coordinates([[2**63, 0, 0, 0], [0, 1, 0, 0]])
+        ar.oracle.plucker_coordinates([[2**63, 0, 0, 0], [0, 1, 0, 0]])
     with pytest.raises(ValueError, match="overflow"):
         big = 2**63 - 1
-        ar.oracle_plucker_residual([[-big, big, -big, 1], [big, -big, 1, -big]])
+        ar.oracle.plucker_residual([[-big, big, -big, 1], [big, -big, 1, -big]])
 
 
 # --- A_{n,1,2} ------------------------------------------------------------------------------
@@ -155,18 +155,18 @@ def test_matrix_shape_errors_are_value_errors() -> None:
 def test_canonical_form_equals_fan_sums_and_dual_area(z: list[Point], data: st.DataObject) -> None:
     n = len(z)
     c = data.draw(st.lists(st.integers(min_value=1, max_value=9), min_size=n, max_size=n))
-    y = ar.oracle_y_of(c, z)
+    y = ar.oracle.y_of(c, z)
     assert y == tuple(sum(ci * zi[a] for ci, zi in zip(c, z, strict=True)) for a in range(3))
-    omega = ar.oracle_canonical_form(z, y)
+    omega = ar.oracle.canonical_form(z, y)
     assert omega == as_pair(dual_area(z, y))
     for apex in range(n):
         expected = fan_sum(z, apex, y)
         if expected is None:
             with pytest.raises(ValueError, match="spurious pole"):
-                ar.oracle_fan_form(z, apex, y)
+                ar.oracle.fan_form(z, apex, y)
         else:
             assert omega == as_pair(expected)
-            assert ar.oracle_fan_form(z, apex, y) == omega
+            assert ar.oracle.fan_form(z, apex, y) == omega
 
 
 @settings(max_examples=200)
@@ -178,18 +178,18 @@ def test_points_are_classified_like_the_bracket_signs_say(
     physical = [det3(y, z[i], z[(i + 1) % n]) for i in range(n)]
     if y == (0, 0, 0):
         with pytest.raises(ValueError, match="not a point"):
-            ar.oracle_canonical_form(z, y)
+            ar.oracle.canonical_form(z, y)
     elif y[0] == 0:
         with pytest.raises(ValueError, match="Y_0 = 0"):
-            ar.oracle_canonical_form(z, y)
+            ar.oracle.canonical_form(z, y)
     elif all(b > 0 for b in physical) or all(b < 0 for b in physical):
-        assert ar.oracle_canonical_form(z, y) == as_pair(dual_area(z, y))
+        assert ar.oracle.canonical_form(z, y) == as_pair(dual_area(z, y))
     elif any(b > 0 for b in physical) and any(b < 0 for b in physical):
         with pytest.raises(ValueError, match="outside"):
-            ar.oracle_canonical_form(z, y)
+            ar.oracle.canonical_form(z, y)
     else:
         with pytest.raises(ValueError, match="boundary"):
-            ar.oracle_canonical_form(z, y)
+            ar.oracle.canonical_form(z, y)
 
 
 @given(
@@ -199,51 +199,51 @@ def test_vertex_count_matches_an_independent_hull(z: list[Point]) -> None:
     collinear = any(det3(a, b, c) == 0 for a, b, c in combinations(z, 3))
     if collinear:
         with pytest.raises(ValueError, match="collinear"):
-            ar.oracle_vertex_count(z)
+            ar.oracle.vertex_count(z)
     else:
-        assert ar.oracle_vertex_count(z) == hull_vertex_count(z)
+        assert ar.oracle.vertex_count(z) == hull_vertex_count(z)
 
 
 def test_maximal_minors_are_the_lexicographic_brackets() -> None:
     z = [(1, 0, 0), (1, 3, 1), (2, 1, 7), (1, -2, 5), (3, 3, 3)]
     expected = [det3(a, b, c) for a, b, c in combinations(z, 3)]
-    assert ar.oracle_maximal_minors(z) == expected
-    assert ar.oracle_maximal_minors(z[:2]) == []
-    assert ar.oracle_bracket(z[0], z[1], z[2]) == expected[0]
+    assert ar.oracle.maximal_minors(z) == expected
+    assert ar.oracle.maximal_minors(z[:2]) == []
+    assert ar.oracle.bracket(z[0], z[1], z[2]) == expected[0]
 
 
 def test_spurious_pole_point_has_a_finite_amplitude() -> None:
-    y = ar.oracle_y_of([1, 2, 3, 4], Z_MOMENT)
+    y = ar.oracle.y_of([1, 2, 3, 4], Z_MOMENT)
     assert y == (10, 30, 100)
-    assert ar.oracle_bracket(y, Z_MOMENT[1], Z_MOMENT[3]) == 0
-    assert ar.oracle_canonical_form(Z_MOMENT, y) == (16, 3)
-    assert ar.oracle_fan_form(Z_MOMENT, 0, y) == (16, 3)
+    assert ar.oracle.bracket(y, Z_MOMENT[1], Z_MOMENT[3]) == 0
+    assert ar.oracle.canonical_form(Z_MOMENT, y) == (16, 3)
+    assert ar.oracle.fan_form(Z_MOMENT, 0, y) == (16, 3)
     with pytest.raises(ValueError, match=r"diagonal Z\[1\]–Z\[3\].*spurious pole"):
-        ar.oracle_fan_form(Z_MOMENT, 1, y)
+        ar.oracle.fan_form(Z_MOMENT, 1, y)
 
 
 def test_polygon_input_errors() -> None:
     with pytest.raises(ValueError, match="boundary edge"):
-        ar.oracle_canonical_form(Z_MOMENT, ar.oracle_y_of([1, 1, 0, 0], Z_MOMENT))
+        ar.oracle.canonical_form(Z_MOMENT, ar.oracle.y_of([1, 1, 0, 0], Z_MOMENT))
     with pytest.raises(ValueError, match="outside"):
-        ar.oracle_canonical_form(Z_MOMENT, (1, 3, 8))
+        ar.oracle.canonical_form(Z_MOMENT, (1, 3, 8))
     z_interior = [Z_MOMENT[0], Z_MOMENT[1], (2, 5, 16), Z_MOMENT[3]]
     with pytest.raises(ValueError, match="not positive"):
-        ar.oracle_canonical_form(z_interior, (5, 12, 37))
+        ar.oracle.canonical_form(z_interior, (5, 12, 37))
     with pytest.raises(ValueError, match="at least 3 points"):
-        ar.oracle_canonical_form(Z_MOMENT[:2], (1, 1, 1))
+        ar.oracle.canonical_form(Z_MOMENT[:2], (1, 1, 1))
     with pytest.raises(ValueError, match="not a row of Z"):
-        ar.oracle_fan_form(Z_MOMENT, 4, (4, 10, 30))
+        ar.oracle.fan_form(Z_MOMENT, 4, (4, 10, 30))
     with pytest.raises(ValueError, match="one entry per row"):
-        ar.oracle_y_of([1, 1], Z_MOMENT)
+        ar.oracle.y_of([1, 1], Z_MOMENT)
     with pytest.raises(ValueError, match="length 3"):
-        ar.oracle_vertex_count([(1, 2), (3, 4), (5, 6)])
+        ar.oracle.vertex_count([(1, 2), (3, 4), (5, 6)])
     with pytest.raises(ValueError, match="first coordinate"):
-        ar.oracle_vertex_count([(1, 0, 0), (-1, 1, 0), (1, 0, 1)])
+        ar.oracle.vertex_count([(1, 0, 0), (-1, 1, 0), (1, 0, 1)])
     with pytest.raises(ValueError, match="overflow"):
-        ar.oracle_moment_curve([2**62])
+        ar.oracle.moment_curve([2**62])
     with pytest.raises(TypeError):
-        ar.oracle_canonical_form(Z_MOMENT, "abc")  # type: ignore[arg-type]
+        ar.oracle.canonical_form(Z_MOMENT, "abc")  # type: ignore[arg-type]
 
 
 # --- sizing laws and keys ------------------------------------------------------------------
@@ -258,52 +258,52 @@ def fib_reference(n: int) -> int:
 
 @pytest.mark.parametrize("n", [0, 1, 2, 10, 90, 92, 93])
 def test_fib_fits_u64_through_93(n: int) -> None:
-    assert ar.oracle_fib(n) == fib_reference(n)
-    assert ar.oracle_execution_volume(n) == fib_reference(n)
+    assert ar.oracle.fib(n) == fib_reference(n)
+    assert ar.oracle.execution_volume(n) == fib_reference(n)
 
 
 def test_fib_overflows_u64_at_94_and_u128_at_187() -> None:
     assert fib_reference(93) < 2**64 <= fib_reference(94)
-    assert ar.oracle_fib(94) is None
-    assert ar.oracle_execution_volume(94) is None
-    assert ar.oracle_fib_u128(94) == fib_reference(94)
-    assert ar.oracle_fib_u128(186) == fib_reference(186) < 2**128
-    assert ar.oracle_fib_u128(187) is None
-    assert ar.oracle_fib(10**12) is None  # stops at the overflow, does not loop 10^12 times
+    assert ar.oracle.fib(94) is None
+    assert ar.oracle.execution_volume(94) is None
+    assert ar.oracle.fib_u128(94) == fib_reference(94)
+    assert ar.oracle.fib_u128(186) == fib_reference(186) < 2**128
+    assert ar.oracle.fib_u128(187) is None
+    assert ar.oracle.fib(10**12) is None  # stops at the overflow, does not loop 10^12 times
 
 
 def test_swerve_erasure_trim_volume_and_soundness() -> None:
-    assert ar.ORACLE_CLINAMEN_SWERVE == 1
-    assert [ar.oracle_admits_volume(n) for n in (0, 1, 2)] == [False, True, True]
-    assert [ar.oracle_topological_erasure(v) for v in (0, 1, 64, 2**64 - 1)] == [
+    assert ar.oracle.CLINAMEN_SWERVE == 1
+    assert [ar.oracle.admits_volume(n) for n in (0, 1, 2)] == [False, True, True]
+    assert [ar.oracle.topological_erasure(v) for v in (0, 1, 64, 2**64 - 1)] == [
         0,
         0,
         63,
         2**64 - 2,
     ]
-    assert ar.oracle_trim_trailing((5, 9, 2, 7)) == [5, 9, 2]
-    assert ar.oracle_trim_trailing([]) == []
-    assert ar.oracle_grassmannian_volume(4096, 80) == 327680
-    assert ar.oracle_well_formed_prefix(1, 1)
-    assert not ar.oracle_well_formed_prefix(0, 1)
-    assert not ar.oracle_well_formed_prefix(1, 0)
+    assert ar.oracle.trim_trailing((5, 9, 2, 7)) == [5, 9, 2]
+    assert ar.oracle.trim_trailing([]) == []
+    assert ar.oracle.grassmannian_volume(4096, 80) == 327680
+    assert ar.oracle.well_formed_prefix(1, 1)
+    assert not ar.oracle.well_formed_prefix(0, 1)
+    assert not ar.oracle.well_formed_prefix(1, 0)
     with pytest.raises(ValueError, match="overflow"):
-        ar.oracle_grassmannian_volume(2**63, 2)
+        ar.oracle.grassmannian_volume(2**63, 2)
     with pytest.raises(OverflowError):
-        ar.oracle_topological_erasure(-1)
+        ar.oracle.topological_erasure(-1)
 
 
 @given(st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=20))
 def test_trim_matches_erasure_of_the_length(xs: list[int]) -> None:
-    trimmed = ar.oracle_trim_trailing(xs)
+    trimmed = ar.oracle.trim_trailing(xs)
     assert trimmed == xs[:-1]
-    assert len(trimmed) == ar.oracle_topological_erasure(len(xs))
+    assert len(trimmed) == ar.oracle.topological_erasure(len(xs))
 
 
 def test_key_tags_and_encodings() -> None:
-    assert ar.oracle_key_tags() == (1, 2)
-    assert ar.oracle_encode_memo_key(42) == [1, 42]
-    assert ar.oracle_encode_volume_key(7, 42, 0, 32) == [2, 7, 42, 0, 32]
-    assert ar.oracle_encode_memo_key(2**64 - 1)[0] != ar.oracle_encode_volume_key(0, 0, 0, 0)[0]
+    assert ar.oracle.key_tags() == (1, 2)
+    assert ar.oracle.encode_memo_key(42) == [1, 42]
+    assert ar.oracle.encode_volume_key(7, 42, 0, 32) == [2, 7, 42, 0, 32]
+    assert ar.oracle.encode_memo_key(2**64 - 1)[0] != ar.oracle.encode_volume_key(0, 0, 0, 0)[0]
     with pytest.raises(OverflowError):
-        ar.oracle_encode_volume_key(0, 0, 0, 2**16)
+        ar.oracle.encode_volume_key(0, 0, 0, 2**16)

@@ -17,7 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import amplituhedron_rs as ar
 from amplituhedron_rs import _core
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -111,7 +110,7 @@ def test_dequantize_random_blocks_equals_ggml_bit_for_bit(
 ) -> None:
     cols = max(32, BLOCK[qtype][0]) * blocks
     data = random_matrix(qtype, rows, cols, seed)
-    ours = ar.quant_dequantize(qtype, data, rows, cols)
+    ours = _core.quant_dequantize(qtype, data, rows, cols)
     assert ours.shape == (rows, cols) and ours.dtype == np.float32
     assert_bit_equal(ours, ggml_dequantize(qtype, data, cols))
 
@@ -126,7 +125,7 @@ def test_every_code_and_group_scale_dequantizes_like_ggml(qtype: int) -> None:
         data[:, offset : offset + 2] = np.array([0.75 - 0.5 * k], np.float16).view(np.uint8)
     rows, cols = 256, size
     assert_bit_equal(
-        ar.quant_dequantize(qtype, data, rows, cols), ggml_dequantize(qtype, data, cols)
+        _core.quant_dequantize(qtype, data, rows, cols), ggml_dequantize(qtype, data, cols)
     )
 
 
@@ -140,7 +139,7 @@ def test_ggml_quantized_weights_dequantize_like_ggml(qtype: int) -> None:
         gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype)).view(np.uint8)
     )
     expected = ggml_dequantize(qtype, data, 320)
-    assert_bit_equal(ar.quant_dequantize(qtype, data, 24, 320), expected)
+    assert_bit_equal(_core.quant_dequantize(qtype, data, 24, 320), expected)
     assert np.abs(expected - w).max() < 0.2 * np.abs(w).max()
 
 
@@ -183,7 +182,7 @@ def test_real_q4_1_matrix_dequantizes_like_ggml(smollm2: dict[str, Any], name: s
     qtype, data, rows, cols = tensor_matrix(smollm2[name])
     assert qtype == Q4_1
     assert_bit_equal(
-        ar.quant_dequantize(qtype, data, rows, cols), ggml_dequantize(qtype, data, cols)
+        _core.quant_dequantize(qtype, data, rows, cols), ggml_dequantize(qtype, data, cols)
     )
 
 
@@ -191,7 +190,7 @@ def test_real_q4_1_matrix_dequantizes_like_ggml(smollm2: dict[str, Any], name: s
 def test_real_f32_norm_dequantizes_exactly(smollm2: dict[str, Any]) -> None:
     qtype, data, rows, cols = tensor_matrix(smollm2["blk.0.attn_norm.weight"])
     assert (qtype, rows, cols) == (F32, 1, 576)
-    ours = ar.quant_dequantize(qtype, data, rows, cols)
+    ours = _core.quant_dequantize(qtype, data, rows, cols)
     assert_bit_equal(ours, np.asarray(smollm2["blk.0.attn_norm.weight"].data).reshape(1, cols))
 
 
@@ -202,12 +201,12 @@ def test_real_token_embd_rows_dequantize_and_embed_like_ggml(smollm2: dict[str, 
     # A contiguous slab through the matrix view, and scattered rows through embed.
     slab = np.ascontiguousarray(data[1000:3048])
     assert_bit_equal(
-        ar.quant_dequantize(qtype, slab, len(slab), cols), ggml_dequantize(qtype, slab, cols)
+        _core.quant_dequantize(qtype, slab, len(slab), cols), ggml_dequantize(qtype, slab, cols)
     )
     ids = np.random.default_rng(0).integers(0, rows, size=512, dtype=np.uint32)
     ids[:3] = [0, 1, rows - 1]
     expected = ggml_dequantize(qtype, np.ascontiguousarray(data[ids]), cols)
-    assert_bit_equal(ar.quant_embed(qtype, data, rows, cols, ids), expected)
+    assert_bit_equal(_core.quant_embed(qtype, data, rows, cols, ids), expected)
 
 
 def error_bound(
@@ -248,14 +247,14 @@ def test_matmul_of_every_format_matches_numpy_within_the_bound(qtype: int) -> No
     x[:, rng.integers(0, cols, size=4)] *= 20.0
     reference = x.astype(np.float64) @ w.T
     bound = error_bound(w, x.astype(np.float64), activation_block(qtype))
-    full = ar.quant_matmul(qtype, data, rows, cols, x, kernel="scalar")
+    full = _core.quant_matmul(qtype, data, rows, cols, x, kernel="scalar")
     err = np.abs(full.astype(np.float64) - reference)
     assert (err <= bound).all(), float((err / bound).max())
     assert (err / bound).max() > 0.01  # the bound is not vacuous
-    for kernel in ar.quant_kernels():
-        assert_bit_equal(ar.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
+    for kernel in _core.quant_kernels():
+        assert_bit_equal(_core.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
     # Refined: the residual pass removes most of the activation error.
-    refined = ar.quant_matmul(qtype, data, rows, cols, x, refined=True).astype(np.float64)
+    refined = _core.quant_matmul(qtype, data, rows, cols, x, refined=True).astype(np.float64)
     assert np.abs(refined - reference).max() * 30 < err.max()
 
 
@@ -279,7 +278,7 @@ def test_real_matmul_matches_numpy_within_the_quantization_bound(
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n, cols)).astype(np.float32)
     x[:, rng.integers(0, cols, size=4)] *= 20.0
-    ours = ar.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
+    ours = _core.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
     reference = x.astype(np.float64) @ w.T
     assert ours.shape == (n, rows)
     err = np.abs(ours - reference)
@@ -295,15 +294,15 @@ def test_real_matmul_matches_numpy_within_the_quantization_bound(
 def test_every_kernel_and_any_batch_give_identical_bits(smollm2: dict[str, Any]) -> None:
     qtype, data, rows, cols = tensor_matrix(smollm2["blk.5.ffn_up.weight"])
     x = np.random.default_rng(2).standard_normal((9, cols)).astype(np.float32)
-    kernels = ar.quant_kernels()
+    kernels = _core.quant_kernels()
     assert kernels[0] == "scalar"
-    full = ar.quant_matmul(qtype, data, rows, cols, x, kernel="scalar")
+    full = _core.quant_matmul(qtype, data, rows, cols, x, kernel="scalar")
     for kernel in kernels:
-        assert_bit_equal(ar.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
+        assert_bit_equal(_core.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
     for t in range(len(x)):
-        alone = ar.quant_matmul(qtype, data, rows, cols, x[t : t + 1])
+        alone = _core.quant_matmul(qtype, data, rows, cols, x[t : t + 1])
         assert_bit_equal(alone, full[t : t + 1])
-    assert_bit_equal(ar.quant_matmul(qtype, data, rows, cols, x[::-1].copy()), full[::-1])
+    assert_bit_equal(_core.quant_matmul(qtype, data, rows, cols, x[::-1].copy()), full[::-1])
 
 
 def test_float_weights_match_numpy() -> None:
@@ -313,7 +312,7 @@ def test_float_weights_match_numpy() -> None:
         data = random_matrix(qtype, rows, cols, seed=qtype)
         w = ggml_dequantize(qtype, data, cols).astype(np.float64)
         x = rng.standard_normal((n, cols)).astype(np.float32)
-        ours = ar.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
+        ours = _core.quant_matmul(qtype, data, rows, cols, x).astype(np.float64)
         bound = error_bound(w, x.astype(np.float64), None)
         assert (np.abs(ours - x.astype(np.float64) @ w.T) <= bound).all()
 
@@ -322,26 +321,26 @@ def test_bad_inputs_raise_value_errors() -> None:
     data = random_matrix(Q4_1, 2, 64, seed=0)
     x = np.zeros((1, 64), dtype=np.float32)
     with pytest.raises(ValueError, match=r"unsupported tensor type IQ2_XS \(ggml type id 17;"):
-        ar.quant_dequantize(17, data, 2, 64)
+        _core.quant_dequantize(17, data, 2, 64)
     with pytest.raises(ValueError, match="unknown ggml type id -1"):
-        ar.quant_dequantize(-1, data, 2, 64)
+        _core.quant_dequantize(-1, data, 2, 64)
     with pytest.raises(ValueError, match="unknown ggml type id 77"):
-        ar.quant_matmul(77, data, 2, 64, x)
+        _core.quant_matmul(77, data, 2, 64, x)
     with pytest.raises(ValueError, match="Q4_K rows have blocks of 256 elements"):
-        ar.quant_dequantize(Q4_K, data, 1, 64)
+        _core.quant_dequantize(Q4_K, data, 1, 64)
     with pytest.raises(ValueError, match=r"a \(3, 64\) Q4_1 matrix has 120 bytes, got 80"):
-        ar.quant_dequantize(Q4_1, data, 3, 64)
+        _core.quant_dequantize(Q4_1, data, 3, 64)
     with pytest.raises(ValueError, match="not a multiple of 32"):
-        ar.quant_dequantize(Q4_1, data, 2, 48)
+        _core.quant_dequantize(Q4_1, data, 2, 48)
     with pytest.raises(ValueError, match="rows must be non-negative"):
-        ar.quant_dequantize(Q4_1, data, -2, 64)
+        _core.quant_dequantize(Q4_1, data, -2, 64)
     with pytest.raises(ValueError, match="C-contiguous"):
-        ar.quant_dequantize(Q4_1, np.asfortranarray(data.reshape(4, 20)), 2, 64)
+        _core.quant_dequantize(Q4_1, np.asfortranarray(data.reshape(4, 20)), 2, 64)
     with pytest.raises(ValueError, match="x must be a C-contiguous"):
-        ar.quant_matmul(Q4_1, data, 2, 64, np.asfortranarray(np.zeros((3, 64), np.float32)))
+        _core.quant_matmul(Q4_1, data, 2, 64, np.asfortranarray(np.zeros((3, 64), np.float32)))
     with pytest.raises(ValueError, match="input rows have 32 columns"):
-        ar.quant_matmul(Q4_1, data, 2, 64, np.zeros((1, 32), dtype=np.float32))
+        _core.quant_matmul(Q4_1, data, 2, 64, np.zeros((1, 32), dtype=np.float32))
     with pytest.raises(ValueError, match="unknown kernel"):
-        ar.quant_matmul(Q4_1, data, 2, 64, x, kernel="avx9000")
+        _core.quant_matmul(Q4_1, data, 2, 64, x, kernel="avx9000")
     with pytest.raises(ValueError, match="row 2 out of range"):
-        ar.quant_embed(Q4_1, data, 2, 64, np.array([0, 2], dtype=np.uint32))
+        _core.quant_embed(Q4_1, data, 2, 64, np.array([0, 2], dtype=np.uint32))

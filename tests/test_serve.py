@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from amplituhedron_rs.gguf_file import read_model_file
-from amplituhedron_rs.tokenizer import Tokenizer
+from amplituhedron_rs.runtime.gguf_file import read_model_file
+from amplituhedron_rs.runtime.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.model, pytest.mark.serve]
 

@@ -1,100 +1,100 @@
 """amplituhedron-rs: a prefix-cached, pipeline-parallel LLM inference runtime.
 
-The Rust core lives in :mod:`amplituhedron_rs._core`; this package re-exports it and
-adds the model loader, tokenizer, station service, coordinator, mesh launcher and bench.
+>>> import amplituhedron_rs as ar
+>>> m = ar.load_model()                       # the bundled SmolLM2-135M-Instruct
+>>> g = m.generate(m.chat_ids("You are terse.", "Name a planet."), 8)
+
+This module is the public API: the runtime (:func:`load_model`, :class:`Model`), the core's
+cache, ring and attention types, the mesh client, and the exceptions. The parts live in
+subpackages, each with one job: :mod:`.runtime` (one process), :mod:`.mesh` (stations,
+coordinator, launcher), :mod:`.serve` (the OpenAI-compatible server),
+:mod:`.bench` (benches) and :mod:`.oracle` (the Lean oracles' kernel and parity); the
+``amplituhedron`` command (:mod:`.cli`) sits on top. Importing this module loads no HTTP
+stack: the mesh types are imported on first use.
 """
 
-from amplituhedron_rs._core import __version__
+from typing import TYPE_CHECKING, Any
 
-# --- volume cache, eviction, memo ---
-# isort: split
+from amplituhedron_rs import oracle
 from amplituhedron_rs._core import (
     AmplituhedronCache,
+    AmplituhedronError,
     AmplituhedronVolume,
-    MatVecMemo,
+    CacheError,
+    InputError,
+    MeshError,
+    ModelError,
+    QueueFullError,
+    RingBuffer,
+    RingError,
+    SemanticSpan,
+    SpanType,
+    __version__,
+    attend,
     prefix_hash,
 )
-
-# --- oracle kernel ---
-# isort: split
-from amplituhedron_rs._core import (
-    ORACLE_CLINAMEN_SWERVE,
-    oracle_admits_volume,
-    oracle_boundary_profile,
-    oracle_bracket,
-    oracle_canonical_form,
-    oracle_encode_memo_key,
-    oracle_encode_volume_key,
-    oracle_execution_volume,
-    oracle_fan_form,
-    oracle_fib,
-    oracle_fib_u128,
-    oracle_grassmannian_volume,
-    oracle_key_tags,
-    oracle_maximal_minors,
-    oracle_moment_curve,
-    oracle_plucker_coordinates,
-    oracle_plucker_residual,
-    oracle_topological_erasure,
-    oracle_totally_nonnegative,
-    oracle_totally_positive,
-    oracle_trim_trailing,
-    oracle_vertex_count,
-    oracle_well_formed_prefix,
-    oracle_y_of,
-    oracle_zero_minor_count,
+from amplituhedron_rs.runtime import (
+    BatchOptions,
+    CacheOptions,
+    Generation,
+    Model,
+    SamplingParams,
+    SessionOptions,
+    load_model,
 )
-from amplituhedron_rs.oracles import LeanOracle, OracleResult, oracle_parity
 
-# --- ring buffer and attention ---
-# isort: split
-from amplituhedron_rs._core import RingBuffer, SemanticSpan, SpanType, attend
+if TYPE_CHECKING:
+    from amplituhedron_rs.mesh.coordinator import Coordinator
+    from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
 
-# --- model runtime ---
-# --- quantized kernels ---
-# isort: split
-from amplituhedron_rs._core import quant_dequantize, quant_embed, quant_kernels, quant_matmul
+#: Mesh types, imported on first access: the coordinator needs aiohttp.
+_LAZY = {
+    "Coordinator": "amplituhedron_rs.mesh.coordinator",
+    "LocalMesh": "amplituhedron_rs.mesh.launcher",
+    "MeshSpec": "amplituhedron_rs.mesh.launcher",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
-    "ORACLE_CLINAMEN_SWERVE",
     "AmplituhedronCache",
+    "AmplituhedronError",
     "AmplituhedronVolume",
-    "LeanOracle",
-    "MatVecMemo",
-    "OracleResult",
+    "BatchOptions",
+    "CacheError",
+    "CacheOptions",
+    "Coordinator",
+    "Generation",
+    "InputError",
+    "LocalMesh",
+    "MeshError",
+    "MeshSpec",
+    "Model",
+    "ModelError",
+    "QueueFullError",
     "RingBuffer",
+    "RingError",
+    "SamplingParams",
     "SemanticSpan",
+    "SessionOptions",
     "SpanType",
     "__version__",
     "attend",
-    "oracle_admits_volume",
-    "oracle_boundary_profile",
-    "oracle_bracket",
-    "oracle_canonical_form",
-    "oracle_encode_memo_key",
-    "oracle_encode_volume_key",
-    "oracle_execution_volume",
-    "oracle_fan_form",
-    "oracle_fib",
-    "oracle_fib_u128",
-    "oracle_grassmannian_volume",
-    "oracle_key_tags",
-    "oracle_maximal_minors",
-    "oracle_moment_curve",
-    "oracle_parity",
-    "oracle_plucker_coordinates",
-    "oracle_plucker_residual",
-    "oracle_topological_erasure",
-    "oracle_totally_nonnegative",
-    "oracle_totally_positive",
-    "oracle_trim_trailing",
-    "oracle_vertex_count",
-    "oracle_well_formed_prefix",
-    "oracle_y_of",
-    "oracle_zero_minor_count",
+    "load_model",
+    "oracle",
     "prefix_hash",
-    "quant_dequantize",
-    "quant_embed",
-    "quant_kernels",
-    "quant_matmul",
 ]

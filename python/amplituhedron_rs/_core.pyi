@@ -31,11 +31,16 @@ class RingError(AmplituhedronError):
     """A session's KV ring refused the operation in its current state."""
 
 class ModelError(AmplituhedronError):
-    """The model file or its weights cannot be used."""
+    """The model cannot be loaded (an unreadable file, a bad config or bad tensors) or a run
+    of it failed."""
 
 class MeshError(AmplituhedronError):
     """A mesh that cannot be used: a bad mesh file, or stations unreachable, failing or
     inconsistent."""
+
+class QueueFullError(AmplituhedronError, RuntimeError):
+    """The engine's waiting queue is full: nothing was queued; retry later. Also a
+    RuntimeError."""
 
 # --- defaults ----------------------------------------------------------------------------
 
@@ -598,11 +603,11 @@ class Engine:
         prompt: Sequence[int],
         max_new_tokens: int,
         *,
-        greedy: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
+        greedy: bool = ...,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        seed: int = ...,
         stop_ids: Sequence[int] = ...,
         salt: str | None = None,
         use_cache: bool = True,

@@ -7,7 +7,6 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use numpy::PyArray1;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -17,14 +16,8 @@ use crate::engine::{
 };
 use crate::model::{SamplingParams, SessionConfig};
 
+use super::exceptions::InputError;
 use super::model::PyPipeline;
-
-fn engine_error(e: EngineError) -> PyErr {
-    match e {
-        EngineError::QueueFull { .. } => PyRuntimeError::new_err(e.to_string()),
-        _ => PyValueError::new_err(e.to_string()),
-    }
-}
 
 /// One thing a step reported: a token (`kind == "token"`) or the end of a sequence
 /// (`kind == "finished"`, with `reason` and `stats`).
@@ -194,7 +187,7 @@ impl PyEngine {
 
     fn external_only(&self) -> PyResult<()> {
         if self.executor.is_some() {
-            return Err(PyRuntimeError::new_err(
+            return Err(InputError::new_err(
                 "this engine runs its own in-process executor: call step()",
             ));
         }
@@ -235,9 +228,9 @@ impl PyEngine {
             max_queue,
             step_tokens,
         };
-        let engine = Engine::new(cfg).map_err(engine_error)?;
+        let engine = Engine::new(cfg).map_err(PyErr::from)?;
         let executor = LocalExecutor::new(Arc::clone(&pipeline.inner), session, max_running)
-            .map_err(engine_error)?;
+            .map_err(PyErr::from)?;
         Ok(PyEngine::from_parts(engine, Some(executor)))
     }
 
@@ -251,7 +244,7 @@ impl PyEngine {
             step_tokens,
         };
         Ok(PyEngine::from_parts(
-            Engine::new(cfg).map_err(engine_error)?,
+            Engine::new(cfg).map_err(PyErr::from)?,
             None,
         ))
     }
@@ -279,7 +272,7 @@ impl PyEngine {
         let mut outcomes = Vec::with_capacity(results.len());
         for (seq, cached_tokens, first_token, error) in results {
             let Some(i) = planned.iter().position(|a| a.seq == seq) else {
-                return Err(PyValueError::new_err(format!(
+                return Err(InputError::new_err(format!(
                     "sequence {seq} has no planned admission"
                 )));
             };
@@ -304,7 +297,7 @@ impl PyEngine {
         self.external_only()?;
         let mut pending = lock(&self.planned_batch);
         if !pending.is_empty() {
-            return Err(PyRuntimeError::new_err(
+            return Err(InputError::new_err(
                 "the previous step was not completed: call complete() first",
             ));
         }
@@ -342,9 +335,9 @@ impl PyEngine {
         self.engine().take_released()
     }
 
-    /// Queues a request; returns its sequence id. Raises ValueError for a bad request and
-    /// RuntimeError when the queue is full (nothing is queued either way).
-    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=true, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false))]
+    /// Queues a request; returns its sequence id. Raises InputError for a bad request and
+    /// QueueFullError when the queue is full (nothing is queued either way).
+    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -380,7 +373,7 @@ impl PyEngine {
             }),
             want_logits,
         };
-        self.engine().submit(req).map_err(engine_error)
+        self.engine().submit(req).map_err(PyErr::from)
     }
 
     /// Cancels a sequence; returns its `finished` event, or None if it already finished.
@@ -395,7 +388,7 @@ impl PyEngine {
     /// what it reported.
     fn step(&self, py: Python<'_>) -> PyResult<Vec<PyEvent>> {
         let Some(executor) = &self.executor else {
-            return Err(PyRuntimeError::new_err(
+            return Err(InputError::new_err(
                 "an external engine is stepped by its executor (plan_batch/complete)",
             ));
         };

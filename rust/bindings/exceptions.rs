@@ -6,8 +6,9 @@
 //! ├── InputError(AmplituhedronError, ValueError)  the arguments alone are wrong
 //! ├── CacheError                                  the volume cache refused or failed
 //! ├── RingError                                   a KV ring refused, given its state
-//! ├── ModelError                                  the model file or weights are unusable
-//! └── MeshError                                   stations unreachable or inconsistent
+//! ├── ModelError                                  the model cannot be loaded or run
+//! ├── MeshError                                   stations unreachable or inconsistent
+//! └── QueueFullError(AmplituhedronError, RuntimeError)  the engine's queue is full
 //! ```
 //!
 //! The rule: `InputError` when the call would fail whatever state the object is in (a bad
@@ -18,12 +19,13 @@
 //! classes are created in the `amplituhedron_rs` namespace, where the package re-exports
 //! them; Python code raises `MeshError` itself.
 
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyType};
 
 use crate::attention::AttnError;
+use crate::engine::EngineError;
 use crate::eviction::UnknownPolicyError;
 use crate::memo::MemoError;
 use crate::model::{ModelError as CoreModelError, SamplingError};
@@ -55,7 +57,8 @@ pyo3::create_exception!(
     amplituhedron_rs,
     ModelError,
     AmplituhedronError,
-    "The model file or its weights cannot be used (unreadable, bad config, bad tensors)."
+    "The model cannot be loaded (an unreadable file, a bad config or bad tensors) or a run of \
+     it failed."
 );
 pyo3::create_exception!(
     amplituhedron_rs,
@@ -65,48 +68,69 @@ pyo3::create_exception!(
      inconsistent."
 );
 
-const INPUT_ERROR_DOC: &str = "The arguments are wrong whatever the state: a bad shape, \
-    length, dtype, value or setting. Also a ValueError.";
-
-/// `InputError` has two bases (`AmplituhedronError`, `ValueError`), which
-/// `create_exception!` cannot express, so the class is made once by calling `type`.
-pub struct InputError;
-
-impl InputError {
-    /// The class object.
-    pub fn type_object(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
-        static TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-        TYPE.get_or_try_init(py, || {
-            let bases = (
-                py.get_type::<AmplituhedronError>(),
-                py.get_type::<PyValueError>(),
-            );
-            let namespace = PyDict::new(py);
-            namespace.set_item("__module__", "amplituhedron_rs")?;
-            namespace.set_item("__doc__", INPUT_ERROR_DOC)?;
-            let class = py
-                .get_type::<PyType>()
-                .call1(("InputError", bases, namespace))?;
-            Ok::<_, PyErr>(class.cast_into::<PyType>()?.unbind())
-        })
-        .map(|class| class.bind(py))
-    }
-
-    /// An `InputError` carrying `message`.
-    pub fn new_err(message: impl Into<String>) -> PyErr {
-        let message = message.into();
-        Python::attach(|py| match Self::type_object(py) {
-            Ok(class) => PyErr::from_type(class.clone(), message),
-            Err(e) => e,
-        })
-    }
+/// The class object of an exception with two bases, `AmplituhedronError` and a builtin
+/// (which `create_exception!` cannot express), made by calling `type`.
+fn two_based(
+    py: Python<'_>,
+    name: &str,
+    builtin: Bound<'_, PyType>,
+    doc: &str,
+) -> PyResult<Py<PyType>> {
+    let bases = (py.get_type::<AmplituhedronError>(), builtin);
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "amplituhedron_rs")?;
+    namespace.set_item("__doc__", doc)?;
+    let class = py.get_type::<PyType>().call1((name, bases, namespace))?;
+    Ok(class.cast_into::<PyType>()?.unbind())
 }
+
+/// An exception class that is also a builtin one (`InputError` is a `ValueError`).
+macro_rules! two_based_exception {
+    ($name:ident, $builtin:ty, $doc:expr) => {
+        #[doc = $doc]
+        pub struct $name;
+
+        impl $name {
+            /// The class object (created once).
+            pub fn type_object(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+                static TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+                TYPE.get_or_try_init(py, || {
+                    two_based(py, stringify!($name), py.get_type::<$builtin>(), $doc)
+                })
+                .map(|class| class.bind(py))
+            }
+
+            /// An exception of this class carrying `message`.
+            pub fn new_err(message: impl Into<String>) -> PyErr {
+                let message = message.into();
+                Python::attach(|py| match Self::type_object(py) {
+                    Ok(class) => PyErr::from_type(class.clone(), message),
+                    Err(e) => e,
+                })
+            }
+        }
+    };
+}
+
+two_based_exception!(
+    InputError,
+    PyValueError,
+    "The arguments are wrong whatever the state: a bad shape, length, dtype, value or \
+     setting. Also a ValueError."
+);
+two_based_exception!(
+    QueueFullError,
+    PyRuntimeError,
+    "The engine's waiting queue is full: nothing was queued; retry later. Also a \
+     RuntimeError."
+);
 
 /// Adds every class to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("AmplituhedronError", py.get_type::<AmplituhedronError>())?;
     m.add("InputError", InputError::type_object(py)?)?;
+    m.add("QueueFullError", QueueFullError::type_object(py)?)?;
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("RingError", py.get_type::<RingError>())?;
     m.add("ModelError", py.get_type::<ModelError>())?;
@@ -156,48 +180,39 @@ impl From<CoreRingError> for PyErr {
     }
 }
 
-/// The cache's own API reports only bad arguments (see `VolumeError`).
-impl From<VolumeError> for PyErr {
-    fn from(e: VolumeError) -> PyErr {
-        InputError::new_err(e.to_string())
+impl From<EngineError> for PyErr {
+    fn from(e: EngineError) -> PyErr {
+        let message = e.to_string();
+        match e {
+            EngineError::Input(_) => InputError::new_err(message),
+            EngineError::QueueFull { .. } => QueueFullError::new_err(message),
+            EngineError::Executor(_) => ModelError::new_err(message),
+        }
     }
 }
 
-impl From<MemoError> for PyErr {
-    fn from(e: MemoError) -> PyErr {
-        InputError::new_err(e.to_string())
-    }
+/// Core errors that only ever report bad arguments: each becomes an `InputError`. The
+/// volume cache's own API is one of them (`VolumeError` is "bad input to the cache"); what
+/// the cache refuses inside the pipeline arrives as `ModelError::Volume`, a `CacheError`.
+macro_rules! input_errors {
+    ($($error:ty),+ $(,)?) => {$(
+        impl From<$error> for PyErr {
+            fn from(e: $error) -> PyErr {
+                InputError::new_err(e.to_string())
+            }
+        }
+    )+};
 }
 
-impl From<QuantError> for PyErr {
-    fn from(e: QuantError) -> PyErr {
-        InputError::new_err(e.to_string())
-    }
-}
-
-impl From<SamplingError> for PyErr {
-    fn from(e: SamplingError) -> PyErr {
-        InputError::new_err(e.to_string())
-    }
-}
-
-impl From<OracleError> for PyErr {
-    fn from(e: OracleError) -> PyErr {
-        InputError::new_err(e.to_string())
-    }
-}
-
-impl From<AttnError> for PyErr {
-    fn from(e: AttnError) -> PyErr {
-        InputError::new_err(e.to_string())
-    }
-}
-
-impl From<UnknownPolicyError> for PyErr {
-    fn from(e: UnknownPolicyError) -> PyErr {
-        InputError::new_err(e.to_string())
-    }
-}
+input_errors!(
+    VolumeError,
+    MemoError,
+    QuantError,
+    SamplingError,
+    OracleError,
+    AttnError,
+    UnknownPolicyError,
+);
 
 /// A cache lock poisoned by a panic in another thread.
 pub fn poisoned(what: &str) -> PyErr {

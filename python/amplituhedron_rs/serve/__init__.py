@@ -4,6 +4,7 @@
 ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health`` and ``/metrics``.
 The wire format lives in :mod:`.protocol`, the error mapping in :mod:`.errors`, the routes
 in :mod:`.app`; the scheduling itself is the Rust engine's, stepped by :mod:`.frontend`.
+Depends on :mod:`amplituhedron_rs.runtime` (and the core); nothing but the CLI imports it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ServeOptions:
 
 def build_app(o: ServeOptions) -> FastAPI:
     """Loads the model and returns the ASGI app (the engine starts with the app)."""
-    from amplituhedron_rs.model import BatchOptions, load_model
+    from amplituhedron_rs.runtime import BatchOptions, load_model
 
     model = load_model(
         o.model_path,

@@ -25,7 +25,9 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from amplituhedron_rs import _core
-from amplituhedron_rs.model import sampling_params
+from amplituhedron_rs._core import QueueFullError
+from amplituhedron_rs.runtime.sampling import SamplingParams
+from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
 from amplituhedron_rs.serve.errors import APIError, bad_request
 from amplituhedron_rs.serve.frontend import EngineFront, GenerationParams, RequestStream
@@ -38,7 +40,6 @@ from amplituhedron_rs.serve.protocol import (
     usage,
 )
 from amplituhedron_rs.serve.text import TextStream
-from amplituhedron_rs.tokenizer import Tokenizer
 
 
 @dataclass
@@ -130,18 +131,12 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 param="max_tokens" if room > 0 else "messages",
                 code="context_length_exceeded",
             )
+        seed = secrets.randbits(63) if body.seed is None else body.seed
         try:
-            sampling = sampling_params(
-                None if body.temperature is None else body.temperature == 0.0,
-                body.temperature or 1.0,
-                body.top_k or 0,
-                body.top_p if body.top_p is not None else 1.0,
-                secrets.randbits(63) if body.seed is None else body.seed,
-            )
+            # The runtime's one rule: greedy when no temperature/top_k/top_p, or temperature 0.
+            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, seed).core_kwargs()
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
-        if body.temperature is None and body.top_k is None and body.top_p is None:
-            sampling["greedy"] = True
         draft = (
             body.draft == "prompt-lookup" if body.draft is not None else settings.draft_by_default
         )
@@ -164,7 +159,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
     def submit(p: _Prepared) -> RequestStream:
         try:
             return front.submit(p.params)
-        except RuntimeError as exc:  # the engine's queue is full
+        except QueueFullError as exc:
             metrics.rejected.inc()
             raise errors.queue_full(str(exc)) from exc
         except ValueError as exc:

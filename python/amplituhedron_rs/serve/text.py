@@ -3,7 +3,7 @@ hidden, and cut at the first stop sequence (which is not returned)."""
 
 from __future__ import annotations
 
-from amplituhedron_rs.tokenizer import StreamDecoder, Tokenizer
+from amplituhedron_rs.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
 class TextStream:

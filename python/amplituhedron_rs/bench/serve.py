@@ -1,0 +1,375 @@
+"""``amplituhedron bench-serve``: many streaming clients against OpenAI-compatible servers.
+
+Every client sends requests made of one shared system prompt (real prose) and a question of
+its own, asks for ``--max-tokens`` tokens (greedy), and streams the reply. For each
+concurrency level (1, 2, 4, 8, 16 clients by default) it reports aggregate output tokens/s,
+time to first token (p50/p99) and inter-token latency (p50/p99), and counts errors.
+
+The same workload runs, in the same run, against the peers that are present:
+llama.cpp's own ``llama-server`` (``--llama-server PATH``; it has continuous batching with
+``-np``) and ``python -m llama_cpp.server`` (the ``peers`` extra). Each system is warmed up
+with one request first. ``--json`` writes every figure, ``--plot`` throughput against
+concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from amplituhedron_rs.bench.textsource import reference_text
+from amplituhedron_rs.runtime.gguf_file import read_model_file
+from amplituhedron_rs.runtime.tokenizer import Tokenizer
+
+QUESTIONS = [
+    "what is the main idea of the text",
+    "which example in it is the clearest",
+    "what would a beginner find hard in it",
+    "how would you summarise it for a child",
+    "what does it say about errors",
+    "which term does it define first",
+    "what is one thing it leaves out",
+    "how could it be shorter",
+]
+
+
+@dataclass
+class RequestRecord:
+    ttft_s: float
+    gaps_s: list[float]
+    tokens: int
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    clients: int
+    requests: int
+    errors: int
+    wall_s: float
+    output_tokens: int
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+@dataclass
+class SystemResult:
+    name: str
+    levels: list[LevelResult] = field(default_factory=list)
+    note: str = ""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    """A server process speaking the OpenAI wire format on loopback."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, model: str) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Server:
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy()
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError(f"{self.name} did not come up")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def one_request(
+    http: aiohttp.ClientSession, server: Server, system: str, question: str, max_tokens: int
+) -> RequestRecord:
+    body = {
+        "model": server.model,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    last = started
+    gaps: list[float] = []
+    tokens = 0
+    try:
+        async with http.post(f"{server.url}/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                return RequestRecord(0.0, [], 0, f"HTTP {r.status}: {await r.text()}")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestRecord(0.0, [], tokens, str(chunk["error"]))
+                delta = chunk["choices"][0].get("delta", {}) if chunk.get("choices") else {}
+                if not delta.get("content"):
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+                tokens += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return RequestRecord(0.0, [], tokens, repr(exc))
+    return RequestRecord((first or last) - started, gaps, tokens)
+
+
+async def run_level(
+    server: Server, system: str, clients: int, requests: int, max_tokens: int
+) -> LevelResult:
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def client(k: int) -> list[RequestRecord]:
+            out = []
+            for j in range(requests):
+                q = QUESTIONS[(k + j) % len(QUESTIONS)]
+                out.append(await one_request(http, server, system, f"#{k}.{j}: {q}?", max_tokens))
+            return out
+
+        started = time.perf_counter()
+        per_client = await asyncio.gather(*(client(k) for k in range(clients)))
+        wall = time.perf_counter() - started
+    records = [r for rs in per_client for r in rs]
+    ok = [r for r in records if r.error is None]
+    tokens = sum(r.tokens for r in records)
+    gaps = [g for r in ok for g in r.gaps_s]
+    return LevelResult(
+        clients=clients,
+        requests=len(records),
+        errors=len(records) - len(ok),
+        wall_s=wall,
+        output_tokens=tokens,
+        tokens_per_s=tokens / wall if wall > 0 else float("nan"),
+        ttft_p50_ms=1e3 * percentile([r.ttft_s for r in ok], 50),
+        ttft_p99_ms=1e3 * percentile([r.ttft_s for r in ok], 99),
+        itl_p50_ms=1e3 * percentile(gaps, 50),
+        itl_p99_ms=1e3 * percentile(gaps, 99),
+    )
+
+
+def systems(a: argparse.Namespace, model_path: str) -> list[tuple[str, list[str] | str]]:
+    """(name, command) of every system to run, or (name, why it is skipped)."""
+    out: list[tuple[str, list[str] | str]] = []
+    port = free_port()
+    out.append(
+        (
+            "amplituhedron",
+            [
+                sys.executable,
+                "-m",
+                "amplituhedron_rs.cli",
+                "serve",
+                "--model",
+                model_path,
+                "--port",
+                str(port),
+                "--max-batch",
+                str(a.max_batch),
+                "--max-queue",
+                "256",
+                "--step-tokens",
+                str(a.step_tokens),
+                "--precision",
+                a.precision,
+            ],
+        )
+    )
+    if a.llama_server:
+        port = free_port()
+        out.append(
+            (
+                f"llama-server -np {a.llama_parallel}",
+                [
+                    a.llama_server,
+                    "-m",
+                    model_path,
+                    "--port",
+                    str(port),
+                    "-np",
+                    str(a.llama_parallel),
+                    "-c",
+                    str(2048 * a.llama_parallel),
+                    "-t",
+                    str(os.cpu_count() or 2),
+                ],
+            )
+        )
+    else:
+        out.append(("llama-server", "not given (--llama-server PATH)"))
+    if a.no_llama_cpp_python:
+        pass
+    elif importlib.util.find_spec("llama_cpp") is None:
+        out.append(("llama_cpp.server", "llama-cpp-python is not installed (peers extra)"))
+    else:
+        port = free_port()
+        out.append(
+            (
+                "llama_cpp.server",
+                [
+                    sys.executable,
+                    "-m",
+                    "llama_cpp.server",
+                    "--model",
+                    model_path,
+                    "--port",
+                    str(port),
+                    "--n_ctx",
+                    "4096",
+                ],
+            )
+        )
+    return out
+
+
+def _port_of(cmd: list[str]) -> int:
+    return int(cmd[cmd.index("--port") + 1])
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    mf = read_model_file(a.model)
+    tok = Tokenizer(mf)
+    ids = tok.encode(reference_text(8 * a.system_tokens))[: a.system_tokens]
+    system = tok.decode(ids)
+    levels = [int(x) for x in a.concurrency.split(",") if x]
+    results: list[SystemResult] = []
+    for name, cmd in systems(a, str(mf.path)):
+        if isinstance(cmd, str):
+            results.append(SystemResult(name, note=cmd))
+            continue
+        model = mf.name if name == "amplituhedron" else "model"
+        with Server(name, cmd, _port_of(cmd), model) as srv:
+            if name == "amplituhedron":
+                srv.model = asyncio.run(_served_model(srv))
+            asyncio.run(run_level(srv, system, 1, 1, 8))  # warm-up: caches, pages, threads
+            res = SystemResult(name)
+            for c in levels:
+                level = asyncio.run(run_level(srv, system, c, a.requests, a.max_tokens))
+                res.levels.append(level)
+                print(
+                    f"{name:>24} · {c:>2} clients: {level.tokens_per_s:7.1f} tok/s · TTFT p50 "
+                    f"{level.ttft_p50_ms:6.1f} ms p99 {level.ttft_p99_ms:6.1f} · ITL p50 "
+                    f"{level.itl_p50_ms:5.1f} p99 {level.itl_p99_ms:5.1f} · errors {level.errors}",
+                    file=sys.stderr,
+                )
+            results.append(res)
+    return {
+        "workload": {
+            "system_tokens": a.system_tokens,
+            "max_tokens": a.max_tokens,
+            "requests_per_client": a.requests,
+            "concurrency": levels,
+            "precision": a.precision,
+        },
+        "systems": [asdict(r) for r in results],
+    }
+
+
+async def _served_model(srv: Server) -> str:
+    async with aiohttp.ClientSession() as http, http.get(f"{srv.url}/v1/models") as r:
+        return str((await r.json())["data"][0]["id"])
+
+
+def write_plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in report["systems"]:
+        if not s["levels"]:
+            continue
+        xs = [lv["clients"] for lv in s["levels"]]
+        ys = [lv["tokens_per_s"] for lv in s["levels"]]
+        ax.plot(xs, ys, marker="o", label=s["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streaming clients")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title("bench-serve: shared system prompt, unique questions, greedy")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(a: argparse.Namespace) -> int:
+    report = run(a)
+    ours = next(s for s in report["systems"] if s["name"] == "amplituhedron")
+    base = ours["levels"][0]["tokens_per_s"] if ours["levels"] else float("nan")
+    print("\n| system | clients | tok/s | × ours@1 | TTFT p50/p99 ms | ITL p50/p99 ms | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for s in report["systems"]:
+        if not s["levels"]:
+            print(f"| {s['name']} | – | – | – | – | – | {s['note']} |")
+        for lv in s["levels"]:
+            print(
+                f"| {s['name']} | {lv['clients']} | {lv['tokens_per_s']:.1f} | "
+                f"{lv['tokens_per_s'] / base:.2f} | {lv['ttft_p50_ms']:.1f} / "
+                f"{lv['ttft_p99_ms']:.1f} | {lv['itl_p50_ms']:.1f} / {lv['itl_p99_ms']:.1f} | "
+                f"{lv['errors']} |"
+            )
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
+    if a.plot:
+        write_plot(report, Path(a.plot))
+    errors = sum(lv["errors"] for s in report["systems"] for lv in s["levels"])
+    return 0 if errors == 0 else 1

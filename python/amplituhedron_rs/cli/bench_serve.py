@@ -1,0 +1,38 @@
+"""``amplituhedron bench-serve``: streaming clients against the server (and llama.cpp's)."""
+
+from __future__ import annotations
+
+import argparse
+
+from amplituhedron_rs.cli.common import add_model
+
+HELP = "streaming clients 1..16 against the server (and llama.cpp's)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model(p)
+    p.add_argument(
+        "--concurrency",
+        default="1,2,4,8,16",
+        metavar="LIST",
+        help="client counts to sweep (default 1,2,4,8,16)",
+    )
+    p.add_argument("--requests", type=int, default=2, metavar="R", help="requests per client")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--system-tokens", type=int, default=200, metavar="N")
+    p.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N")
+    p.add_argument("--step-tokens", type=int, default=64, metavar="T")
+    p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
+    p.add_argument("--llama-parallel", type=int, default=8, metavar="NP", help="its -np")
+    p.add_argument(
+        "--no-llama-cpp-python", action="store_true", help="skip python -m llama_cpp.server"
+    )
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    p.add_argument("--plot", metavar="PNG", help="throughput against concurrency")
+
+
+def run(a: argparse.Namespace) -> int:
+    from amplituhedron_rs.bench import serve
+
+    return serve.main(a)

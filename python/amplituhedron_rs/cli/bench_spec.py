@@ -1,0 +1,29 @@
+"""``amplituhedron bench-spec``: speculative decoding (prompt lookup) against plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+
+from amplituhedron_rs.cli.common import add_model
+
+HELP = "speculative decoding (prompt lookup) against plain decoding"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model(p)
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--rounds", type=int, default=3, metavar="R", help="runs per prompt")
+    p.add_argument(
+        "--precision",
+        default="refined,fast",
+        metavar="LIST",
+        help="precisions to measure (default refined,fast)",
+    )
+    p.add_argument("--draft-max", type=int, default=8, metavar="K")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+
+
+def run(a: argparse.Namespace) -> int:
+    from amplituhedron_rs.bench import spec
+
+    return spec.main(a)

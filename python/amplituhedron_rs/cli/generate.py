@@ -1,0 +1,184 @@
+"""``amplituhedron generate``: one prompt, in this process or over a mesh of stations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING
+
+from amplituhedron_rs.cli.common import (
+    add_model,
+    add_prompt,
+    add_sampling,
+    add_token,
+    err,
+    sampling,
+)
+
+if TYPE_CHECKING:
+    from amplituhedron_rs.runtime import Generation, Model, SamplingParams
+    from amplituhedron_rs.runtime.tokenizer import Tokenizer
+
+HELP = "generate text (single process, or over a mesh)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_prompt(p)
+    add_sampling(p)
+    add_model(p)
+    p.add_argument("--no-cache", action="store_true", help="skip the volume cache for this run")
+    p.add_argument(
+        "--precision",
+        choices=["refined", "fast"],
+        default="refined",
+        help="activations: two 8-bit passes (near-f32 logits) or one (llama.cpp)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the same prompt N times (the 2nd+ replays the volume)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per run")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--mesh", metavar="FILE_OR_URL", help="drive a running mesh")
+    where.add_argument(
+        "--stations", type=int, metavar="K", help="start a local mesh of K stations for this call"
+    )
+    add_token(p, "bearer token of the stations")
+
+
+def prompt_of(a: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+    if a.prompt_ids is not None:
+        ids: list[int] = a.prompt_ids
+        return ids
+    if a.chat or a.system:
+        return tokenizer.chat_ids(a.system, a.prompt)
+    return tokenizer.encode(a.prompt)
+
+
+def run(a: argparse.Namespace) -> int:
+    params = sampling(a)
+    if a.mesh or a.stations:
+        return _over_mesh(a, params)
+    from amplituhedron_rs.runtime import CacheOptions, load_model
+
+    with err.status("loading model…"):
+        model = load_model(
+            a.model, cache=CacheOptions(enabled=not a.no_cache), precision=a.precision
+        )
+    ids = prompt_of(a, model.tokenizer)
+    for _ in range(max(1, a.repeat)):
+        g = _generate_once(model, ids, a, params)
+        if a.json:
+            print(json.dumps(g.to_json()))
+        else:
+            verdict = "hit (prefill skipped)" if g.cache_hit else "miss"
+            err.print(
+                f"[dim]{len(ids)} prompt tokens, {len(g.output_ids)} generated · "
+                f"cache {verdict} · prefill {g.prefill_ms:.1f} ms · decode {g.decode_ms:.1f} ms"
+                f" ({g.decode_ms / max(1, len(g.output_ids)):.1f} ms/token)[/dim]"
+            )
+    return 0
+
+
+def _generate_once(
+    model: Model, ids: list[int], a: argparse.Namespace, params: SamplingParams
+) -> Generation:
+    """One generation with a prefill progress bar (long prompts) and streamed text."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+    out = Console()
+    progress = Progress(
+        TextColumn("prefill"), BarColumn(), TaskProgressColumn(), console=err, transient=True
+    )
+    task = progress.add_task("prefill", total=len(ids))
+
+    def on_prefill(done: int, total: int) -> None:
+        # Only worth a bar when the prompt spans several chunks.
+        if total > model.session_options.max_chunk and not progress.live.is_started:
+            progress.start()
+        progress.update(task, completed=done, total=total)
+
+    def stream(piece: str) -> None:
+        if not a.json:
+            out.print(piece, end="", markup=False, highlight=False, soft_wrap=True)
+
+    try:
+        g = model.generate(
+            ids,
+            a.max_new_tokens,
+            **params.to_json(),
+            use_cache=not a.no_cache,
+            stream=stream,
+            on_prefill=on_prefill,
+        )
+    finally:
+        progress.stop()
+    if not a.json:
+        out.print()
+    return g
+
+
+def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
+    """``--mesh FILE_OR_URL`` / ``--stations K``. ``--no-cache`` skips replay and capture
+    for this run only; the stations' caches stay as they are for their other clients."""
+    import asyncio
+
+    from rich.console import Console
+
+    from amplituhedron_rs.mesh.coordinator import Coordinator
+    from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+    from amplituhedron_rs.runtime.gguf_file import read_model_file
+    from amplituhedron_rs.runtime.tokenizer import StreamDecoder, Tokenizer
+
+    out = Console()
+    with err.status("reading the tokenizer…"):
+        tok = Tokenizer(read_model_file(a.model))
+    ids = prompt_of(a, tok)
+    local: LocalMesh | None = None
+    try:
+        if a.stations:
+            with err.status(f"starting {a.stations} stations…"):
+                local = LocalMesh(a.stations, model_path=a.model)
+                mesh = local.start()
+        else:
+            mesh = MeshSpec.load(a.mesh)
+
+        async def generate_all() -> None:
+            async with Coordinator(mesh, token=a.token) as c:
+                for _ in range(max(1, a.repeat)):
+                    decoder = StreamDecoder(tok)
+
+                    def on_token(t: int, decoder: StreamDecoder = decoder) -> None:
+                        if not a.json:
+                            out.print(decoder.push(t), end="", markup=False, highlight=False)
+
+                    g = await c.generate(
+                        ids,
+                        a.max_new_tokens,
+                        **params.to_json(),
+                        use_cache=not a.no_cache,
+                        stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
+                        on_token=on_token,
+                    )
+                    if a.json:
+                        d = g.to_json()
+                        d["text"] = tok.decode(g.output_ids, skip_special=True)
+                        print(json.dumps(d))
+                        continue
+                    out.print()
+                    verdicts = " ".join(f"{v.layer_lo}:{v.layer_hi}={v.replay}" for v in g.stations)
+                    err.print(
+                        f"[dim]{len(mesh.stations)} stations · cache {verdicts} · "
+                        f"replay {g.replay_ms:.1f} ms · prefill {g.prefill_ms:.1f} ms · "
+                        f"decode {g.decode_ms:.1f} ms · latency {g.latency_ms:.1f} ms[/dim]"
+                    )
+
+        asyncio.run(generate_all())
+    finally:
+        if local is not None:
+            local.close()
+    return 0

@@ -1,0 +1,47 @@
+"""``amplituhedron mesh up``: a local mesh of station processes, until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+
+from amplituhedron_rs.cli.common import add_token, err
+
+HELP = "local meshes"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="mesh_command", required=True)
+    up = sub.add_parser("up", help="start K stations on loopback until Ctrl-C")
+    up.add_argument("--stations", type=int, default=3, metavar="K")
+    up.add_argument("--port", type=int, default=8100, metavar="BASE")
+    up.add_argument("--mesh-file", default="mesh.json", metavar="PATH")
+    up.add_argument("--model", metavar="GGUF")
+    add_token(up, "bearer token the stations require")
+
+
+def run(a: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from amplituhedron_rs.mesh.launcher import LocalMesh
+
+    mesh = LocalMesh(a.stations, base_port=a.port, model_path=a.model, token=a.token)
+    with err.status(f"starting {a.stations} stations…"):
+        spec = mesh.start()
+    spec.write(a.mesh_file)
+    for s in spec.stations:
+        err.print(f"  station {s.url}  layers {s.layer_lo}:{s.layer_hi}")
+    err.print(f"mesh file: {a.mesh_file} — stop with Ctrl-C")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            dead = [p for p in mesh.processes if p.poll() is not None]
+            if dead:
+                err.print(f"[red]a station exited (code {dead[0].returncode}); stopping[/red]")
+                return 1
+    finally:
+        mesh.close()
+        err.print("stations stopped")
+    return 0

@@ -1,0 +1,78 @@
+"""HTTP to stations, as the coordinator speaks it: one keep-alive aiohttp session, every
+answer read in full, and every failure a :class:`MeshError` that names the station and the
+phase of the generation it broke."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+
+from amplituhedron_rs._core import MeshError
+from amplituhedron_rs.mesh.launcher import StationInfo
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A station's answer, read in full."""
+
+    status: int
+    headers: Mapping[str, str]  # case-insensitive
+    content: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+class StationClient:
+    """The connection pool to a mesh's stations; open it before use, close it after."""
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        # aiohttp keeps connections alive per host and costs ~0.25 ms a request on loopback
+        # (httpx measured ~1.5 ms here), which is most of the per-hop budget.
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self._timeout),
+            connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def call(
+        self,
+        phase: str,
+        station: StationInfo,
+        method: str,
+        path: str,
+        *,
+        ok: Sequence[int] = (200, 201),
+        **kwargs: Any,
+    ) -> Reply:
+        """One request; a status outside ``ok`` or a transport failure is a MeshError."""
+        if self._session is None:
+            raise RuntimeError("use the Coordinator as `async with Coordinator(...) as c:`")
+        if "content" in kwargs:
+            kwargs["data"] = kwargs.pop("content")
+        try:
+            async with self._session.request(method, station.url + path, **kwargs) as r:
+                reply = Reply(r.status, CIMultiDict(r.headers), await r.read())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise MeshError(f"station {station.url} failed during {phase}: {exc!r}") from exc
+        if reply.status not in ok:
+            try:
+                detail = reply.json().get("detail", reply.content.decode(errors="replace"))
+            except ValueError:
+                detail = reply.content.decode(errors="replace")
+            raise MeshError(
+                f"station {station.url} answered {reply.status} during {phase}: {detail}"
+            )
+        return reply

@@ -1,0 +1,47 @@
+"""What a session's ring and a volume cache are sized with. Every default is the core's own
+(``_core.DEFAULTS``), so the runtime, the stations and the CLI cannot drift apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from amplituhedron_rs._core import DEFAULTS
+
+Policy = Literal["pisot", "lru", "gdsf"]
+Precision = Literal["refined", "fast"]
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Ring-buffer geometry of each session (SPEC §3)."""
+
+    slots: int = DEFAULTS.slots
+    recall: int = DEFAULTS.recall
+    n_sys: int = DEFAULTS.n_sys
+    max_chunk: int = DEFAULTS.max_chunk
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """Continuous batching: sequences running at once, requests waiting, rows per step."""
+
+    max_running: int = 8
+    max_queue: int = 64
+    #: Rows per step: decode rows first, then prompt chunks with the rest. Larger is faster
+    #: for one long prompt; smaller bounds the other streams' inter-token latency.
+    step_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Volume-cache bounds (SPEC §2)."""
+
+    enabled: bool = True
+    max_entries: int = DEFAULTS.max_entries
+    max_prefix_len: int = DEFAULTS.max_prefix_len
+    max_bytes: int | None = DEFAULTS.max_bytes
+    policy: Policy = DEFAULTS.policy
+    #: After an exact miss, reuse the longest cached prefix of at least this many tokens
+    #: (0: exact-prompt replay only).
+    min_prefix_reuse: int = DEFAULTS.min_prefix_reuse

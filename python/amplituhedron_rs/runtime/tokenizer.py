@@ -1,0 +1,271 @@
+"""Tokenizer and chat template, built from a GGUF file's own metadata.
+
+The BPE itself is Hugging Face ``tokenizers`` (Rust); the vocabulary, merges (or scores),
+special tokens and the pre-tokenizer choice come from the GGUF header, and the chat template
+(Jinja) is rendered in a sandbox the way ``transformers`` renders it. Two tokenizer models:
+
+- ``gpt2``: byte-level BPE with the file's merges (SmolLM2, Llama 3, Qwen 2).
+- ``llama``: SentencePiece BPE with scores and byte fallback (Gemma 3). llama.cpp merges the
+  adjacent pair whose concatenation is the highest-scoring piece, leftmost first, and spells
+  pieces that are not in the vocabulary as ``<0xNN>`` byte tokens. The same result comes from
+  a BPE whose merges are every split ``(left, right)`` of every normal piece (both halves in
+  the vocabulary), ranked by the piece's score, with byte fallback on.
+
+BOS is added when the GGUF says so (SmolLM2: ``add_bos_token = false``; Gemma 3: true). A
+file without a chat template gets its architecture's own turn format where one is known
+(Gemma 3: ``<start_of_turn>``/``<end_of_turn>``, as llama.cpp's built-in ``gemma`` template).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from amplituhedron_rs._core import InputError
+from amplituhedron_rs.runtime.gguf_file import ModelFile, ModelFileError
+
+# ggml token types (llama.cpp `llama_token_type`)
+_NORMAL = 1
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# Gemma's turn format (llama.cpp's built-in `gemma` template; the official Gemma 3 template
+# without its leading BOS, which the tokenizer adds): a system prompt opens the first user
+# turn, the assistant speaks as "model".
+GEMMA_TEMPLATE = """\
+{%- if messages[0]['role'] == 'system' -%}
+{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}
+{%- set first_user_prefix = '' -%}
+{%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{%- endif -%}
+{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}\
+{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+_FALLBACK_TEMPLATES = {"gemma3": GEMMA_TEMPLATE}
+
+# Pre-tokenizer split of Llama 3 / Qwen 2 style BPE (llama.cpp `llama-bpe`, `qwen2`).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+Message = dict[str, str]
+
+
+class Tokenizer:
+    """Text ↔ token ids for one model, plus its chat template."""
+
+    def __init__(self, model_file: ModelFile) -> None:
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
+
+        kind = model_file.metadata.get("tokenizer_model")
+        if kind == "gpt2":
+            tok = _byte_level_bpe(model_file)
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(model_file)
+        else:
+            raise ModelFileError(
+                f"tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                "SentencePiece 'llama' are)"
+            )
+        tokens = model_file.tokens
+        types = model_file.token_types
+        # Control tokens are special (skipped when decoding with skip_special); user-defined
+        # pieces (Gemma's runs of newlines, tabs…) are matched whole in any text, as
+        # llama.cpp does, and decode as themselves.
+        tok.add_tokens(
+            [
+                AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types)
+                if t == _USER_DEFINED
+            ]
+        )
+        tok.add_special_tokens(
+            [
+                AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types)
+                if t == _CONTROL
+            ]
+        )
+        self._tok: HFTokenizer = tok
+        self.vocab_size = len(tokens)
+        self.bos_id: int | None = model_file.bos_id
+        self.eos_id: int | None = model_file.eos_id
+        self.add_bos = model_file.add_bos
+        self._tokens = tokens
+        self._template_source = model_file.chat_template or _FALLBACK_TEMPLATES.get(
+            model_file.architecture
+        )
+        self._template: Any = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (special tokens written in the text are recognised)."""
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        """Text of ``ids``; raises InputError for ids outside the vocabulary."""
+        ids = list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise InputError(f"token ids outside the vocabulary of {self.vocab_size}: {bad[:5]}")
+        text: str = self._tok.decode(ids, skip_special_tokens=skip_special)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one id (byte-level form)."""
+        return self._tokens[token_id]
+
+    def render_chat(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> str:
+        """The model's own chat template applied to ``messages``."""
+        if not messages:
+            raise InputError("a chat needs at least one message")
+        for m in messages:
+            if set(m) != {"role", "content"}:
+                raise InputError(f"a message has exactly 'role' and 'content', got {sorted(m)}")
+        template = self._compiled_template()
+        rendered: str = template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._tokens[self.bos_id] if self.bos_id is not None else "",
+            eos_token=self._tokens[self.eos_id] if self.eos_id is not None else "",
+        )
+        return rendered
+
+    def chat_ids(self, system: str | None, user: str) -> list[int]:
+        """Token ids of a one-turn chat (system prompt optional) ready for generation."""
+        messages: list[Message] = []
+        if system is not None:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": user})
+        return self.encode(self.render_chat(messages))
+
+    def _compiled_template(self) -> Any:
+        if self._template is None:
+            if not self._template_source:
+                raise ModelFileError("this model file has no chat template")
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self._template_source)
+        return self._template
+
+
+def _byte_level_bpe(model_file: ModelFile) -> Any:
+    """GPT-2 style byte-level BPE from the file's vocabulary, merges and pre-tokenizer."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {t: i for i, t in enumerate(model_file.tokens)}
+    merges = [(a, b) for a, _, b in (m.partition(" ") for m in model_file.merges)]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = model_file.metadata.get("pre") or "default"
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in ("default", "gpt2"):
+        tok.pre_tokenizer = byte_level
+    elif pre in ("llama-bpe", "llama3", "qwen2"):
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        raise ModelFileError(f"pre-tokenizer {pre!r} is not supported")
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(model_file: ModelFile) -> Any:
+    """SentencePiece BPE (scores, byte fallback) as llama.cpp's SPM tokenizer runs it."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    tokens, types, scores = model_file.tokens, model_file.token_types, model_file.scores
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise ModelFileError(
+            f"{model_file.path}: a SentencePiece vocabulary needs a score and a type per token"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, left, right))
+    ranked.sort()
+    unk_id = model_file.metadata.get("unknown_id")
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[(left, right) for _, _, left, right in ranked],
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tok = HFTokenizer(bpe)
+    steps: list[Any] = [normalizers.Replace(" ", "\u2581")]
+    if model_file.metadata.get("add_space_prefix"):
+        steps.insert(0, normalizers.Prepend(" "))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces, never splitting a UTF-8 character.
+
+    Incremental: each token decodes only the ids since the last released piece plus the
+    piece before it (a few ids), never the whole stream. Byte-level BPE tokens can end
+    mid-character, so text is released only once it no longer ends in the replacement
+    character; decoding from the start of the previous piece (always a character boundary)
+    keeps the decoder's joins exactly as in a decode of every id.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  #: start of the ids whose text was released last
+        self._read = 0  #: end of the ids whose text was released
+
+    def push(self, token_id: int) -> str:
+        """Adds one id; returns the text that became complete (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        released = decode(self._ids[self._prefix : self._read], skip_special=self._skip_special)
+        text = decode(self._ids[self._prefix :], skip_special=self._skip_special)
+        if text.endswith("\ufffd") or len(text) <= len(released):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(released) :]
