@@ -226,45 +226,64 @@ impl Sampler {
         Ok(())
     }
 
-    /// Fills `candidates`/`weights` with the kept tokens (after top-k and top-p, highest
-    /// first) and their unnormalised probabilities; returns their total.
+    /// Fills `candidates`/`weights` with the kept tokens and their unnormalised
+    /// probabilities `exp((l − max) / T)`; returns their total.
+    ///
+    /// Canonical definition (what every process computes): without top-k and top-p, every
+    /// token is kept, in id order. With top-k, the k best in the total order "higher logit
+    /// first, lower id on ties". With top-p, the shortest prefix of that order whose weight
+    /// reaches `top_p` of the total weight (summed in id order, or over the top-k set).
+    /// Only that prefix is ever sorted: it is found by selecting ever larger heads of the
+    /// order, so a draw costs a few passes over the vocabulary, not a sort of it.
     fn distribution(&mut self, logits: &[f32]) -> f64 {
         let p = &self.params;
+        let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let inv_t = 1.0 / p.temperature;
+        let weight = |l: f32| ((l - best) * inv_t).exp() as f64;
         self.candidates.clear();
         self.candidates
             .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        // Highest logit first; equal logits by lower id, so the order is total and stable.
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| {
-            b.1.partial_cmp(&a.1)
-                .unwrap_or(Ordering::Equal)
-                .then(a.0.cmp(&b.0))
-        };
-        if p.top_k > 0 && p.top_k < self.candidates.len() {
+        let truncate_k = p.top_k > 0 && p.top_k < self.candidates.len();
+        if !truncate_k && p.top_p >= 1.0 {
+            self.weights.clear();
+            self.weights.extend(logits.iter().map(|&l| weight(l)));
+            return self.weights.iter().sum();
+        }
+        if truncate_k {
             self.candidates
                 .select_nth_unstable_by(p.top_k - 1, by_logit);
             self.candidates.truncate(p.top_k);
+            self.candidates.sort_unstable_by(by_logit);
         }
-        self.candidates.sort_unstable_by(by_logit);
-        let max = self.candidates[0].1 as f64;
-        let t = p.temperature as f64;
+        let pool_total: f64 = if truncate_k {
+            self.candidates.iter().map(|&(_, l)| weight(l)).sum()
+        } else {
+            logits.iter().map(|&l| weight(l)).sum()
+        };
+        let target = p.top_p as f64 * pool_total;
         self.weights.clear();
-        self.weights.extend(
-            self.candidates
-                .iter()
-                .map(|&(_, l)| ((l as f64 - max) / t).exp()),
-        );
-        let total: f64 = self.weights.iter().sum();
-        let mut keep = self.weights.len();
-        if p.top_p < 1.0 {
-            let mut cumulative = 0.0;
-            for (i, w) in self.weights.iter().enumerate() {
-                cumulative += w / total;
-                if cumulative >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
+        let mut cumulative = 0.0;
+        let mut sorted = if truncate_k { self.candidates.len() } else { 0 };
+        let mut head = 64.min(self.candidates.len());
+        let keep = 'found: loop {
+            if sorted < head {
+                self.candidates[sorted..].select_nth_unstable_by(head - sorted - 1, by_logit);
+                self.candidates[sorted..head].sort_unstable_by(by_logit);
+                sorted = head;
+            }
+            for i in self.weights.len()..sorted {
+                let w = weight(self.candidates[i].1);
+                self.weights.push(w);
+                cumulative += w;
+                if cumulative >= target {
+                    break 'found i + 1;
                 }
             }
-        }
+            if sorted == self.candidates.len() {
+                break sorted;
+            }
+            head = (4 * head).min(self.candidates.len());
+        };
         self.candidates.truncate(keep);
         self.weights.truncate(keep);
         self.weights.iter().sum()
@@ -286,6 +305,13 @@ impl Sampler {
         // Rounding left `target` at the very top: the last eligible candidate.
         last.or(excluded).unwrap_or(self.candidates[0].0)
     }
+}
+
+/// Highest logit first; equal logits by lower id, so the order is total and stable.
+fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.partial_cmp(&a.1)
+        .unwrap_or(Ordering::Equal)
+        .then(a.0.cmp(&b.0))
 }
 
 fn check_logits(logits: &[f32]) -> Result<(), SamplingError> {

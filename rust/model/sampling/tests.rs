@@ -72,6 +72,64 @@ fn bad_parameters_and_logits_are_refused() {
     assert!(out.is_empty());
 }
 
+/// The selection-based nucleus equals the definition: sort everything, cut at top-k,
+/// keep the shortest prefix reaching top-p of the total weight.
+#[test]
+fn the_kept_set_equals_a_full_sort_of_the_vocabulary() {
+    let mut seed = 7u64;
+    let mut next = move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as f32 / (1u64 << 31) as f32
+    };
+    for case in 0..60 {
+        let vocab = 50 + case * 37;
+        // Ties included: logits on a coarse grid.
+        let logits: Vec<f32> = (0..vocab).map(|_| (next() * 40.0).round() / 4.0).collect();
+        let top_k = [0, 1, 5, 40, vocab + 3][case % 5];
+        let top_p = [1.0, 0.9, 0.5, 0.05, 0.999][case / 5 % 5];
+        let mut s = Sampler::new(params(0.7, top_k, top_p, 1)).unwrap();
+        s.distribution(&logits);
+        let mut order: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        order.sort_by(by_logit);
+        if top_k > 0 && top_k < vocab {
+            order.truncate(top_k);
+        }
+        let best = order[0].1;
+        let w = |l: f32| ((l - best) * (1.0 / 0.7f32)).exp() as f64;
+        let total: f64 = if top_k > 0 && top_k < vocab {
+            order.iter().map(|&(_, l)| w(l)).sum()
+        } else {
+            logits.iter().map(|&l| w(l)).sum()
+        };
+        let mut keep = order.len();
+        if top_p < 1.0 {
+            let mut c = 0.0;
+            for (i, &(_, l)) in order.iter().enumerate() {
+                c += w(l);
+                if c >= top_p as f64 * total {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        let mut want: Vec<u32> = order[..keep].iter().map(|&(id, _)| id).collect();
+        let mut got: Vec<u32> = s.candidates.iter().map(|&(id, _)| id).collect();
+        if !(top_k > 0 && top_k < vocab) && top_p >= 1.0 {
+            // No truncation: every token, in id order.
+            want.sort_unstable();
+            got.sort_unstable();
+            assert_eq!(s.candidates.len(), vocab);
+        }
+        assert_eq!(got, want, "case {case}: top_k {top_k}, top_p {top_p}");
+    }
+}
+
 #[test]
 fn sampling_is_a_function_of_the_position_not_of_call_order() {
     let logits: Vec<f32> = (0..64).map(|i| ((i * 5) % 11) as f32 * 0.3).collect();
