@@ -6,6 +6,7 @@ import argparse
 import os
 
 from amplituhedron_rs.cli.common import add_model
+from amplituhedron_rs.serve.options import ServeOptions
 
 HELP = "an OpenAI-compatible server with continuous batching"
 DESCRIPTION = (
@@ -15,9 +16,16 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServeOptions()
     add_model(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients send and /v1/models lists (default: the model's known "
+        "name, e.g. smollm2-135m, or the GGUF file's stem)",
+    )
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
     p.add_argument(
         "--api-key",
         action="append",
@@ -25,31 +33,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="accepted API key (repeatable; env AMPLITUHEDRON_API_KEY); none: open",
     )
-    p.add_argument("--max-batch", type=int, default=8, metavar="N", help="sequences per step")
-    p.add_argument("--max-queue", type=int, default=64, metavar="M", help="waiting requests")
+    p.add_argument(
+        "--max-batch", type=int, default=d.max_batch, metavar="N", help="sequences per step"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=d.max_queue, metavar="M", help="waiting requests"
+    )
     p.add_argument(
         "--step-tokens",
         type=int,
-        default=64,
+        default=d.step_tokens,
         metavar="T",
         help="rows per step: decode rows first, then prompt chunks (bounds inter-token latency)",
     )
-    p.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    p.add_argument("--precision", choices=["refined", "fast"], default=d.precision)
     p.add_argument(
         "--draft",
         choices=["prompt-lookup", "off"],
         default="off",
         help="speculative decoding for requests that do not choose (greedy output unchanged)",
     )
-    p.add_argument("--draft-max", type=int, default=8, metavar="K")
+    p.add_argument("--draft-max", type=int, default=d.draft_max, metavar="K")
 
 
 def run(a: argparse.Namespace) -> int:
-    from amplituhedron_rs.serve import ServeOptions, serve
+    from amplituhedron_rs.serve import serve
 
     serve(
         ServeOptions(
             model_path=a.model,
+            served_model_name=a.served_model_name,
             host=a.host,
             port=a.port,
             api_keys=a.api_key,

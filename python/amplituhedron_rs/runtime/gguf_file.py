@@ -129,6 +129,16 @@ def known_models() -> list[KnownModel]:
     return out
 
 
+def model_id(model: str | Path | None) -> str:
+    """A short, stable name for a model argument, as servers list it: the known name
+    (``smollm2-135m`` for the default), or the file's stem for a path."""
+    if model is None:
+        return next(iter(KNOWN_MODELS))
+    if isinstance(model, str) and model in KNOWN_MODELS:
+        return model
+    return Path(model).stem
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
     """A model argument as a path: ``None`` (the bundled SmolLM2), a known name
     (``smollm2-135m``, ``gemma3-270m``) or a GGUF path."""

@@ -5,41 +5,27 @@
 The wire format lives in :mod:`.protocol`, the error mapping in :mod:`.errors`, the routes
 in :mod:`.app`; the scheduling itself is the Rust engine's, stepped by :mod:`.frontend`.
 Depends on :mod:`amplituhedron_rs.runtime` (and the core); nothing but the CLI imports it.
+Importing this package loads no HTTP stack (:mod:`.options` is what the CLI reads).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from amplituhedron_rs.serve.app import ServeSettings, create_app
-from amplituhedron_rs.serve.frontend import EngineFront
+from amplituhedron_rs.serve.options import ServeOptions
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-__all__ = ["EngineFront", "ServeOptions", "ServeSettings", "create_app", "serve"]
-
-
-@dataclass
-class ServeOptions:
-    """Everything ``amplituhedron serve`` takes."""
-
-    model_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)
-    max_batch: int = 8
-    max_queue: int = 64
-    step_tokens: int = 64
-    precision: str = "refined"
-    draft: bool = False
-    draft_max: int = 8
+__all__ = ["ServeOptions", "build_app", "serve"]
 
 
 def build_app(o: ServeOptions) -> FastAPI:
     """Loads the model and returns the ASGI app (the engine starts with the app)."""
     from amplituhedron_rs.runtime import BatchOptions, load_model
+    from amplituhedron_rs.runtime.gguf_file import model_id
+    from amplituhedron_rs.serve.app import ServeSettings, create_app
+    from amplituhedron_rs.serve.frontend import EngineFront
 
     model = load_model(
         o.model_path,
@@ -49,7 +35,7 @@ def build_app(o: ServeOptions) -> FastAPI:
         ),
     )
     settings = ServeSettings(
-        model_name=model.file.name or "model",
+        model_name=o.served_model_name or model_id(o.model_path),
         context_len=min(model.session_options.slots, int(model.file.config["context_len"])),
         api_keys=o.api_keys,
         draft_by_default=o.draft,

@@ -1,0 +1,28 @@
+"""What ``amplituhedron serve`` is started with (light to import: the CLI reads its
+defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from amplituhedron_rs.runtime.options import BatchOptions
+
+
+@dataclass
+class ServeOptions:
+    """Everything ``amplituhedron serve`` takes."""
+
+    model_path: str | None = None
+    #: The id clients name the model by (None: the known name, or the file's stem).
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    max_batch: int = BatchOptions.max_running
+    max_queue: int = BatchOptions.max_queue
+    #: Rows per step; smaller than a single process's default, to bound the inter-token
+    #: latency of the running streams while a new prompt is prefilled.
+    step_tokens: int = 64
+    precision: str = "refined"
+    draft: bool = False
+    draft_max: int = 8
