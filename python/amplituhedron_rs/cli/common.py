@@ -54,6 +54,18 @@ def add_model(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="persist captured volumes under DIR (one subdirectory per model and layer range); "
+        "a restart serves hits from disk at once",
+    )
+    p.add_argument(
+        "--max-disk-bytes", type=int, metavar="N", help="disk budget of --cache-dir (evicted)"
+    )
+
+
 def add_prompt(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text")

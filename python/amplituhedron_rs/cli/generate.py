@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING
 
 from amplituhedron_rs.cli.common import (
+    add_cache_dir,
     add_model,
     add_prompt,
     add_sampling,
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling(p)
     add_model(p)
     p.add_argument("--no-cache", action="store_true", help="skip the volume cache for this run")
+    add_cache_dir(p)
     p.add_argument(
         "--precision",
         choices=["refined", "fast"],
@@ -66,7 +68,11 @@ def run(a: argparse.Namespace) -> int:
 
     with err.status("loading model…"):
         model = load_model(
-            a.model, cache=CacheOptions(enabled=not a.no_cache), precision=a.precision
+            a.model,
+            cache=CacheOptions(
+                enabled=not a.no_cache, cache_dir=a.cache_dir, max_disk_bytes=a.max_disk_bytes
+            ),
+            precision=a.precision,
         )
     ids = prompt_of(a, model.tokenizer)
     for _ in range(max(1, a.repeat)):
@@ -142,7 +148,8 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
     try:
         if a.stations:
             with err.status(f"starting {a.stations} stations…"):
-                local = LocalMesh(a.stations, model_path=a.model)
+                disk = ["--cache-dir", a.cache_dir] if a.cache_dir else []
+                local = LocalMesh(a.stations, model_path=a.model, station_args=disk)
                 mesh = local.start()
         else:
             mesh = MeshSpec.load(a.mesh)

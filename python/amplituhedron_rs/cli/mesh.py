@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_token, err
+from amplituhedron_rs.cli.common import add_cache_dir, add_token, err
 
 HELP = "local meshes"
 
@@ -17,6 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--mesh-file", default="mesh.json", metavar="PATH")
     up.add_argument("--model", metavar="GGUF")
     add_token(up, "bearer token the stations require")
+    add_cache_dir(up)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -25,7 +26,18 @@ def run(a: argparse.Namespace) -> int:
 
     from amplituhedron_rs.mesh.launcher import LocalMesh
 
-    mesh = LocalMesh(a.stations, base_port=a.port, model_path=a.model, token=a.token)
+    station_args = []
+    if a.cache_dir:
+        station_args += ["--cache-dir", a.cache_dir]
+    if a.max_disk_bytes is not None:
+        station_args += ["--max-disk-bytes", str(a.max_disk_bytes)]
+    mesh = LocalMesh(
+        a.stations,
+        base_port=a.port,
+        model_path=a.model,
+        token=a.token,
+        station_args=station_args,
+    )
     with err.status(f"starting {a.stations} stations…"):
         spec = mesh.start()
     spec.write(a.mesh_file)

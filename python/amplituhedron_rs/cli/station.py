@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from amplituhedron_rs._core import DEFAULTS
-from amplituhedron_rs.cli.common import add_model, add_token, layer_range
+from amplituhedron_rs.cli.common import add_cache_dir, add_model, add_token, layer_range
 
 HELP = "run one station"
 
@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"default {DEFAULTS.min_prefix_reuse})",
     )
     serve.add_argument("--no-cache", action="store_true", help="start with the cache disabled")
+    add_cache_dir(serve)
     serve.add_argument(
         "--precision",
         choices=["refined", "fast"],
@@ -80,6 +81,8 @@ def run(a: argparse.Namespace) -> int:
             max_prefix_len=a.max_prefix_len,
             policy=a.policy,
             min_prefix_reuse=a.min_prefix_reuse,
+            cache_dir=a.cache_dir,
+            max_disk_bytes=a.max_disk_bytes,
         ),
         fault_injection=a.fault_injection,
         precision=a.precision,

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -265,6 +265,7 @@ def load_model(
     cache: CacheOptions | None = None,
     precision: Precision = "refined",
     batch: BatchOptions | None = None,
+    cache_dir: str | Path | None = None,
 ) -> Model:
     """Loads a GGUF of a supported architecture (llama, qwen2, gemma3): a path, a known name
     (``"smollm2-135m"``, ``"gemma3-270m"``), or the bundled SmolLM2-135M-Instruct by default.
@@ -272,7 +273,12 @@ def load_model(
 
     ``precision="refined"`` (default) quantizes activations in two 8-bit passes for logits
     within a few hundredths of an f32 implementation; ``"fast"`` uses one pass, as llama.cpp.
+
+    ``cache_dir`` persists captured volumes there (shorthand for ``CacheOptions.cache_dir``):
+    a later process loading the same model serves hits from disk at once.
     """
+    if cache_dir is not None:
+        cache = replace(cache or CacheOptions(), cache_dir=cache_dir)
     return Model(
         read_model_file(path), session=session, cache=cache, precision=precision, batch=batch
     )

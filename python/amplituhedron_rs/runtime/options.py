@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from amplituhedron_rs._core import DEFAULTS
@@ -45,3 +46,9 @@ class CacheOptions:
     #: After an exact miss, reuse the longest cached prefix of at least this many tokens
     #: (0: exact-prompt replay only).
     min_prefix_reuse: int = DEFAULTS.min_prefix_reuse
+    #: Persist every captured volume under this directory (None: memory only). Each model
+    #: fingerprint and layer range gets its own subdirectory, so one directory serves every
+    #: station of a host and several models; a restart serves hits from it at once.
+    cache_dir: str | Path | None = None
+    #: Disk budget of the persisted volumes, evicted by the same policy (None: unbounded).
+    max_disk_bytes: int | None = None

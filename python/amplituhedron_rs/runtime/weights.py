@@ -49,6 +49,17 @@ def load_indexed_weights(index: Path, precision: Precision = "refined") -> _core
     return _core.ModelWeights(data["path"], data["config"], tensors, precision)
 
 
+def volume_dir(
+    cache: CacheOptions, weights: _core.ModelWeights, layer_lo: int, layer_hi: int
+) -> Path | None:
+    """Where a layer range's volumes persist: ``cache_dir/<fingerprint>/layers-<lo>-<hi>``.
+    Per fingerprint, so models (and precisions) never evict each other's files as
+    mismatches; per range, because each cache locks its directory."""
+    if cache.cache_dir is None:
+        return None
+    return Path(cache.cache_dir) / f"{weights.fingerprint:016x}" / f"layers-{layer_lo}-{layer_hi}"
+
+
 def new_pipeline(
     weights: _core.ModelWeights, layer_lo: int, layer_hi: int, cache: CacheOptions
 ) -> _core.NativeLlamaPipeline:
@@ -61,6 +72,8 @@ def new_pipeline(
         max_prefix_len=cache.max_prefix_len,
         max_bytes=cache.max_bytes,
         policy=cache.policy,
+        cache_dir=volume_dir(cache, weights, layer_lo, layer_hi),
+        max_disk_bytes=cache.max_disk_bytes,
     )
     pipeline.amplituhedron_enable(cache.enabled)
     pipeline.amplituhedron_set_min_prefix_reuse(cache.min_prefix_reuse)
