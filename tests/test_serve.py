@@ -193,6 +193,21 @@ def test_a_seed_makes_sampling_reproducible(server: Server) -> None:
     assert others - {a}, "other seeds never changed the text"
 
 
+def test_a_request_that_speculates_gets_the_plain_greedy_reply(server: Server) -> None:
+    c, m = server.client(), server.model()
+    user = "Repeat exactly: the red fox, the red fox, the red fox, the red fox."
+    plain = chat(c, m, user, max_tokens=24).choices[0].message.content
+    spec = chat(c, m, user, max_tokens=24, extra_body={"draft": "prompt-lookup"})
+    assert spec.choices[0].message.content == plain
+    bad = c.with_options(max_retries=0).chat.completions
+    with pytest.raises(openai.BadRequestError):
+        bad.create(
+            model=m,
+            messages=[{"role": "user", "content": user}],
+            extra_body={"draft": "medusa"},
+        )
+
+
 def test_a_repeated_system_prompt_is_served_from_the_cache(server: Server) -> None:
     c, m = server.client(), server.model()
     chat(c, m, "What is fog?", max_tokens=4)

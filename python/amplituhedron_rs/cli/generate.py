@@ -36,6 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="activations: two 8-bit passes (near-f32 logits) or one (llama.cpp)",
     )
     p.add_argument(
+        "--draft",
+        choices=["prompt-lookup", "off"],
+        default="off",
+        help="speculative decoding by prompt lookup (greedy output unchanged, bit for bit)",
+    )
+    p.add_argument(
+        "--draft-max", type=int, default=8, metavar="K", help="longest draft per verify step"
+    )
+    p.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -62,6 +71,8 @@ def prompt_of(a: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
 
 def run(a: argparse.Namespace) -> int:
     params = sampling(a)
+    if a.draft != "off" and (a.mesh or a.stations):
+        raise ValueError("--draft runs in a single process only (not yet over a mesh)")
     if a.mesh or a.stations:
         return _over_mesh(a, params)
     from amplituhedron_rs.runtime import CacheOptions, load_model
@@ -84,7 +95,14 @@ def run(a: argparse.Namespace) -> int:
             err.print(
                 f"[dim]{len(ids)} prompt tokens, {len(g.output_ids)} generated · "
                 f"cache {verdict} · prefill {g.prefill_ms:.1f} ms · decode {g.decode_ms:.1f} ms"
-                f" ({g.decode_ms / max(1, len(g.output_ids)):.1f} ms/token)[/dim]"
+                f" ({g.decode_ms / max(1, len(g.output_ids)):.1f} ms/token)"
+                + (
+                    f" · drafts {g.draft_accepted}/{g.draft_proposed} accepted"
+                    f" in {g.verify_steps} verify steps"
+                    if a.draft != "off"
+                    else ""
+                )
+                + "[/dim]"
             )
     return 0
 
@@ -118,6 +136,8 @@ def _generate_once(
             a.max_new_tokens,
             **params.to_json(),
             use_cache=not a.no_cache,
+            draft=None if a.draft == "off" else a.draft,
+            draft_max=a.draft_max,
             stream=stream,
             on_prefill=on_prefill,
         )

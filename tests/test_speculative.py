@@ -1,0 +1,92 @@
+"""Speculative decoding by prompt lookup, through the product's own entry points on the real
+model: greedy output identical to plain decoding on every bench workload (copy-heavy,
+summarise, free chat), drafts actually proposed and accepted where there is text to copy,
+sampled speculation reproducible per seed, and the CLI's ``--draft``. The engine's own tests
+(rust/engine/tests.rs) cover the logits of every emitted position, volumes captured after
+speculation and batches mixing speculating and plain neighbours; the sampling rule is tested
+statistically in rust/model/sampling/tests.rs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import amplituhedron_rs as ar
+from amplituhedron_rs.bench.spec import workloads
+
+pytestmark = [pytest.mark.model]
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompts(model: ar.Model) -> dict[str, list[tuple[str, list[int]]]]:
+    return workloads(model.chat_ids)
+
+
+@pytest.mark.parametrize("workload", ["copy-heavy", "summarise", "free chat"])
+def test_greedy_speculation_equals_plain_greedy(
+    model: ar.Model, prompts: dict[str, list[tuple[str, list[int]]]], workload: str
+) -> None:
+    proposed = accepted = 0
+    for label, ids in prompts[workload][:1]:  # the shortest of its kind: prefill is not tested
+        plain = model.generate(ids, NEW_TOKENS, use_cache=False, stop_at_eos=False)
+        spec = model.generate(
+            ids, NEW_TOKENS, use_cache=False, stop_at_eos=False, draft="prompt-lookup"
+        )
+        assert spec.output_ids == plain.output_ids, label
+        assert plain.draft_proposed == 0
+        assert spec.draft_accepted <= spec.draft_proposed
+        proposed += spec.draft_proposed
+        accepted += spec.draft_accepted
+    if workload == "copy-heavy":
+        # There is text to copy: drafts are proposed, most are right, and fewer verify
+        # steps than tokens are paid.
+        assert accepted > 0 and accepted >= proposed // 3
+
+
+def test_speculation_with_a_short_draft_limit_and_the_cache_on(
+    model: ar.Model, prompts: dict[str, list[tuple[str, list[int]]]]
+) -> None:
+    _, ids = prompts["copy-heavy"][0]
+    model.clear_cache()
+    plain = model.generate(ids, NEW_TOKENS, stop_at_eos=False)  # captures the prompt
+    for draft_max in (1, 3):
+        again = model.generate(
+            ids, NEW_TOKENS, stop_at_eos=False, draft="prompt-lookup", draft_max=draft_max
+        )
+        assert again.cache_hit and again.output_ids == plain.output_ids
+
+
+def test_sampled_speculation_is_reproducible_per_seed(
+    model: ar.Model, prompts: dict[str, list[tuple[str, list[int]]]]
+) -> None:
+    _, ids = prompts["copy-heavy"][0]
+    kw = {"temperature": 0.7, "seed": 11, "use_cache": False, "stop_at_eos": False}
+    a = model.generate(ids, NEW_TOKENS, draft="prompt-lookup", **kw)  # type: ignore[arg-type]
+    b = model.generate(ids, NEW_TOKENS, draft="prompt-lookup", **kw)  # type: ignore[arg-type]
+    assert a.output_ids == b.output_ids and len(a.output_ids) == NEW_TOKENS
+
+
+def test_bad_draft_arguments_are_input_errors(model: ar.Model) -> None:
+    with pytest.raises(ar.InputError, match="draft"):
+        model.generate([1, 2, 3], 2, draft="medusa")  # type: ignore[arg-type]
+
+
+def test_cli_draft_prints_the_plain_tokens(model: ar.Model) -> None:
+    ids = model.chat_ids(None, "Repeat exactly: alpha beta gamma delta alpha beta gamma delta")
+
+    def run(*extra: str) -> dict[str, object]:
+        argv = [sys.executable, "-m", "amplituhedron_rs.cli", "generate", "--json"]
+        argv += ["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "12", "--no-cache"]
+        out = subprocess.run([*argv, *extra], capture_output=True, text=True, check=True)
+        result: dict[str, object] = json.loads(out.stdout.splitlines()[-1])
+        return result
+
+    plain = run()
+    spec = run("--draft", "prompt-lookup", "--draft-max", "4")
+    assert spec["output_ids"] == plain["output_ids"]
+    assert isinstance(spec["draft_proposed"], int) and spec["draft_proposed"] > 0
