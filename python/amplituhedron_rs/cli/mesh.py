@@ -18,6 +18,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--model", metavar="GGUF")
     add_token(up, "bearer token the stations require")
     add_cache_dir(up)
+    up.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="place the stations as Ray actors across a cluster (ADDRESS, or 'auto' for this "
+        "host's; none: RAY_ADDRESS or a new local cluster); needs the ray extra",
+    )
 
 
 def run(a: argparse.Namespace) -> int:
@@ -25,19 +34,31 @@ def run(a: argparse.Namespace) -> int:
     import threading
 
     from amplituhedron_rs.mesh.launcher import LocalMesh
+    from amplituhedron_rs.mesh.ray import RayMesh
 
     station_args = []
     if a.cache_dir:
         station_args += ["--cache-dir", a.cache_dir]
     if a.max_disk_bytes is not None:
         station_args += ["--max-disk-bytes", str(a.max_disk_bytes)]
-    mesh = LocalMesh(
-        a.stations,
-        base_port=a.port,
-        model_path=a.model,
-        token=a.token,
-        station_args=station_args,
-    )
+    mesh: LocalMesh | RayMesh
+    if a.ray is not None:
+        mesh = RayMesh(
+            a.stations,
+            address=a.ray or None,
+            base_port=a.port,
+            model_path=a.model,
+            token=a.token,
+            station_args=station_args,
+        )
+    else:
+        mesh = LocalMesh(
+            a.stations,
+            base_port=a.port,
+            model_path=a.model,
+            token=a.token,
+            station_args=station_args,
+        )
     with err.status(f"starting {a.stations} stations…"):
         spec = mesh.start()
     spec.write(a.mesh_file)
@@ -49,6 +70,8 @@ def run(a: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(0.5):
+            if isinstance(mesh, RayMesh):
+                continue  # Ray restarts a station that dies
             dead = [p for p in mesh.processes if p.poll() is not None]
             if dead:
                 err.print(f"[red]a station exited (code {dead[0].returncode}); stopping[/red]")
