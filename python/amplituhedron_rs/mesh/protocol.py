@@ -134,6 +134,8 @@ class SessionCount(BaseModel):
 class Captured(BaseModel):
     captured: bool
     bytes: int
+    #: Why nothing was captured, when the station declined on principle.
+    reason: str | None = None
 
 
 class Configured(BaseModel):

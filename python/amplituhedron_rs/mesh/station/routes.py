@@ -158,7 +158,7 @@ async def amplituhedron_capture(
         layer_hi=layer_hi,
     )
     nbytes = await in_thread(station.capture, req, body)
-    return Captured(captured=nbytes > 0, bytes=nbytes)
+    return Captured(captured=nbytes > 0, bytes=nbytes, reason=station.declines_captures)
 
 
 @router.post(

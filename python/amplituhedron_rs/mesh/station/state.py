@@ -206,6 +206,15 @@ class Station:
         self.hidden = int(self.weights.hidden)
         self.vocab = int(self.weights.vocab)
         self.max_prompt = int(self.weights.context_len)
+        # Only the entry station can check what it is sent (token ids against the prompt);
+        # the others trust the hidden states of the mesh-token holder. An open station has
+        # no such holder, so there only the entry station caches.
+        self.declines_captures = (
+            None
+            if s.token is not None or self.is_entry
+            else "an open (--insecure) station cannot verify the hidden states it is sent, "
+            "so it caches nothing; run the mesh with a token"
+        )
         self.max_rows = s.max_forward_rows or s.session.max_chunk
         self.sessions: dict[str, LiveSession] = {}
         self.sessions_lock = threading.Lock()
@@ -413,6 +422,8 @@ class Station:
                     f"the session has not computed its {n}-token prompt (clock {live.clock}); "
                     "a capture freezes only what the station computed"
                 )
+            if self.declines_captures is not None:
+                return 0
             with self.pipeline_lock:
                 return int(
                     self.pipeline.amplituhedron_capture(
