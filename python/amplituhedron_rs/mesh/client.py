@@ -43,7 +43,9 @@ class StationClient:
         self._session = aiohttp.ClientSession(
             headers=self._headers,
             timeout=aiohttp.ClientTimeout(total=self._timeout),
-            connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60),
+            # Shorter than the stations' keep-alive (30 s): a pooled connection is never one
+            # the station has just closed (that race was a spurious "Server disconnected").
+            connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=15),
         )
 
     async def close(self) -> None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -206,39 +206,43 @@ class Coordinator:
 
     async def _open(self, body: dict[str, Any], tenant: str | None) -> list[str]:
         """Opens the session on every station (each draws its own id). If any open fails,
-        the ones that succeeded are closed before the error is raised."""
+        the ones that succeeded are closed at once; if every failure was a full station
+        (503), the whole fan-out is retried with full-jitter exponential backoff until
+        ``open_deadline``. Holding some stations' sessions while waiting for another's
+        would let waiting clients starve each other (and the held sessions expire)."""
         headers = {wire.TENANT: tenant} if tenant is not None else {}
         deadline = time.monotonic() + self.open_deadline
-        results = await asyncio.gather(
-            *(self._open_one(s, body, headers, deadline) for s in self._stations),
-            return_exceptions=True,
-        )
-        sids = [r if isinstance(r, str) else None for r in results]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self._close(sids)
-            raise failed[0]
-        return [sid for sid in sids if sid is not None]
-
-    async def _open_one(
-        self, s: _Station, body: dict[str, Any], headers: dict[str, str], deadline: float
-    ) -> str:
-        """One open, retried on 503 (full station) with full-jitter exponential backoff
-        until ``deadline``."""
         attempt = 0
         while True:
-            try:
-                r = await self._call(
-                    "session open", s.info, "POST", "/sessions", json=body, headers=headers
+            calls = [
+                asyncio.ensure_future(
+                    self._call(
+                        "session open", s.info, "POST", "/sessions", json=body, headers=headers
+                    )
                 )
-                return wire.SessionOpened.model_validate_json(r.content).session_id
-            except StationFailed as exc:
-                left = deadline - time.monotonic()
-                if exc.status != 503 or left <= 0:
-                    raise
-                # Full jitter keeps many refused clients from retrying in lockstep.
-                await asyncio.sleep(min(left, random.uniform(0, min(2.0, 0.05 * 2**attempt))))
-                attempt += 1
+                for s in self._stations
+            ]
+            try:
+                await asyncio.wait(calls)
+            except asyncio.CancelledError:
+                # The caller gave up mid-open: close what did open before going.
+                for c in calls:
+                    c.cancel()
+                await asyncio.wait(calls)
+                await self._close([_opened(c) for c in calls])
+                raise
+            sids = [_opened(c) for c in calls]
+            failed = [e for c in calls if (e := c.exception()) is not None]
+            if not failed:
+                return [sid for sid in sids if sid is not None]
+            await self._close(sids)
+            left = deadline - time.monotonic()
+            full = all(isinstance(f, StationFailed) and f.status == 503 for f in failed)
+            if not full or left <= 0:
+                raise failed[0]
+            # Full jitter keeps many refused clients from retrying in lockstep.
+            await asyncio.sleep(min(left, random.uniform(0, min(2.0, 0.05 * 2**attempt))))
+            attempt += 1
 
     async def _run(
         self,
@@ -270,24 +274,30 @@ class Coordinator:
         output: list[int] = []
         stop_reason = "length"
         decode_start = time.perf_counter()
-        if max_new_tokens > 0 and token is None:
-            # All-hit (or a fully replayed prompt): the exit station samples the first token
-            # from the cached logits, without running the model.
-            token = await self._sample_cached(sids)
-        for step in range(max_new_tokens):
-            assert token is not None
-            output.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stop_ids:
-                stop_reason = "stop"
-                break
-            if step + 1 == max_new_tokens:
-                break
-            token = await self._decode_step(sids, token, step)
-        done = time.perf_counter()
-        if capture is not None:
-            await capture
+        try:
+            if max_new_tokens > 0 and token is None:
+                # All-hit (or a fully replayed prompt): the exit station samples the first token
+                # from the cached logits, without running the model.
+                token = await self._sample_cached(sids)
+            for step in range(max_new_tokens):
+                assert token is not None
+                output.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if token in stop_ids:
+                    stop_reason = "stop"
+                    break
+                if step + 1 == max_new_tokens:
+                    break
+                token = await self._decode_step(sids, token, step)
+            done = time.perf_counter()
+            if capture is not None:
+                await capture
+        finally:
+            # On any failure (or cancellation) the capture must not outlive the sessions.
+            if capture is not None and not capture.done():
+                capture.cancel()
+                await asyncio.gather(capture, return_exceptions=True)
         await self._close(sids)
         return MeshGeneration(
             prompt_ids=prompt,
@@ -398,7 +408,7 @@ class Coordinator:
             if not s.is_exit:
                 queues[i + 1].put_nowait(None)
 
-        await asyncio.gather(*(worker(i) for i in range(k)))
+        await _all(worker(i) for i in range(k))
         return first[0]
 
     async def _capture(
@@ -416,7 +426,7 @@ class Coordinator:
             r = await self._call("capture", s.info, "POST", "/amplituhedron/capture", params=params)
             verdicts[i].captured_bytes = wire.Captured.model_validate_json(r.content).bytes
 
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(self._stations)))
+        await _all(one(i, s) for i, s in enumerate(self._stations))
 
     async def _sample_cached(self, sids: list[str]) -> int:
         exit_station = self._stations[-1].info
@@ -493,6 +503,28 @@ class Coordinator:
         await asyncio.gather(
             *(self._call("clear", s.info, "POST", "/amplituhedron/clear") for s in self._stations)
         )
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Runs the coroutines together; the first failure cancels the rest (no request of a
+    failed generation keeps running against stations) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise cast(BaseException, t.exception())
+
+
+def _opened(call: asyncio.Future[Reply]) -> str | None:
+    """The session id an open call got, if it completed."""
+    if call.cancelled() or call.exception() is not None:
+        return None
+    return wire.SessionOpened.model_validate_json(call.result().content).session_id
 
 
 def _volume(sid: str, prefix_hash: int, prefix_len: int, info: StationInfo) -> wire.VolumeRequest:

@@ -38,6 +38,8 @@ from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
 from amplituhedron_rs.mesh.station.state import Station, StationSettings
 
+#: Seconds a station keeps an idle connection open.
+KEEPALIVE_S = 30
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -273,4 +275,13 @@ def serve(settings: StationSettings, host: str = "127.0.0.1", port: int = 8100) 
             f"refusing to serve without a token on {host}: --insecure is for loopback only"
         )
     app = create_app(Station(settings))
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # Idle keep-alive connections live longer here than in the coordinator's pool
+    # (StationClient: 15 s), so the client never reuses one the station just closed.
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=KEEPALIVE_S,
+    )
