@@ -42,9 +42,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
-    # Room for every client plus the abandoned sessions: no 503 is expected (back-pressure
-    # has its own test, test_station_security's failed-open test).
-    args = ["--max-sessions", str(2 * CLIENTS), "--session-idle", str(IDLE_S)]
+    # Room for every client plus the sessions left behind until the idle sweep (abandoned
+    # ones, and opens whose caller was cut off before reading the answer): no 503 is
+    # expected (back-pressure has its own test, test_station_security's failed-open test).
+    args = ["--max-sessions", str(4 * CLIENTS), "--session-idle", str(IDLE_S)]
     m = LocalMesh(2, station_args=args)
     m.start()
     yield m
