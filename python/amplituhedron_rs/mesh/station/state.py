@@ -235,8 +235,10 @@ class Station:
         # The pipeline (volume cache) is shared by all sessions; Rust borrows it mutably.
         self.pipeline_lock = threading.Lock()
         self.forward_rows = 0
-        # Compute calls running now (the decode fast path runs on the event loop only at 0).
+        # Compute calls running now (the decode fast path runs on the event loop only at 0);
+        # updated from worker threads, so under a lock (`+=` is not atomic across threads).
         self.inflight = 0
+        self._inflight_lock = threading.Lock()
 
     # --- sessions ------------------------------------------------------------------------
     def sweep_idle(self) -> int:
@@ -515,7 +517,8 @@ class Station:
         # Sampling needs the last position's logits even when they are not returned.
         compute: LogitsRows = "last" if sample and logits == "none" else logits
         token = None
-        self.inflight += 1
+        with self._inflight_lock:
+            self.inflight += 1
         try:
             waited = self.settings.busy_wait_s if wait is None else wait
             with live.use(sid, waited) as session:
@@ -534,7 +537,8 @@ class Station:
                         assert live.sampler is not None
                         token = int(live.sampler.sample(lg[-1], clock))
         finally:
-            self.inflight -= 1
+            with self._inflight_lock:
+                self.inflight -= 1
         self.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
