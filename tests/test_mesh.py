@@ -24,6 +24,7 @@ from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec, split_layers
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
 
 TOKEN = "mesh-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +38,12 @@ def run(coro: Any) -> Any:
 
 
 async def _generate(mesh: MeshSpec, ids: list[int], n: int, **kw: Any) -> MeshGeneration:
-    async with Coordinator(mesh, token=TOKEN) as c:
+    async with Coordinator(mesh) as c:  # the mesh carries its token
         return await c.generate(ids, n, **kw)
 
 
 async def _clear(mesh: MeshSpec) -> None:
-    async with Coordinator(mesh, token=TOKEN) as c:
+    async with Coordinator(mesh) as c:  # the mesh carries its token
         await c.clear()
 
 
@@ -50,7 +51,8 @@ def forward_requests(mesh: MeshSpec) -> int:
     """Prefill chunks that reached any station, from the stations' own /metrics."""
     total = 0
     for s in mesh.stations:
-        text = urllib.request.urlopen(f"{s.url}/metrics").read().decode()
+        request = urllib.request.Request(f"{s.url}/metrics", headers=AUTH)
+        text = urllib.request.urlopen(request).read().decode()
         for line in text.splitlines():
             if (
                 line.startswith("amplituhedron_requests_total")
@@ -90,14 +92,14 @@ def test_mesh_logits_are_bit_identical(
     import httpx
 
     ids = prompts["rust"]["token_ids"]
-    sid = "logits-probe"
-    with httpx.Client(timeout=60) as c:
+    with httpx.Client(timeout=60, headers=AUTH) as c:
+        sids = []
         for s in mesh.stations:
-            c.post(
-                f"{s.url}/sessions", json={"prompt_tokens": ids, "session_id": sid}
-            ).raise_for_status()
+            r = c.post(f"{s.url}/sessions", json={"prompt_tokens": ids})
+            r.raise_for_status()
+            sids.append(r.json()["session_id"])
         body = np.asarray(ids, dtype="<u4").tobytes()
-        for i, s in enumerate(mesh.stations):
+        for i, (s, sid) in enumerate(zip(mesh.stations, sids, strict=True)):
             last = i == len(mesh.stations) - 1
             r = c.post(
                 f"{s.url}/sessions/{sid}/forward",
@@ -108,7 +110,7 @@ def test_mesh_logits_are_bit_identical(
             r.raise_for_status()
             body = r.content
         logits = np.frombuffer(body, dtype="<f4").reshape(len(ids), -1)
-        for s in mesh.stations:
+        for s, sid in zip(mesh.stations, sids, strict=True):
             c.delete(f"{s.url}/sessions/{sid}")
     np.testing.assert_array_equal(logits, model.logits_all(ids))
 
@@ -150,6 +152,7 @@ def test_erasure_over_the_wire(mesh: MeshSpec, model: Model, prompts: dict[str, 
     r = httpx.post(
         f"{mesh.stations[1].url}/debug/damage",
         json={"prompt_tokens": ids, "position": len(ids) - 1},
+        headers=AUTH,
     )
     assert r.status_code == 200 and r.json() == {"damaged": True}
     g = run(_generate(mesh, ids, 6))

@@ -159,10 +159,21 @@ impl LayerRange {
         }
         let saved: Vec<u64> = segments.iter().map(|s| s.kv.clock()).collect();
         let total_rows: Vec<usize> = segments.iter().map(|s| s.input.rows(hidden)).collect();
+        let vocab = self.weights.config().vocab;
         for (seg, &n) in segments.iter_mut().zip(&total_rows) {
             seg.hidden_out.clear();
-            seg.hidden_out.reserve(n * hidden);
             seg.logits_out.clear();
+            // The outputs grow with the caller's row count: reserve them fallibly up front, so
+            // an input too large to answer is refused instead of aborting the process.
+            let logit_rows = match seg.logits {
+                LogitsWanted::All => n,
+                LogitsWanted::Last => 1,
+                LogitsWanted::None => 0,
+            };
+            reserve_output(seg.hidden_out, n, hidden)?;
+            if self.is_exit() {
+                reserve_output(seg.logits_out, logit_rows, vocab)?;
+            }
         }
         let mut done = vec![0usize; segments.len()];
         let mut round: Vec<Piece> = Vec::with_capacity(segments.len());
@@ -555,6 +566,22 @@ impl LayerRange {
         }
         Ok(())
     }
+}
+
+/// Reserves `rows × width` f32 of output, or refuses the input if that cannot be allocated.
+pub(super) fn reserve_output(
+    out: &mut Vec<f32>,
+    rows: usize,
+    width: usize,
+) -> Result<(), ModelError> {
+    let too_large = || {
+        ModelError::Input(format!(
+            "{rows} rows need {} bytes of output, which cannot be allocated",
+            rows.saturating_mul(width).saturating_mul(4)
+        ))
+    };
+    let len = rows.checked_mul(width).ok_or_else(too_large)?;
+    out.try_reserve_exact(len).map_err(|_| too_large())
 }
 
 /// The next piece of one segment in a round.

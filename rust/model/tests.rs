@@ -324,6 +324,18 @@ fn long_streams_past_the_window_do_not_depend_on_chunking() {
 }
 
 #[test]
+fn an_output_too_large_to_allocate_is_refused_not_aborted() {
+    // A station once aborted on a 28.8 GB `reserve` for a 12.5M-row chunk.
+    let mut out = Vec::new();
+    for rows in [usize::MAX / 2, 1 << 40] {
+        let err = super::forward::reserve_output(&mut out, rows, 576).unwrap_err();
+        assert!(err.to_string().contains("cannot be allocated"), "{err}");
+    }
+    super::forward::reserve_output(&mut out, 4, 576).unwrap();
+    assert!(out.capacity() >= 4 * 576);
+}
+
+#[test]
 fn bad_input_is_refused_and_changes_nothing() {
     let w = tiny_weights(8);
     let mut s = session(&w, 0, 3, 16);

@@ -296,7 +296,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> dict[str, Any]:
                     local = LocalMesh(cfg.stations, model_path=cfg.model, token=cfg.token)
                     spec = local.start()
                 else:
-                    spec = MeshSpec.load(cfg.mesh)
+                    spec = MeshSpec.load(cfg.mesh, token=cfg.token)
                 ph.step(", ".join(f"{s.layer_lo}:{s.layer_hi}" for s in spec.stations))
 
             async def drive() -> tuple[dict[str, Any], str]:

@@ -44,6 +44,18 @@ def add_token(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"{help} (env {TOKEN_ENV})")
 
 
+def read_token_file(path: str) -> str:
+    """A token from a file (stripped); a clear exit if it is missing or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"cannot read the token file {path}: {exc}") from exc
+    if not token:
+        raise SystemExit(f"the token file {path} is empty")
+    return token
+
+
 #: The model names ``--model`` takes besides a path (see ``amplituhedron models``).
 MODEL_NAMES = "smollm2-135m, gemma3-270m"
 

@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--stations", type=int, metavar="K", help="start a local mesh of K stations for this call"
     )
-    add_token(p, "bearer token of the stations")
+    add_token(p, "the mesh token (default: the mesh file's)")
 
 
 def prompt_of(a: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
@@ -172,10 +172,10 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
                 local = LocalMesh(a.stations, model_path=a.model, station_args=disk)
                 mesh = local.start()
         else:
-            mesh = MeshSpec.load(a.mesh)
+            mesh = MeshSpec.load(a.mesh, token=a.token)
 
         async def generate_all() -> None:
-            async with Coordinator(mesh, token=a.token) as c:
+            async with Coordinator(mesh) as c:
                 for _ in range(max(1, a.repeat)):
                     decoder = StreamDecoder(tok)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from amplituhedron_rs.cli.common import add_cache_dir, add_token, err
+from amplituhedron_rs.cli.common import TOKEN_ENV, add_cache_dir, err
 
 HELP = "local meshes"
 
@@ -16,7 +17,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("--port", type=int, default=8100, metavar="BASE")
     up.add_argument("--mesh-file", default="mesh.json", metavar="PATH")
     up.add_argument("--model", metavar="GGUF")
-    add_token(up, "bearer token the stations require")
+    auth = up.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"the mesh token the stations require (env {TOKEN_ENV}; default: a fresh "
+        "random one, written to the mesh file)",
+    )
+    auth.add_argument(
+        "--insecure", action="store_true", help="run the stations without a token (loopback)"
+    )
     add_cache_dir(up)
     up.add_argument(
         "--ray",
@@ -48,7 +58,8 @@ def run(a: argparse.Namespace) -> int:
             address=a.ray or None,
             base_port=a.port,
             model_path=a.model,
-            token=a.token,
+            token=None if a.insecure else a.token,
+            insecure=a.insecure,
             station_args=station_args,
         )
     else:
@@ -56,7 +67,8 @@ def run(a: argparse.Namespace) -> int:
             a.stations,
             base_port=a.port,
             model_path=a.model,
-            token=a.token,
+            token=None if a.insecure else a.token,
+            insecure=a.insecure,
             station_args=station_args,
         )
     with err.status(f"starting {a.stations} stations…"):
@@ -64,7 +76,8 @@ def run(a: argparse.Namespace) -> int:
     spec.write(a.mesh_file)
     for s in spec.stations:
         err.print(f"  station {s.url}  layers {s.layer_lo}:{s.layer_hi}")
-    err.print(f"mesh file: {a.mesh_file} — stop with Ctrl-C")
+    auth = "no token (--insecure)" if spec.token is None else "mesh token inside, mode 0600"
+    err.print(f"mesh file: {a.mesh_file} ({auth}) — stop with Ctrl-C")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

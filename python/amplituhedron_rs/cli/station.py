@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from amplituhedron_rs._core import DEFAULTS
-from amplituhedron_rs.cli.common import add_cache_dir, add_model, add_token, layer_range
+from amplituhedron_rs.cli.common import (
+    TOKEN_ENV,
+    add_cache_dir,
+    add_model,
+    layer_range,
+    read_token_file,
+)
 
 HELP = "run one station"
 
@@ -18,9 +25,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     add_model(serve)
     serve.add_argument("--model-index", metavar="JSON", help=argparse.SUPPRESS)
-    add_token(serve, "bearer token required on capture/clear/configure")
+    auth = serve.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"the mesh token every endpoint but /healthz requires (env {TOKEN_ENV})",
+    )
+    auth.add_argument("--token-file", metavar="PATH", help="read the mesh token from a file")
+    auth.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without a token: anyone who can connect may use the station "
+        "(loopback hosts only)",
+    )
+    serve.add_argument(
+        "--open-metrics", action="store_true", help="serve /metrics without the token"
+    )
     serve.add_argument("--max-sessions", type=int, default=8)
-    serve.add_argument("--session-idle", type=float, default=300.0, metavar="SECONDS")
+    serve.add_argument(
+        "--session-idle",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a session unused this long (a vanished client's; default 30)",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        type=int,
+        metavar="MB",
+        help="KV rings the station may hold; past it, opens get 503 (default: a quarter of RAM)",
+    )
     serve.add_argument(
         "--max-entries",
         type=int,
@@ -64,17 +98,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from amplituhedron_rs.mesh.station import StationSettings, serve
+    from amplituhedron_rs.mesh.station.app import is_loopback
     from amplituhedron_rs.runtime import CacheOptions
 
+    token = read_token_file(a.token_file) if a.token_file else a.token
+    if a.insecure:
+        token = None
+        if not is_loopback(a.host):
+            raise SystemExit(f"--insecure serves only loopback hosts, not {a.host}")
+    elif not token:
+        raise SystemExit(
+            "a station needs the mesh token: --token, --token-file or "
+            f"{TOKEN_ENV} (or --insecure, on loopback only)"
+        )
     lo, hi = a.layers
     settings = StationSettings(
         layer_lo=lo,
         layer_hi=hi,
         model_path=a.model,
         model_index=a.model_index,
-        token=a.token,
+        token=token,
+        open_metrics=a.open_metrics,
         max_sessions=a.max_sessions,
         session_idle_s=a.session_idle,
+        memory_budget=None if a.memory_budget is None else a.memory_budget * 1024 * 1024,
         cache=CacheOptions(
             enabled=not a.no_cache,
             max_entries=a.max_entries,

@@ -31,16 +31,21 @@ class Reply:
 class StationClient:
     """The connection pool to a mesh's stations; open it before use, close it after."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, headers: Mapping[str, str] | None = None) -> None:
         self._timeout = timeout
+        self._headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
 
     def open(self) -> None:
         # aiohttp keeps connections alive per host and costs ~0.25 ms a request on loopback
         # (httpx measured ~1.5 ms here), which is most of the per-hop budget.
+        # The mesh token goes on every request (every station endpoint but /healthz needs it).
         self._session = aiohttp.ClientSession(
+            headers=self._headers,
             timeout=aiohttp.ClientTimeout(total=self._timeout),
-            connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=60),
+            # Shorter than the stations' keep-alive (30 s): a pooled connection is never one
+            # the station has just closed (that race was a spurious "Server disconnected").
+            connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=15),
         )
 
     async def close(self) -> None:
@@ -55,24 +60,51 @@ class StationClient:
         path: str,
         *,
         ok: Sequence[int] = (200, 201),
+        timeout: float | None = None,
         **kwargs: Any,
     ) -> Reply:
-        """One request; a status outside ``ok`` or a transport failure is a MeshError."""
+        """One request within ``timeout`` seconds (default: the client's); a status outside
+        ``ok``, a transport failure or a timeout is a MeshError whose ``status`` is the
+        station's answer (None: no answer)."""
         if self._session is None:
             raise RuntimeError("use the Coordinator as `async with Coordinator(...) as c:`")
         if "content" in kwargs:
             kwargs["data"] = kwargs.pop("content")
+        limit = self._timeout if timeout is None else timeout
         try:
-            async with self._session.request(method, station.url + path, **kwargs) as r:
+            async with self._session.request(
+                method,
+                station.url + path,
+                timeout=aiohttp.ClientTimeout(total=limit),
+                **kwargs,
+            ) as r:
                 reply = Reply(r.status, CIMultiDict(r.headers), await r.read())
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise MeshError(f"station {station.url} failed during {phase}: {exc!r}") from exc
+        except TimeoutError as exc:
+            raise StationFailed(
+                None, f"station {station.url} did not answer within {limit:g} s during {phase}"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise StationFailed(
+                None, f"station {station.url} failed during {phase}: {exc!r}"
+            ) from exc
         if reply.status not in ok:
             try:
                 detail = reply.json().get("detail", reply.content.decode(errors="replace"))
             except ValueError:
                 detail = reply.content.decode(errors="replace")
-            raise MeshError(
-                f"station {station.url} answered {reply.status} during {phase}: {detail}"
+            raise StationFailed(
+                reply.status,
+                f"station {station.url} answered {reply.status} during {phase}: {detail}",
+                reply.headers.get("Retry-After"),
             )
         return reply
+
+
+class StationFailed(MeshError):
+    """A station's refusal or silence, with its HTTP status (None: no answer) and, on a
+    503, its ``Retry-After``."""
+
+    def __init__(self, status: int | None, message: str, retry_after: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after

@@ -1,15 +1,18 @@
 """Meshes of stations: the mesh file, layer splits, and a local mesh of station processes.
 
-A mesh file is JSON ``{"stations": [{"url", "layer_lo", "layer_hi"}, …]}`` whose ranges tile
-``[0, n_layers)`` in order; stations may live on other hosts. ``LocalMesh`` starts K station
-processes on loopback (``amplituhedron mesh up``), waits until each answers its health check,
-writes the mesh file, and stops them all on exit.
+A mesh file is JSON ``{"stations": [{"url", "layer_lo", "layer_hi"}, …], "token": …}`` whose
+ranges tile ``[0, n_layers)`` in order; stations may live on other hosts. The token is the
+mesh token the stations require (SPEC §14): the file holding it is written mode 0600.
+``LocalMesh`` starts K station processes on loopback (``amplituhedron mesh up``) with a fresh
+random token unless told otherwise, waits until each answers its health check, and stops
+them all on exit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +47,11 @@ class StationInfo:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """An ordered list of stations whose layer ranges tile the model."""
+    """An ordered list of stations whose layer ranges tile the model, and the mesh token
+    they require (None: an ``--insecure`` mesh)."""
 
     stations: tuple[StationInfo, ...]
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.stations:
@@ -65,10 +70,18 @@ class MeshSpec:
         return self.stations[-1].layer_hi
 
     def to_json(self) -> dict[str, Any]:
-        return {"stations": [asdict(s) for s in self.stations]}
+        data: dict[str, Any] = {"stations": [asdict(s) for s in self.stations]}
+        if self.token is not None:
+            data["token"] = self.token
+        return data
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        """Writes the mesh file, readable by its owner only (it holds the mesh token)."""
+        path = Path(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.to_json(), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, data: Any) -> MeshSpec:
@@ -77,16 +90,20 @@ class MeshSpec:
                 StationInfo(str(s["url"]).rstrip("/"), int(s["layer_lo"]), int(s["layer_hi"]))
                 for s in data["stations"]
             )
-        except (KeyError, TypeError, ValueError) as exc:
+            token = data.get("token")
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise MeshError(
-                'a mesh file is {"stations": [{"url", "layer_lo", "layer_hi"}, ...]}: ' + str(exc)
+                'a mesh file is {"stations": [{"url", "layer_lo", "layer_hi"}, ...], '
+                '"token"?}: ' + str(exc)
             ) from exc
-        return cls(stations)
+        if token is not None and (not isinstance(token, str) or not token):
+            raise MeshError("the mesh file's token must be a non-empty string")
+        return cls(stations, token)
 
     @classmethod
-    def load(cls, where: str) -> MeshSpec:
+    def load(cls, where: str, token: str | None = None) -> MeshSpec:
         """A mesh from a file path, or from comma-separated station URLs (ranges discovered
-        from each station's ``/healthz``)."""
+        from each station's ``/healthz``); ``token`` overrides the file's."""
         if where.startswith(("http://", "https://")):
             infos = []
             for url in (u.strip().rstrip("/") for u in where.split(",") if u.strip()):
@@ -95,7 +112,7 @@ class MeshSpec:
                 except (OSError, ValueError) as exc:
                     raise MeshError(f"station {url} does not answer /healthz: {exc}") from exc
                 infos.append(StationInfo(url, int(health["layer_lo"]), int(health["layer_hi"])))
-            return cls(tuple(sorted(infos, key=lambda s: s.layer_lo)))
+            return cls(tuple(sorted(infos, key=lambda s: s.layer_lo)), token)
         path = Path(where)
         if not path.is_file():
             raise MeshError(f"no mesh file at {path}")
@@ -103,7 +120,8 @@ class MeshSpec:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise MeshError(f"{path} is not JSON: {exc}") from exc
-        return cls.from_json(data)
+        spec = cls.from_json(data)
+        return spec if token is None else cls(spec.stations, token)
 
 
 def split_layers(n_layers: int, k: int) -> list[tuple[int, int]]:
@@ -133,7 +151,8 @@ def free_ports(k: int) -> list[int]:
 
 
 class LocalMesh:
-    """K station processes on loopback, started together and stopped together."""
+    """K station processes on loopback, started together and stopped together. They require
+    ``token``, or a fresh random one (``spec.token``); ``insecure=True`` runs them open."""
 
     def __init__(
         self,
@@ -142,13 +161,16 @@ class LocalMesh:
         base_port: int | None = None,
         model_path: str | None = None,
         token: str | None = None,
+        insecure: bool = False,
         station_args: list[str] | None = None,
         startup_timeout: float = 120.0,
     ) -> None:
+        if insecure and token is not None:
+            raise MeshError("an insecure mesh has no token")
         self.k = stations
         self.base_port = base_port
         self.model_path = model_path
-        self.token = token
+        self.token = None if insecure else token or secrets.token_urlsafe(32)
         self.station_args = station_args or []
         self.startup_timeout = startup_timeout
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -168,8 +190,16 @@ class LocalMesh:
             else free_ports(self.k)
         )
         env = dict(os.environ)
-        if self.token:
-            env["AMPLITUHEDRON_TOKEN"] = self.token
+        env.pop("AMPLITUHEDRON_TOKEN", None)  # the stations take this mesh's token, or none
+        if self.token is None:
+            auth = ["--insecure"]
+        else:
+            # A file in the private temporary directory: not on a command line `ps` shows.
+            token_file = Path(self._tmp.name) / "token"
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.token)
+            auth = ["--token-file", str(token_file)]
         infos = []
         for (lo, hi), port in zip(ranges, ports, strict=True):
             cmd = [
@@ -184,6 +214,7 @@ class LocalMesh:
                 str(port),
                 "--model-index",
                 str(index),
+                *auth,
                 *self.station_args,
             ]
             # The child keeps its own descriptor of the log; ours closes at once.
@@ -197,7 +228,7 @@ class LocalMesh:
         except BaseException:
             self.stop()
             raise
-        self.spec = MeshSpec(tuple(infos))
+        self.spec = MeshSpec(tuple(infos), self.token)
         return self.spec
 
     def _wait_healthy(self, infos: list[StationInfo]) -> None:

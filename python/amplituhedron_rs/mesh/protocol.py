@@ -14,6 +14,8 @@ from amplituhedron_rs.runtime.sampling import SamplingParams
 U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
 HASH_PATTERN = r"^[0-9]{1,20}$"
+#: Session ids are drawn by the station (``secrets.token_urlsafe``): URL-safe, never escaped.
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{16,64}$"
 OCTETS = "application/octet-stream"
 
 DECODE_ROUTE = "/sessions/{session_id}/decode"
@@ -27,12 +29,19 @@ TOKEN = "X-Token"
 REPLAY_STATUS = "X-Amplituhedron-Status"
 REPLAY_KV_LEN = "X-Amplituhedron-Kv-Len"
 REPLAY_LOGITS = "X-Amplituhedron-Logits"
+RETRY_AFTER = "Retry-After"
+# Request header: the tenant the authenticated coordinator acts for (the station derives
+# the cache salt from it and the mesh token; a tenant is refused on an open station).
+TENANT = "X-Amplituhedron-Tenant"
 
-TokenId = Annotated[int, Field(ge=0, le=U32_MAX)]
+# Strict: a JSON float, bool or string is not a token id.
+TokenId = Annotated[int, Field(ge=0, le=U32_MAX, strict=True)]
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN/Infinity (which Python's JSON parser accepts) are refused like any bad value.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # --- requests ------------------------------------------------------------------------------
@@ -49,7 +58,7 @@ class ConfigureRequest(_Strict):
 class VolumeRequest(_Strict):
     """Names one volume of one session: replay's JSON body, capture's query string."""
 
-    session_id: str = Field(min_length=1, max_length=128)
+    session_id: SessionId
     prefix_hash: str = Field(pattern=HASH_PATTERN, description="u64 as a decimal string")
     prefix_len: int = Field(ge=1, le=1 << 31)
     layer_lo: int = Field(ge=0, le=65535)
@@ -75,10 +84,11 @@ class SamplingSpec(_Strict):
 
 
 class OpenSessionRequest(_Strict):
-    prompt_tokens: list[TokenId] = Field(min_length=1)
-    session_id: str | None = Field(default=None, min_length=1, max_length=128)
+    """The station draws the session id; the tenant (cache salt) comes from the
+    authenticated caller's ``X-Amplituhedron-Tenant`` header, never from the body."""
+
+    prompt_tokens: list[TokenId] = Field(min_length=1, max_length=1 << 20)
     n_sys: int = Field(default=0, ge=0, le=1 << 20)
-    salt: str | None = Field(default=None, max_length=256)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
 
 
@@ -87,9 +97,8 @@ class RollbackRequest(_Strict):
 
 
 class FaultRequest(_Strict):
-    prompt_tokens: list[TokenId] = Field(min_length=1)
-    position: int = Field(ge=0)
-    salt: str | None = None
+    prompt_tokens: list[TokenId] = Field(min_length=1, max_length=1 << 20)
+    position: int = Field(ge=0, le=1 << 31)
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -115,20 +124,18 @@ class SessionOpened(BaseModel):
     layer_hi: int
 
 
-class SessionSummary(BaseModel):
-    session_id: str
-    clock: int
-    prompt_len: int
+class SessionCount(BaseModel):
+    """How full the station is; session ids are never listed (they are capabilities)."""
 
-
-class SessionList(BaseModel):
-    sessions: list[SessionSummary]
+    live: int
     max_sessions: int
 
 
 class Captured(BaseModel):
     captured: bool
     bytes: int
+    #: Why nothing was captured, when the station declined on principle.
+    reason: str | None = None
 
 
 class Configured(BaseModel):

@@ -9,7 +9,10 @@ its actor (``PR_SET_PDEATHSIG``), so a killed actor leaves no orphan behind. Act
 spread over the nodes and reserve no CPU of Ray's (the station's own threads do the work).
 
 Every node needs this package and the model file (the bundled wheel, or the same ``--model``
-path). Ray is an optional dependency: ``pip install 'amplituhedron-rs[ray]'``.
+path). Ray is an optional dependency: ``pip install 'amplituhedron-rs[ray]'``. Ray stations
+listen beyond loopback, so they always require the mesh token (given, or a fresh random
+one in ``spec.token``); it reaches each actor in its environment, so whoever can read the
+Ray cluster's actor specs can read it: run Ray on a private network.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -102,14 +106,17 @@ class RayMesh:
         base_port: int = 8100,
         model_path: str | None = None,
         token: str | None = None,
+        insecure: bool = False,
         station_args: list[str] | None = None,
         startup_timeout: float = 180.0,
     ) -> None:
+        if insecure:
+            raise MeshError("Ray stations listen beyond loopback: they always require a token")
         self.k = stations
         self.address = address
         self.base_port = base_port
         self.model_path = model_path
-        self.token = token
+        self.token = token or secrets.token_urlsafe(32)
         self.station_args = station_args or []
         self.startup_timeout = startup_timeout
         self.actors: list[Any] = []
@@ -127,7 +134,7 @@ class RayMesh:
             ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
         n_layers = int(read_model_file(self.model_path).config["n_layers"])
-        env = {"AMPLITUHEDRON_TOKEN": self.token} if self.token else {}
+        env = {"AMPLITUHEDRON_TOKEN": self.token}  # what `station serve` reads
         model = ["--model", self.model_path] if self.model_path else []
         actor = station_actor()
         ranges = split_layers(n_layers, self.k)
@@ -141,7 +148,7 @@ class RayMesh:
         except BaseException:
             self.close()
             raise
-        self.spec = MeshSpec(tuple(infos))
+        self.spec = MeshSpec(tuple(infos), self.token)
         return self.spec
 
     def wait_healthy(self, infos: list[StationInfo] | None = None) -> None:

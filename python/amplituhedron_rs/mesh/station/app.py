@@ -2,39 +2,53 @@
 
 FastAPI gives typed request models, clear 4xx on bad input, and an OpenAPI description
 (which the schemathesis run checks); uvicorn with httptools/uvloop keeps the per-request
-cost low. Outermost first, a request meets :class:`ObserveMiddleware` (size limit, latency
-and status metrics), then :class:`~.fastpath.DecodeFastPath` (decode steps), then FastAPI.
+cost low. Outermost first, a request meets :class:`ObserveMiddleware` (latency and status
+metrics), :class:`AuthMiddleware` (the mesh token, on everything but /healthz),
+:class:`BodyLimitMiddleware` (chunked bodies included), then
+:class:`~.fastpath.DecodeFastPath` (decode steps), then FastAPI.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from amplituhedron_rs import _core
-from amplituhedron_rs.mesh.station.errors import HANDLED, error_response
+from amplituhedron_rs._core import InputError
+from amplituhedron_rs.mesh.protocol import OCTETS
+from amplituhedron_rs.mesh.station.errors import (
+    HANDLED,
+    TooLarge,
+    Unauthorized,
+    error_response,
+    validation_response,
+)
 from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
 from amplituhedron_rs.mesh.station.state import Station, StationSettings
 
+#: Seconds a station keeps an idle connection open.
+KEEPALIVE_S = 30
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class ObserveMiddleware:
-    """Pure ASGI middleware (no per-request task or body copy): refuses oversized bodies
-    early by their Content-Length, and records latency and status per route."""
+    """Pure ASGI middleware (no per-request task or body copy): records latency and status
+    per route, refusals included."""
 
-    def __init__(self, app: Any, limit: int, latency: Histogram, requests: Counter) -> None:
+    def __init__(self, app: Any, latency: Histogram, requests: Counter) -> None:
         self.app = app
-        self.limit = limit
         self.latency = latency
         self.requests = requests
 
@@ -42,14 +56,6 @@ class ObserveMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                response = JSONResponse(
-                    {"detail": f"body of {int(value)} bytes exceeds the {self.limit}-byte limit"},
-                    status_code=413,
-                )
-                await response(scope, receive, send)
-                return
         started = time.perf_counter()
         status = 500
 
@@ -66,6 +72,96 @@ class ObserveMiddleware:
             endpoint = getattr(route, "path", "unmatched")
             self.latency.labels(endpoint).observe(time.perf_counter() - started)
             self.requests.labels(endpoint, str(status)).inc()
+
+
+class BodyLimitMiddleware:
+    """Reads the body, counted as it streams (a chunked body has no Content-Length to
+    trust), and refuses it with 413 as soon as it passes the limit: octet bodies (compute)
+    get ``limit``, anything else (JSON) ``json_limit``. The app then reads the buffered
+    body. Inside the auth check, so an unauthenticated client cannot make it buffer."""
+
+    def __init__(self, app: Any, limit: int, json_limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.json_limit = json_limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        body = await self._read_body(scope, receive)
+        if isinstance(body, TooLarge):
+            await error_response(body)(scope, receive, send)
+        elif body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, scope: Any, receive: Any) -> bytes | TooLarge | None:
+        """The whole body, a TooLarge refusal, or None if the client left meanwhile."""
+        octets = False
+        limit = self.json_limit
+        for name, value in scope["headers"]:
+            if name == b"content-type" and value.split(b";")[0].strip() == OCTETS.encode():
+                octets, limit = True, self.limit
+        what = "octet" if octets else "JSON"
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return TooLarge(
+                    f"body of {int(value)} bytes exceeds the {limit}-byte limit of {what} bodies"
+                )
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return TooLarge(f"body exceeds the {limit}-byte limit of {what} bodies")
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that hands the buffered body to the app, then the client's own messages
+    (a disconnect)."""
+    sent = False
+
+    async def replay() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class AuthMiddleware:
+    """The mesh token on every request but the open paths (/healthz, and /metrics when the
+    station opens it): one check for the whole app, so no route (/docs, /openapi.json, the
+    decode fast path, a 404) is left out. Compared in constant time, as bytes: any header
+    value is an answerable 401, never a 500."""
+
+    def __init__(self, app: Any, token: str | None, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = None if token is None else b"Bearer " + token.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or self.expected is None or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if given is None or not given.startswith(b"Bearer "):
+            refusal = Unauthorized("this station needs 'Authorization: Bearer <mesh token>'")
+        elif not hmac.compare_digest(given, self.expected):
+            refusal = Unauthorized("wrong bearer token")
+        else:
+            await self.app(scope, receive, send)
+            return
+        await error_response(refusal)(scope, receive, send)
 
 
 class CacheCollector:
@@ -122,6 +218,12 @@ def create_app(station: Station) -> FastAPI:
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, refused)
 
+    async def invalid(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_response(exc.errors())
+
+    app.add_exception_handler(RequestValidationError, invalid)
+
     registry = CollectorRegistry()
     latency = Histogram(
         "amplituhedron_request_seconds",
@@ -144,17 +246,42 @@ def create_app(station: Station) -> FastAPI:
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode())
 
+    # Each added middleware wraps the ones before: outermost last.
     app.add_middleware(DecodeFastPath, station=station)
-    # Added last, so outermost: it sees (and times) every request, the fast path included.
-    app.add_middleware(
-        ObserveMiddleware, limit=s.max_body_bytes, latency=latency, requests=requests
-    )
+    app.add_middleware(BodyLimitMiddleware, limit=s.max_body_bytes, json_limit=s.max_json_bytes)
+    open_paths = frozenset({"/healthz", "/metrics"} if s.open_metrics else {"/healthz"})
+    app.add_middleware(AuthMiddleware, token=s.token, open_paths=open_paths)
+    # Outermost: it sees (and times) every request, refusals and the fast path included.
+    app.add_middleware(ObserveMiddleware, latency=latency, requests=requests)
     return app
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def serve(settings: StationSettings, host: str = "127.0.0.1", port: int = 8100) -> None:
-    """Runs one station until interrupted (SIGINT/SIGTERM stop it cleanly)."""
+    """Runs one station until interrupted (SIGINT/SIGTERM stop it cleanly). A station
+    without a token (``--insecure``) only listens on loopback."""
     import uvicorn
 
+    if settings.token is None and not is_loopback(host):
+        raise InputError(
+            f"refusing to serve without a token on {host}: --insecure is for loopback only"
+        )
     app = create_app(Station(settings))
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # Idle keep-alive connections live longer here than in the coordinator's pool
+    # (StationClient: 15 s), so the client never reuses one the station just closed.
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=KEEPALIVE_S,
+    )

@@ -7,13 +7,15 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse, Response
+import anyio.to_thread
+from starlette.responses import Response
 
 from amplituhedron_rs.mesh.protocol import DECODE_ROUTE, OCTETS
-from amplituhedron_rs.mesh.station.errors import HANDLED, error_response
-from amplituhedron_rs.mesh.station.state import Station
+from amplituhedron_rs.mesh.station.errors import HANDLED, Busy, error_response
+from amplituhedron_rs.mesh.station.state import Octets, Station
 
-_DECODE_PATH = re.compile(r"/sessions/([^/]+)/decode")
+# Only well-formed ids (never percent-decoded); anything else goes to the route's 422.
+_DECODE_PATH = re.compile(r"/sessions/([A-Za-z0-9_-]{16,64})/decode")
 _DECODE_PARAMS = {
     "logits": ("none", "last"),
     "hidden": ("all", "last", "none"),
@@ -33,20 +35,23 @@ class DecodeFastPath:
     dependency and validation machinery (about 0.15 ms of a 0.4 ms loopback round trip,
     paid on every token at every station).
 
-    Only unambiguous calls take this path: POST, a plain session id, at most one valid value
-    per known query parameter, a body within the limit. Anything else is handed, body
-    intact, to the FastAPI route, which stays the single definition of the endpoint (and of
-    its 4xx answers); refusals raised by the step itself are answered by the same
-    :func:`~.errors.error_response` the app's exception handlers use.
+    Only unambiguous calls take this path: POST, a well-formed session id, at most one valid
+    value per known query parameter (the body was bounded and authenticated by the outer
+    middleware). Anything else is handed, body intact, to the FastAPI route, which stays the
+    single definition of the endpoint (and of its 4xx answers); refusals raised by the step
+    itself are answered by the same :func:`~.errors.error_response` the app's exception
+    handlers use.
 
-    A step runs on the event loop: one row is a few milliseconds of Rust (GIL released,
+    A lone step runs on the event loop: one row is a few milliseconds of Rust (GIL released,
     both cores via rayon), less than a thread hand-off on every decoded token would cost.
+    Under load (other compute in flight) or on a busy session it runs in a worker instead,
+    so the event loop never waits for a lock nor queues steps behind each other (``/healthz``
+    stays fast).
     """
 
     def __init__(self, app: Any, station: Station) -> None:
         self.app = app
         self.station = station
-        self.limit = station.settings.max_body_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         match = (
@@ -59,25 +64,30 @@ class DecodeFastPath:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
-        size, more = 0, True
+        more = True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # disconnect: let the app see it
                 await self.app(scope, _replay(b"".join(chunks), message), send)
                 return
             chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if size > self.limit:
-                detail = f"body exceeds the {self.limit}-byte limit"
-                await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
-                return
         scope["route"] = _RouteLabel(DECODE_ROUTE)
+        sid, body = match.group(1), b"".join(chunks)
+
+        def in_worker() -> Octets:
+            return self.station.decode_step(sid, body, **params)
+
         response: Response
         try:
-            out = self.station.decode_step(
-                urllib.parse.unquote(match.group(1)), b"".join(chunks), **params
-            )
+            out: Octets | None = None
+            if self.station.inflight == 0:
+                try:
+                    out = self.station.decode_step(sid, body, wait=0, **params)
+                except Busy:
+                    out = None
+            if out is None:
+                out = await anyio.to_thread.run_sync(in_worker)
             response = Response(out.body, media_type=OCTETS, headers=out.headers)
         except HANDLED as exc:
             response = error_response(exc)

@@ -1,17 +1,20 @@
-"""The station's HTTP endpoints (SPEC §5): thin FastAPI routes over :class:`.state.Station`.
+"""The station's HTTP endpoints (SPEC §5, §14): thin FastAPI routes over :class:`.state.Station`.
+
+Every endpoint but ``GET /healthz`` needs ``Authorization: Bearer <mesh token>`` (checked for
+the whole app by :class:`~.app.AuthMiddleware`, so /docs, /openapi.json and /metrics too).
 
 - ``GET /healthz``, ``GET /metrics`` (Prometheus, added by the app), ``GET /openapi.json``
-- ``GET /amplituhedron/stats``; with the bearer token: ``POST /amplituhedron/configure``
-  ``{enabled?, max_entries?, max_prefix_len?, max_bytes?, min_prefix_reuse?}`` and
+- ``GET /amplituhedron/stats``, ``POST /amplituhedron/configure``
+  ``{enabled?, max_entries?, max_prefix_len?, max_bytes?, min_prefix_reuse?}``,
   ``POST /amplituhedron/clear``
-- ``POST /amplituhedron/capture?session_id&prefix_hash&prefix_len&layer_lo&layer_hi`` (token)
-  with the tail residual (f32 LE; the exit station may append the last position's logits)
+- ``POST /amplituhedron/capture?session_id&prefix_hash&prefix_len&layer_lo&layer_hi`` with
+  no body: the station freezes what it computed for the session's prompt
 - ``POST /amplituhedron/replay`` ``{session_id, prefix_hash, prefix_len, layer_lo,
   layer_hi}``: 200 + tail (+ logits) octets on a hit, 204 on a miss
-- ``POST /sessions`` (open), ``GET /sessions``, ``DELETE /sessions/{id}``,
-  ``POST /sessions/{id}/forward`` (a chunk: u32 token ids at the entry station, f32 hidden
-  rows elsewhere), ``POST /sessions/{id}/decode`` (one row; see :mod:`.fastpath`),
-  ``POST /sessions/{id}/sample``, ``POST /sessions/{id}/rollback``
+- ``POST /sessions`` (open; the station draws the id), ``GET /sessions`` (counts only),
+  ``DELETE /sessions/{id}``, ``POST /sessions/{id}/forward`` (a chunk: u32 token ids at the
+  entry station, f32 hidden rows elsewhere), ``POST /sessions/{id}/decode`` (one row; see
+  :mod:`.fastpath`), ``POST /sessions/{id}/sample``, ``POST /sessions/{id}/rollback``
 - ``POST /debug/damage`` only with ``--fault-injection``
 
 Bad input gets a 4xx whose ``detail`` says what is wrong (the status comes from the
@@ -20,17 +23,21 @@ exception's type, :mod:`.errors`), and changes nothing.
 
 from __future__ import annotations
 
-import secrets
+import asyncio
+import contextlib
+import threading
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 
 from amplituhedron_rs.mesh.protocol import (
     DECODE_ROUTE,
     FORWARD_ROUTE,
     HASH_PATTERN,
     OCTETS,
+    SESSION_ID_PATTERN,
+    TENANT,
     Captured,
     Configured,
     ConfigureRequest,
@@ -40,12 +47,11 @@ from amplituhedron_rs.mesh.protocol import (
     RollbackRequest,
     RolledBack,
     Sampled,
-    SessionList,
+    SessionCount,
     SessionOpened,
-    SessionSummary,
     VolumeRequest,
 )
-from amplituhedron_rs.mesh.station.errors import TooLarge, Unauthorized
+from amplituhedron_rs.mesh.station.errors import Cancelled, NotFound
 from amplituhedron_rs.mesh.station.state import HiddenRows, LogitsRows, Octets, Station
 
 OCTET_BODY: dict[str, Any] = {
@@ -66,36 +72,24 @@ def current_station(request: Request) -> Station:
 StationDep = Annotated[Station, Depends(current_station)]
 
 
-def require_token(
-    station: StationDep, authorization: Annotated[str | None, Header()] = None
-) -> None:
-    token = station.settings.token
-    if token is None:
-        return
-    if authorization is None or not authorization.startswith("Bearer "):
-        raise Unauthorized("this endpoint needs 'Authorization: Bearer <token>'")
-    if not secrets.compare_digest(authorization[len("Bearer ") :], token):
-        raise Unauthorized("wrong bearer token")
+SessionIdPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN)]
+TenantHeader = Annotated[
+    str | None,
+    Header(
+        alias=TENANT,
+        description="the tenant the authenticated coordinator acts for (cache salt)",
+    ),
+]
 
 
-AUTH = [Depends(require_token)]
-
-
-async def read_body(station: Station, request: Request) -> bytes:
-    limit = station.settings.max_body_bytes
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def read_body(request: Request) -> bytes:
+    """The body, already bounded (chunked too) by :class:`~.app.ObserveMiddleware`."""
+    return await request.body()
 
 
 async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
-    """Runs a prefill chunk or a capture in a worker thread (the Rust call releases the
-    GIL), keeping the event loop free for decode steps."""
+    """Runs compute in a worker thread (the Rust call releases the GIL), keeping the event
+    loop free: it never waits on a session's lock."""
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(fn, *args)
@@ -110,7 +104,7 @@ router = APIRouter()
 
 # --- health --------------------------------------------------------------------------------
 @router.get("/healthz")
-def healthz(station: StationDep) -> Health:
+async def healthz(station: StationDep) -> Health:
     s = station.settings
     return Health(
         status="ok",
@@ -120,7 +114,7 @@ def healthz(station: StationDep) -> Health:
         fingerprint=str(station.weights.fingerprint),
         hidden=station.hidden,
         vocab=station.vocab,
-        sessions=len(station.sessions),
+        sessions=len(station.sessions),  # a dict's len: safe from the event loop
         entry=station.is_entry,
         exit=station.is_exit,
     )
@@ -132,29 +126,30 @@ def amplituhedron_stats(station: StationDep) -> dict[str, int]:
     return station.stats()
 
 
-@router.post("/amplituhedron/configure", dependencies=AUTH)
+@router.post("/amplituhedron/configure")
 def amplituhedron_configure(station: StationDep, req: ConfigureRequest) -> Configured:
     station.configure(req)
     return Configured(stats=station.stats())
 
 
-@router.post("/amplituhedron/clear", dependencies=AUTH)
+@router.post("/amplituhedron/clear")
 def amplituhedron_clear(station: StationDep) -> dict[str, bool]:
     station.clear()
     return {"cleared": True}
 
 
-@router.post("/amplituhedron/capture", dependencies=AUTH, openapi_extra=OCTET_BODY)
+@router.post("/amplituhedron/capture")
 async def amplituhedron_capture(
     station: StationDep,
     request: Request,
-    session_id: Annotated[str, Query(min_length=1, max_length=128)],
+    session_id: Annotated[str, Query(pattern=SESSION_ID_PATTERN)],
     prefix_hash: Annotated[str, Query(pattern=HASH_PATTERN)],
     prefix_len: Annotated[int, Query(ge=1, le=1 << 31)],
     layer_lo: Annotated[int, Query(ge=0, le=65535)],
     layer_hi: Annotated[int, Query(ge=0, le=65535)],
 ) -> Captured:
-    body = await read_body(station, request)
+    """Freezes the session's own KV, tail and (exit) logits for its prompt; no body."""
+    body = await read_body(request)
     req = VolumeRequest(
         session_id=session_id,
         prefix_hash=prefix_hash,
@@ -163,7 +158,7 @@ async def amplituhedron_capture(
         layer_hi=layer_hi,
     )
     nbytes = await in_thread(station.capture, req, body)
-    return Captured(captured=nbytes > 0, bytes=nbytes)
+    return Captured(captured=nbytes > 0, bytes=nbytes, reason=station.declines_captures)
 
 
 @router.post(
@@ -180,59 +175,69 @@ def amplituhedron_replay(station: StationDep, req: VolumeRequest) -> Response:
 
 # --- sessions ------------------------------------------------------------------------------
 @router.post("/sessions", status_code=201)
-def open_session(station: StationDep, req: OpenSessionRequest) -> SessionOpened:
-    sid, live = station.open_session(req)
+def open_session(
+    station: StationDep, req: OpenSessionRequest, tenant: TenantHeader = None
+) -> SessionOpened:
+    """Opens a session; the id in the answer is its capability (random, never listed)."""
+    sid, live = station.open_session(req, tenant)
     s = station.settings
-    return SessionOpened(
-        session_id=sid, clock=int(live.session.clock), layer_lo=s.layer_lo, layer_hi=s.layer_hi
-    )
+    return SessionOpened(session_id=sid, clock=live.clock, layer_lo=s.layer_lo, layer_hi=s.layer_hi)
 
 
 @router.get("/sessions")
-def list_sessions(station: StationDep) -> SessionList:
-    with station.sessions_lock:
-        items = list(station.sessions.items())
-    return SessionList(
-        sessions=[
-            SessionSummary(session_id=sid, clock=int(v.session.clock), prompt_len=len(v.prompt))
-            for sid, v in items
-        ],
-        max_sessions=station.settings.max_sessions,
-    )
+def count_sessions(station: StationDep) -> SessionCount:
+    """How many sessions are live (never their ids: an id is its holder's capability)."""
+    return SessionCount(live=len(station.sessions), max_sessions=station.settings.max_sessions)
 
 
 @router.delete("/sessions/{session_id}")
-def close_session(station: StationDep, session_id: str) -> dict[str, bool]:
+def close_session(station: StationDep, session_id: SessionIdPath) -> dict[str, bool]:
     station.close_session(session_id)
     return {"closed": True}
 
 
 @router.post("/sessions/{session_id}/rollback")
-def rollback(station: StationDep, session_id: str, req: RollbackRequest) -> RolledBack:
+def rollback(station: StationDep, session_id: SessionIdPath, req: RollbackRequest) -> RolledBack:
     return RolledBack(clock=station.rollback(session_id, req.clock))
 
 
 @router.post(FORWARD_ROUTE, openapi_extra=OCTET_BODY)
 async def forward(
     station: StationDep,
-    session_id: str,
+    session_id: SessionIdPath,
     request: Request,
     logits: LogitsRows = "none",
     hidden: HiddenRows = "all",
     sample: bool = False,
 ) -> Response:
-    body = await read_body(station, request)
+    """A chunk of at most ``max_chunk`` rows. A client that disconnects meanwhile stops the
+    work at the next piece, and its session is closed."""
+    body = await read_body(request)
+    cancel = threading.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel.set()
 
     def run() -> Octets:
-        return station.forward(session_id, body, logits, hidden, sample=sample)
+        return station.forward(session_id, body, logits, hidden, sample=sample, cancel=cancel)
 
-    return octets(await in_thread(run))
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return octets(await in_thread(run))
+    except Cancelled:
+        with contextlib.suppress(NotFound):
+            station.close_session(session_id)
+        raise
+    finally:
+        watcher.cancel()
 
 
 @router.post(DECODE_ROUTE, openapi_extra=OCTET_BODY)
 async def decode(
     station: StationDep,
-    session_id: str,
+    session_id: SessionIdPath,
     request: Request,
     logits: Literal["none", "last"] = "last",
     hidden: HiddenRows = "all",
@@ -242,12 +247,16 @@ async def decode(
     the next token with the session's sampler and returns it in ``X-Token`` (no logits
     on the wire). Well-formed calls are served by `DecodeFastPath` before FastAPI; this
     route defines, documents and validates the endpoint, and serves every other call."""
-    body = await read_body(station, request)
-    return octets(station.decode_step(session_id, body, logits, hidden, sample))
+    body = await read_body(request)
+
+    def run() -> Octets:
+        return station.decode_step(session_id, body, logits, hidden, sample)
+
+    return octets(await in_thread(run))
 
 
 @router.post("/sessions/{session_id}/sample")
-def sample_next(station: StationDep, session_id: str) -> Sampled:
+def sample_next(station: StationDep, session_id: SessionIdPath) -> Sampled:
     """Exit station: samples the next token from the session's last logits (after an
     all-hit replay, those are the cached logits: the first token needs no model run)."""
     return Sampled(token=station.sample(session_id))
@@ -258,6 +267,6 @@ debug_router = APIRouter()
 
 
 @debug_router.post("/debug/damage")
-def damage(station: StationDep, req: FaultRequest) -> dict[str, bool]:
+def damage(station: StationDep, req: FaultRequest, tenant: TenantHeader = None) -> dict[str, bool]:
     """Poisons one cached position (tests and failure drills)."""
-    return {"damaged": station.damage(req.prompt_tokens, req.position, req.salt)}
+    return {"damaged": station.damage(req.prompt_tokens, req.position, tenant)}

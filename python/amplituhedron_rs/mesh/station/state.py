@@ -2,17 +2,28 @@
 volume cache), its sessions' rings, and the operations the routes expose. Nothing here
 knows HTTP routing; refusals are raised as the types of :mod:`.errors`.
 
-Threading: prefill chunks and captures run in the server's worker threads, decode steps on
-the event loop; the Rust calls release the GIL. A session's lock serialises its ring, and
-the pipeline lock the shared volume cache (Rust borrows it mutably).
+Threading: compute runs in the server's worker threads (a decode step runs on the event
+loop only when nothing else is in flight and its session is free: see :mod:`.fastpath`);
+the Rust calls release the GIL. A session's lock serialises its ring, and the pipeline lock
+the shared volume cache (Rust borrows it mutably). The event loop never waits on a lock:
+it tries once, and a worker waits (bounded) instead.
+
+Trust (SPEC §14): a station caches only what it computed itself. Each session remembers
+whether its forwarded positions are exactly its prompt (the entry station compares the token
+ids; every station counts positions), the tail row it emitted at the prompt's last position
+and, at the exit, that position's logits; a capture freezes those, and takes no tensors
+from the client.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import os
+import secrets
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +46,16 @@ from amplituhedron_rs.mesh.protocol import (
     OpenSessionRequest,
     VolumeRequest,
 )
-from amplituhedron_rs.mesh.station.errors import BadBody, Conflict, Full, NotFound
+from amplituhedron_rs.mesh.station.errors import (
+    BadBody,
+    Busy,
+    Cancelled,
+    Conflict,
+    Forbidden,
+    Full,
+    NotFound,
+    TooLarge,
+)
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.options import CacheOptions, Precision, SessionOptions
 from amplituhedron_rs.runtime.weights import (
@@ -59,10 +79,25 @@ class StationSettings:
     model_path: str | None = None
     #: A model index written by the mesh launcher (the header parsed once for K stations).
     model_index: str | None = None
+    #: The mesh token every endpoint but /healthz requires; None only for an explicitly
+    #: ``--insecure`` station (loopback only, enforced by :func:`~.app.serve`).
     token: str | None = None
+    #: Serve /metrics without the token (a scraper on another host holds no mesh token).
+    open_metrics: bool = False
     max_sessions: int = 8
-    session_idle_s: float = 300.0
-    max_body_bytes: int = 64 * 1024 * 1024
+    #: A client that vanished between requests leaves its session at most this long.
+    session_idle_s: float = 30.0
+    #: Octet bodies (forward, decode); JSON bodies get ``max_json_bytes``.
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_json_bytes: int = 1024 * 1024
+    #: Rows one forward may carry (None: the session's ``max_chunk``).
+    max_forward_rows: int | None = None
+    #: Rows of ``logits=all`` one forward may ask for (each row is vocab × 4 bytes).
+    max_logits_rows: int = 64
+    #: Bytes of KV rings the station may hold (None: a quarter of physical memory).
+    memory_budget: int | None = None
+    #: How long a worker waits for a busy session before answering 409.
+    busy_wait_s: float = 10.0
     cache: CacheOptions = field(default_factory=CacheOptions)
     session: SessionOptions = field(default_factory=SessionOptions)
     fault_injection: bool = False
@@ -80,7 +115,8 @@ class LiveSession:
 
     The lock travels with the ring when a closed session's ring is pooled for reuse, so a
     request that still holds the old wrapper serialises with the ring's next owner and then
-    sees ``closed``.
+    sees ``closed``. ``clock`` mirrors the ring's clock (read without borrowing the ring,
+    which a forward in another thread holds mutably).
     """
 
     session: _core.RangeSession
@@ -90,19 +126,33 @@ class LiveSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
+    clock: int = 0
     # Exit station only: the session's sampler and the logits of its last position.
     sampler: _core.Sampler | None = None
     last_logits: FloatArray | None = None
-    # ... and of the prompt's last position (what a capture freezes with the volume).
+    # What a capture freezes, all computed here: whether every forwarded prompt position
+    # was the prompt's own token (sticky once false), the output row at the prompt's last
+    # position, and (exit) that position's logits.
+    exact: bool = True
+    prompt_tail: FloatArray | None = None
     prompt_logits: FloatArray | None = None
 
     @contextlib.contextmanager
-    def use(self, sid: str) -> Iterator[_core.RangeSession]:
-        """Exclusive use of the ring; NotFound if the session closed meanwhile."""
-        with self.lock:
+    def use(self, sid: str, wait: float) -> Iterator[_core.RangeSession]:
+        """Exclusive use of the ring, waiting at most ``wait`` seconds (0: the event loop,
+        which never waits); Busy if another request holds it, NotFound if it closed."""
+        acquired = self.lock.acquire(timeout=wait) if wait > 0 else self.lock.acquire(False)
+        if not acquired:
+            raise Busy(f"session {sid!r} is busy with another request; retry")
+        try:
             if self.closed:
                 raise NotFound(f"session {sid!r} was closed")
-            yield self.session
+            try:
+                yield self.session
+            finally:
+                self.clock = int(self.session.clock)
+        finally:
+            self.lock.release()
 
 
 @dataclass(frozen=True)
@@ -128,6 +178,15 @@ def _f32_bytes(a: Any) -> bytes:
     return np.ascontiguousarray(a, dtype="<f4").tobytes()
 
 
+def new_session_id() -> str:
+    """192 random bits, URL-safe: an id is a capability, so it is unguessable."""
+    return secrets.token_urlsafe(24)
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class Station:
     """State of one station process: weights, pipeline (+ volume cache), sessions."""
 
@@ -146,14 +205,40 @@ class Station:
         self.is_exit = s.layer_hi == self.weights.n_layers
         self.hidden = int(self.weights.hidden)
         self.vocab = int(self.weights.vocab)
+        self.max_prompt = int(self.weights.context_len)
+        # Only the entry station can check what it is sent (token ids against the prompt);
+        # the others trust the hidden states of the mesh-token holder. An open station has
+        # no such holder, so there only the entry station caches.
+        self.declines_captures = (
+            None
+            if s.token is not None or self.is_entry
+            else "an open (--insecure) station cannot verify the hidden states it is sent, "
+            "so it caches nothing; run the mesh with a token"
+        )
+        self.max_rows = s.max_forward_rows or s.session.max_chunk
         self.sessions: dict[str, LiveSession] = {}
         self.sessions_lock = threading.Lock()
         # Rings of closed sessions, reset and kept for reuse (by n_sys): a fresh ring's pages
         # are faulted in on first write, which costs more than replaying a volume into it.
         self.pool: dict[int, list[tuple[_core.RangeSession, threading.Lock]]] = {}
+        # The first ring, made now: its slots size the memory budget's unit; it is pooled.
+        first = new_session(self.weights, s.layer_lo, s.layer_hi, s.session)
+        kv_row = 2 * int(self.weights.n_kv_heads) * int(self.weights.head_dim) * 4
+        self.ring_bytes = sum(int(n) for n in first.kv_slots) * kv_row
+        self.memory_budget = s.memory_budget or physical_memory() // 4
+        if self.ring_bytes > self.memory_budget:
+            raise InputError(
+                f"one session's rings need {self.ring_bytes} bytes, more than the "
+                f"{self.memory_budget}-byte memory budget"
+            )
+        self.pool[s.session.n_sys] = [(first, threading.Lock())]
         # The pipeline (volume cache) is shared by all sessions; Rust borrows it mutably.
         self.pipeline_lock = threading.Lock()
         self.forward_rows = 0
+        # Compute calls running now (the decode fast path runs on the event loop only at 0);
+        # updated from worker threads, so under a lock (`+=` is not atomic across threads).
+        self.inflight = 0
+        self._inflight_lock = threading.Lock()
 
     # --- sessions ------------------------------------------------------------------------
     def sweep_idle(self) -> int:
@@ -177,38 +262,75 @@ class Station:
             live.closed = True
             live.session.reset()
             with self.sessions_lock:
-                pooled = sum(len(v) for v in self.pool.values())
-                if pooled + len(self.sessions) < self.settings.max_sessions:
+                if self._rings_held() < self.settings.max_sessions:
                     self.pool.setdefault(live.n_sys, []).append((live.session, live.lock))
 
-    def open_session(self, req: OpenSessionRequest) -> tuple[str, LiveSession]:
+    def _rings_held(self) -> int:
+        """Rings alive now, in sessions and in the pool (call under ``sessions_lock``)."""
+        return len(self.sessions) + sum(len(v) for v in self.pool.values())
+
+    def salt_of(self, tenant: str | None) -> str | None:
+        """The cache salt of a tenant: keyed by the mesh token, so it derives from the
+        authenticated caller; an open (``--insecure``) station has no caller to vouch for a
+        tenant, and refuses one."""
+        if tenant is None:
+            return None
+        token = self.settings.token
+        if token is None:
+            raise Forbidden("a tenant needs an authenticated caller; this station runs --insecure")
+        if not 1 <= len(tenant) <= 256:
+            raise BadBody("the tenant header must be 1 to 256 characters")
+        return hmac.new(token.encode(), tenant.encode(), hashlib.sha256).hexdigest()
+
+    def open_session(
+        self, req: OpenSessionRequest, tenant: str | None = None
+    ) -> tuple[str, LiveSession]:
         self.sweep_idle()
-        sid = req.session_id or uuid.uuid4().hex
+        salt = self.salt_of(tenant)
+        if len(req.prompt_tokens) > self.max_prompt:
+            raise InputError(
+                f"the prompt has {len(req.prompt_tokens)} tokens; the model's context is "
+                f"{self.max_prompt}"
+            )
+        if req.n_sys > len(req.prompt_tokens):
+            raise InputError(f"n_sys {req.n_sys} exceeds the {len(req.prompt_tokens)}-token prompt")
+        bad = next((t for t in req.prompt_tokens if t >= self.vocab), None)
+        if bad is not None:
+            raise InputError(f"token id {bad} is outside the vocabulary of {self.vocab}")
+        # Checked before a pooled ring is taken, so a refusal changes nothing.
+        sampler = req.sampling.params().sampler() if self.is_exit else None
+        sid = new_session_id()
         with self.sessions_lock:
-            if sid in self.sessions:
-                raise Conflict(f"session {sid!r} already exists")
             if len(self.sessions) >= self.settings.max_sessions:
                 raise Full(
                     f"station full: {len(self.sessions)} live sessions "
                     f"(max {self.settings.max_sessions}); retry later"
                 )
-            if req.n_sys > len(req.prompt_tokens):
-                raise InputError(
-                    f"n_sys {req.n_sys} exceeds the {len(req.prompt_tokens)}-token prompt"
-                )
-            # Checked before a pooled ring is taken, so a refusal changes nothing.
-            sampler = req.sampling.params().sampler() if self.is_exit else None
             reusable = self.pool.get(req.n_sys)
             if reusable:
                 rs, lock = reusable.pop()
             else:
+                self._admit_new_ring()
                 s = self.settings
                 rs = new_session(self.weights, s.layer_lo, s.layer_hi, s.session, n_sys=req.n_sys)
                 lock = threading.Lock()
-            live = LiveSession(rs, list(req.prompt_tokens), req.salt, req.n_sys, lock)
+            live = LiveSession(rs, list(req.prompt_tokens), salt, req.n_sys, lock)
             live.sampler = sampler
             self.sessions[sid] = live
         return sid, live
+
+    def _admit_new_ring(self) -> None:
+        """Room for one more ring within the memory budget (under ``sessions_lock``): pooled
+        rings of other shapes go first; past the budget, 503 with Retry-After."""
+        while (self._rings_held() + 1) * self.ring_bytes > self.memory_budget:
+            spare = next((k for k, v in self.pool.items() if v), None)
+            if spare is None:
+                raise Full(
+                    f"station memory budget reached: {len(self.sessions)} sessions hold "
+                    f"{len(self.sessions) * self.ring_bytes} of {self.memory_budget} bytes; "
+                    "retry later"
+                )
+            self.pool[spare].pop()
 
     def get_session(self, sid: str) -> LiveSession:
         with self.sessions_lock:
@@ -249,6 +371,8 @@ class Station:
             self.pipeline.amplituhedron_clear()
 
     def check_volume_request(self, req: VolumeRequest, live: LiveSession) -> int:
+        """The request names this station's layers and the session's whole prompt (a
+        volume is always a whole prompt: the station computed its tail there)."""
         s = self.settings
         if (req.layer_lo, req.layer_hi) != (s.layer_lo, s.layer_hi):
             raise Conflict(
@@ -262,64 +386,75 @@ class Station:
             raise InputError(
                 f"prefix_len {req.prefix_len} exceeds the session's {len(live.prompt)}-token prompt"
             )
-        expected = int(_core.prefix_hash(live.prompt[: req.prefix_len]))
+        if req.prefix_len != len(live.prompt):
+            raise InputError(
+                f"a volume covers the whole prompt ({len(live.prompt)} tokens), "
+                f"not {req.prefix_len}"
+            )
+        expected = int(_core.prefix_hash(live.prompt))
         if prefix_hash != expected:
             raise Conflict(
-                f"prefix_hash {prefix_hash} is not the hash of the session's first "
-                f"{req.prefix_len} tokens ({expected})"
+                f"prefix_hash {prefix_hash} is not the hash of the session's "
+                f"{req.prefix_len}-token prompt ({expected})"
             )
         return prefix_hash
 
     def capture(self, req: VolumeRequest, body: bytes) -> int:
-        """Freezes the session's KV for its prompt plus the tail in ``body`` (the exit
-        station adds the prompt's logits it kept, unless the body carries them); returns
-        the entry's bytes (0: the cache declined)."""
+        """Freezes the session's KV for its prompt with the tail row it emitted at the
+        prompt's last position (and at the exit station the logits it computed there);
+        returns the entry's bytes (0: the cache declined). Refused unless the session's
+        forwarded positions are exactly its prompt."""
+        if body:
+            raise BadBody(
+                "a capture takes no body: the station captures the tail (and logits) it "
+                f"computed itself; got {len(body)} bytes"
+            )
         live = self.get_session(req.session_id)
         self.check_volume_request(req, live)
-        values = floats(body, "tail residual")
-        with_logits = self.hidden + self.vocab
-        if values.size != self.hidden and not (self.is_exit and values.size == with_logits):
-            what = "tail residual (+ logits)" if self.is_exit else "tail residual"
-            raise BadBody(
-                f"body must be the {what}: {self.hidden} f32 "
-                f"({self.hidden * 4} bytes), got {len(body)} bytes"
-            )
-        tail = np.ascontiguousarray(values[: self.hidden])
-        logits = None
-        if self.is_exit:
-            logits = (
-                np.ascontiguousarray(values[self.hidden :])
-                if values.size == with_logits
-                else live.prompt_logits
-            )
-            if logits is None or req.prefix_len != len(live.prompt):
+        with live.use(req.session_id, self.settings.busy_wait_s) as session:
+            n = len(live.prompt)
+            if not live.exact:
                 raise Conflict(
-                    "the exit station can only capture the whole prompt after computing its "
-                    "last position"
+                    "the session's forwarded tokens are not the prompt it was opened with; "
+                    "nothing to capture"
                 )
-        with live.use(req.session_id) as session, self.pipeline_lock:
-            return int(
-                self.pipeline.amplituhedron_capture(
-                    session, live.prompt[: req.prefix_len], tail, logits, live.salt
+            tail, logits = live.prompt_tail, live.prompt_logits
+            if tail is None or live.clock < n or (self.is_exit and logits is None):
+                raise Conflict(
+                    f"the session has not computed its {n}-token prompt (clock {live.clock}); "
+                    "a capture freezes only what the station computed"
                 )
-            )
+            if self.declines_captures is not None:
+                return 0
+            with self.pipeline_lock:
+                return int(
+                    self.pipeline.amplituhedron_capture(
+                        session, live.prompt, tail, logits if self.is_exit else None, live.salt
+                    )
+                )
 
     def replay(self, req: VolumeRequest) -> Octets | None:
         """Splices the prompt's volume into the fresh session: the tail (+ logits) with the
-        verdict headers, or None on a miss."""
+        verdict headers, or None on a miss. An open station answers whole-prompt hits only:
+        a partial hit's length would tell an unauthenticated caller how much of another
+        user's cached prompt it guessed."""
         live = self.get_session(req.session_id)
         self.check_volume_request(req, live)
-        if req.prefix_len != len(live.prompt):
-            raise InputError(
-                f"replay covers the whole prompt ({len(live.prompt)} tokens), not {req.prefix_len}"
-            )
-        with live.use(req.session_id) as session, self.pipeline_lock:
-            if session.clock != 0:
+        with live.use(req.session_id, self.settings.busy_wait_s) as session:
+            if live.clock != 0:
                 raise Conflict(f"session {req.session_id!r} is not fresh")
-            r = self.pipeline.amplituhedron_replay(session, live.prompt, live.salt)
-        if r is None:
-            return None
-        live.last_logits = r.logits
+            with self.pipeline_lock:
+                r = self.pipeline.amplituhedron_replay(session, live.prompt, live.salt)
+            if r is not None and r.status != "hit" and self.settings.token is None:
+                session.reset()
+                r = None
+            if r is None:
+                return None
+            live.last_logits = r.logits
+            if r.status == "hit":
+                # The cache holds only station-computed volumes of this very prompt.
+                live.prompt_tail = np.asarray(r.tail, dtype=np.float32)
+                live.prompt_logits = r.logits
         parts = [_f32_bytes(a) for a in (r.tail, r.logits) if a is not None]
         headers = {
             REPLAY_STATUS: r.status,
@@ -338,10 +473,16 @@ class Station:
         *,
         one_row: bool = False,
         sample: bool = False,
+        wait: float | None = None,
+        cancel: threading.Event | None = None,
     ) -> Octets:
         """Runs a chunk (token ids at the entry station, hidden rows elsewhere); answers the
         requested hidden rows and logits, and with ``sample`` the exit station's next token
-        in the ``X-Token`` header."""
+        in the ``X-Token`` header.
+
+        At most ``max_rows`` rows (and ``max_logits_rows`` rows of ``logits=all``). The
+        rows run in pieces; a set ``cancel`` (the client left) stops at the next piece and
+        rolls the session back, so the request changes nothing."""
         live = self.get_session(sid)
         if self.is_entry:
             if len(body) % 4 != 0 or not body:
@@ -355,24 +496,49 @@ class Station:
             rows = arr.size // self.hidden
         if one_row and rows != 1:
             raise BadBody(f"a decode step is exactly one row, got {rows}")
+        if rows > self.max_rows:
+            raise TooLarge(
+                f"{rows} rows in one forward; at most {self.max_rows} (send the rest as "
+                "further chunks)"
+            )
+        if logits == "all" and rows > self.settings.max_logits_rows:
+            raise TooLarge(
+                f"logits=all for {rows} rows; at most {self.settings.max_logits_rows} rows "
+                "of logits per forward"
+            )
         if (logits != "none" or sample) and not self.is_exit:
             raise BadBody("only the exit station returns logits or samples")
+        if self.is_entry:
+            bad = ids[ids >= self.vocab]
+            if bad.size:
+                raise InputError(
+                    f"token id {int(bad[0])} is outside the vocabulary of {self.vocab}"
+                )
         # Sampling needs the last position's logits even when they are not returned.
         compute: LogitsRows = "last" if sample and logits == "none" else logits
         token = None
-        with live.use(sid) as session:
-            if self.is_entry:
-                h, lg = session.forward_tokens(ids.tolist(), logits=compute)
-            else:
-                h, lg = session.forward_hidden(arr.reshape(rows, self.hidden), logits=compute)
-            clock = int(session.clock)
-            if lg is not None:
-                live.last_logits = lg[-1]
-                if clock == len(live.prompt):
-                    live.prompt_logits = lg[-1]
-                if sample:
-                    assert live.sampler is not None
-                    token = int(live.sampler.sample(lg[-1], clock))
+        with self._inflight_lock:
+            self.inflight += 1
+        try:
+            waited = self.settings.busy_wait_s if wait is None else wait
+            with live.use(sid, waited) as session:
+                start = int(session.clock)
+                if self.is_entry:
+                    h, lg = self._run(session, ids, rows, compute, cancel, start)
+                else:
+                    h, lg = self._run(
+                        session, arr.reshape(rows, self.hidden), rows, compute, cancel, start
+                    )
+                clock = int(session.clock)
+                self._note_prompt(live, ids if self.is_entry else None, start, h, lg, compute)
+                if lg is not None:
+                    live.last_logits = lg[-1]
+                    if sample:
+                        assert live.sampler is not None
+                        token = int(live.sampler.sample(lg[-1], clock))
+        finally:
+            with self._inflight_lock:
+                self.inflight -= 1
         self.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
@@ -389,6 +555,70 @@ class Station:
             headers[TOKEN] = str(token)
         return Octets(b"".join(parts), headers)
 
+    #: Rows per Rust call within one forward: the points where a departed client's work stops.
+    PIECE_ROWS = 64
+
+    def _run(
+        self,
+        session: _core.RangeSession,
+        rows_in: Any,
+        rows: int,
+        compute: LogitsRows,
+        cancel: threading.Event | None,
+        start: int,
+    ) -> tuple[FloatArray, FloatArray | None]:
+        """The forward in pieces (chunked equals unchunked, bit for bit)."""
+        hs: list[FloatArray] = []
+        lgs: list[FloatArray] = []
+        try:
+            for lo in range(0, rows, self.PIECE_ROWS):
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("the client disconnected; the forward was abandoned")
+                hi = min(rows, lo + self.PIECE_ROWS)
+                want: LogitsRows = compute if compute != "last" or hi == rows else "none"
+                if self.is_entry:
+                    h, lg = session.forward_tokens(rows_in[lo:hi].tolist(), logits=want)
+                else:
+                    h, lg = session.forward_hidden(rows_in[lo:hi], logits=want)
+                hs.append(h)
+                if lg is not None:
+                    lgs.append(lg)
+        except BaseException:
+            if int(session.clock) != start:
+                session.rollback(start)
+            raise
+        h_all = hs[0] if len(hs) == 1 else np.concatenate(hs)
+        lg_all = None if not lgs else lgs[0] if len(lgs) == 1 else np.concatenate(lgs)
+        return h_all, lg_all
+
+    def _note_prompt(
+        self,
+        live: LiveSession,
+        ids: Any,
+        start: int,
+        h: FloatArray,
+        lg: FloatArray | None,
+        compute: LogitsRows,
+    ) -> None:
+        """Records what a later capture may freeze: whether the rows forwarded into the
+        prompt's positions were its tokens (the entry station can tell; the others count
+        positions), and the tail row and logits computed at its last position."""
+        n = len(live.prompt)
+        end = start + h.shape[0]
+        if start >= n:
+            return
+        if ids is not None:
+            overlap = min(end, n) - start
+            if ids[:overlap].tolist() != live.prompt[start : start + overlap]:
+                live.exact = False
+        if end >= n:
+            at = n - 1 - start
+            live.prompt_tail = np.array(h[at], dtype=np.float32)
+            if lg is not None and compute == "all":
+                live.prompt_logits = np.array(lg[at], dtype=np.float32)
+            elif lg is not None and end == n:
+                live.prompt_logits = np.array(lg[-1], dtype=np.float32)
+
     def decode_step(
         self,
         sid: str,
@@ -396,6 +626,7 @@ class Station:
         logits: Literal["none", "last"],
         hidden: HiddenRows,
         sample: bool,
+        wait: float | None = None,
     ) -> Octets:
         """One decode step: exactly one row (logits only where there are some)."""
         return self.forward(
@@ -405,6 +636,7 @@ class Station:
             hidden,
             one_row=True,
             sample=sample,
+            wait=wait,
         )
 
     def sample(self, sid: str) -> int:
@@ -413,7 +645,7 @@ class Station:
         if not self.is_exit:
             raise BadBody("only the exit station samples")
         live = self.get_session(sid)
-        with live.use(sid) as session:
+        with live.use(sid, self.settings.busy_wait_s) as session:
             if live.last_logits is None:
                 raise Conflict(f"session {sid!r} has no logits yet")
             assert live.sampler is not None
@@ -421,11 +653,15 @@ class Station:
 
     def rollback(self, sid: str, clock: int) -> int:
         live = self.get_session(sid)
-        with live.use(sid) as session:
+        with live.use(sid, self.settings.busy_wait_s) as session:
             session.rollback(clock)
+            if clock < len(live.prompt):
+                # The prompt's last position is gone; it is recorded again when recomputed.
+                live.prompt_tail = live.prompt_logits = None
             return int(session.clock)
 
-    def damage(self, prompt: list[int], position: int, salt: str | None) -> bool:
+    def damage(self, prompt: list[int], position: int, tenant: str | None) -> bool:
         """Fault injection: poisons one cached position (tests and failure drills)."""
+        salt = self.salt_of(tenant)
         with self.pipeline_lock:
             return bool(self.pipeline.amplituhedron_inject_fault(prompt, position, salt))
