@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from amplituhedron_rs import _core
+from amplituhedron_rs.mesh.station.batch import router as batch_router
 from amplituhedron_rs.mesh.station.errors import HANDLED, error_response
 from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
@@ -113,6 +114,7 @@ def create_app(station: Station) -> FastAPI:
     )
     app.state.station = station
     app.include_router(router)
+    app.include_router(batch_router)
     if s.fault_injection:
         app.include_router(debug_router)
 
