@@ -52,7 +52,7 @@ class ServeMetrics:
         live = Gauge(
             f"{p}_live_sequences", "Sequences holding KV (0 when idle: nothing leaked)", registry=r
         )
-        live.set_function(lambda: front.engine.live_sequences or 0)
+        live.set_function(lambda: front.live_sequences)
 
     def finished(
         self,

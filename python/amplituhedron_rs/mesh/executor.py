@@ -1,0 +1,208 @@
+"""The mesh executor: the Rust engine's continuous batching, run through a mesh (SPEC §6,
+§10, §11).
+
+The engine (``_core.Engine.external``) plans; this executor carries each plan out:
+
+- admissions open the sequence's session on every station (with its sampling and salt),
+  then the replay fan-out (exact, then longest-prefix, per station); on an all-hit the exit
+  station samples the first token from the cached logits;
+- each planned step goes through the stations in order with ONE request per station
+  (``/batch/step``): every running sequence's decode row (plus its drafts when speculating:
+  k+1 rows per hop) and the prompt chunks the budget allows. The exit station samples or
+  verifies with each session's own seeded sampler, so only token ids come back; a station
+  rolls back positions of rejected drafts itself, from each entry's start;
+- an entry that ends a prompt asks every station to capture the prompt's volume from its
+  own KV (no tensor crosses the wire for it);
+- released sequences (finished, cancelled) have their sessions closed on every station.
+
+There is no generation loop here: the engine decides what runs, stops and finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+from amplituhedron_rs import _core
+from amplituhedron_rs._core import MeshError
+from amplituhedron_rs.mesh import protocol as wire
+from amplituhedron_rs.mesh import sessions
+from amplituhedron_rs.mesh.client import StationClient
+from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+from amplituhedron_rs.mesh.sessions import MeshLink
+
+
+def sampling_of(a: _core.EngineAdmission) -> wire.SamplingSpec:
+    """The session's sampling on the wire: the same core sampler as the engine's."""
+    if a.greedy:
+        return wire.SamplingSpec(seed=a.seed)
+    return wire.SamplingSpec(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+
+
+class MeshExecutor:
+    """Runs an external engine's admissions, steps and releases through a mesh."""
+
+    def __init__(self, engine: _core.Engine, link: MeshLink) -> None:
+        self.engine = engine
+        self.link = link
+        #: Each live sequence's session id (the same on every station) and cache use.
+        self.sids: dict[int, str] = {}
+        self.use_cache: dict[int, bool] = {}
+        self.hops = 0
+
+    @property
+    def live(self) -> int:
+        """Sequences holding sessions on the stations."""
+        return len(self.sids)
+
+    async def step(self) -> list[_core.EngineEvent]:
+        """One engine step through the mesh (the in-process engine's ``step()``, over HTTP)."""
+        await self._release(self.engine.take_released())
+        events: list[_core.EngineEvent] = []
+        admissions = self.engine.plan_admissions()
+        if admissions:
+            results = await asyncio.gather(*(self._admit(a) for a in admissions))
+            events.extend(self.engine.admitted(list(results)))
+        batch = self.engine.plan_batch()
+        if batch:
+            try:
+                emitted = await self._run(batch)
+            except MeshError as exc:
+                # Every sequence of the step finishes with the error: no token after it.
+                events.extend(self.engine.complete([], error=str(exc)))
+            else:
+                events.extend(self.engine.complete(emitted))
+        await self._release(self.engine.take_released())
+        return events
+
+    async def close(self) -> None:
+        """Closes every session still open (shutdown)."""
+        await self._release(list(self.sids))
+
+    async def _admit(self, a: _core.EngineAdmission) -> tuple[int, int, int | None, str | None]:
+        sid = f"seq{a.seq}-{uuid.uuid4().hex[:12]}"
+        opening = wire.OpenSessionRequest(
+            prompt_tokens=list(a.prompt), session_id=sid, salt=a.salt, sampling=sampling_of(a)
+        )
+        try:
+            await sessions.open_sessions(self.link, opening)
+        except MeshError as exc:
+            return a.seq, 0, None, str(exc)
+        self.sids[a.seq] = sid
+        self.use_cache[a.seq] = a.use_cache
+        try:
+            if not a.use_cache:
+                return a.seq, 0, None, None
+            found = await sessions.replay(
+                self.link, sid, a.prompt, int(_core.prefix_hash(a.prompt))
+            )
+            if not found.hit:
+                return a.seq, found.kept, None, None
+            first = await sessions.sample_cached(self.link, sid) if a.sample_first else None
+            return a.seq, len(a.prompt), first, None
+        except MeshError as exc:
+            # The engine finishes the sequence with the error and releases it.
+            return a.seq, 0, None, str(exc)
+
+    async def _run(self, batch: Sequence[_core.EngineEntry]) -> list[list[int]]:
+        """One step: one request per station, in order; the exit station's emitted tokens."""
+        try:
+            specs = [
+                wire.BatchEntrySpec(
+                    session_id=self.sids[e.seq],
+                    start=e.start,
+                    tokens=list(e.tokens),
+                    kind=e.kind,
+                    last=e.last,
+                    emit=e.emit and e.kind == "prefill",
+                    capture=e.last and self.use_cache[e.seq],
+                )
+                for e in batch
+            ]
+        except KeyError as exc:
+            raise MeshError(f"sequence {exc} has no sessions on the mesh") from exc
+        header = wire.BatchStepRequest(entries=specs)
+        payload: bytes | memoryview = b""
+        reply = None
+        for s in self.link.stations:
+            r = await self.link.call(
+                "batch step",
+                s,
+                "POST",
+                wire.BATCH_ROUTE,
+                content=wire.pack_frame(header, bytes(payload)),
+                headers={"Content-Type": wire.OCTETS},
+            )
+            self.hops += 1
+            try:
+                head, payload = wire.split_frame(r.content)
+                reply = wire.BatchStepReply.model_validate_json(head)
+            except ValueError as exc:
+                raise MeshError(f"station {s.url} answered a malformed step: {exc}") from exc
+            if len(reply.entries) != len(specs):
+                raise MeshError(
+                    f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
+                )
+        assert reply is not None
+        return [list(r.emitted) for r in reply.entries]
+
+    async def _release(self, seqs: Sequence[int]) -> None:
+        gone = [(seq, self.sids.pop(seq)) for seq in seqs if seq in self.sids]
+        for seq, _ in gone:
+            self.use_cache.pop(seq, None)
+        if gone:
+            await asyncio.gather(*(sessions.close_sessions(self.link, sid) for _, sid in gone))
+
+
+class MeshStepper:
+    """Steps a :class:`MeshExecutor` from a plain thread (the server's engine thread): it owns
+    an event loop and the connection pool to the stations, and closes both (and every
+    session still open) at the end. ``owned`` is stopped then too (a local mesh it started)."""
+
+    def __init__(
+        self,
+        engine: _core.Engine,
+        mesh: MeshSpec,
+        *,
+        token: str | None = None,
+        timeout: float = 120.0,
+        owned: LocalMesh | None = None,
+    ) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.owned = owned
+        http = StationClient(timeout)
+        link = MeshLink(mesh, http, {"Authorization": f"Bearer {token}"} if token else {})
+        self.executor = MeshExecutor(engine, link)
+        self.health: wire.Health | None = None
+
+    def open(self) -> wire.Health:
+        """Connects and checks the mesh (every station answers, one model, the right layers)."""
+
+        async def go() -> wire.Health:
+            self.executor.link.http.open()
+            return await sessions.check_mesh(self.executor.link)
+
+        self.health = self.loop.run_until_complete(go())
+        return self.health
+
+    def step(self) -> list[_core.EngineEvent]:
+        return self.loop.run_until_complete(self.executor.step())
+
+    @property
+    def live_sequences(self) -> int:
+        return self.executor.live
+
+    def close(self) -> None:
+        async def go() -> None:
+            try:
+                await self.executor.close()
+            finally:
+                await self.executor.link.http.close()
+
+        try:
+            self.loop.run_until_complete(go())
+        finally:
+            self.loop.close()
+            if self.owned is not None:
+                self.owned.close()

@@ -1,0 +1,169 @@
+"""What one sequence does on every station of a mesh, shared by the coordinator and the mesh
+executor: the mesh check, opening its sessions, the replay fan-out, the cached first token,
+closing. Each is one request per station, sent in parallel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from amplituhedron_rs._core import MeshError
+from amplituhedron_rs.mesh import protocol as wire
+from amplituhedron_rs.mesh.client import Reply, StationClient
+from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo
+
+
+@dataclass
+class MeshLink:
+    """A mesh's stations, in order, the connection pool to them and the mesh token."""
+
+    mesh: MeshSpec
+    http: StationClient
+    headers: Mapping[str, str]
+
+    @property
+    def stations(self) -> tuple[StationInfo, ...]:
+        return self.mesh.stations
+
+    async def call(
+        self,
+        phase: str,
+        station: StationInfo,
+        method: str,
+        path: str,
+        *,
+        ok: Sequence[int] = (200, 201),
+        headers: Mapping[str, str] | None = None,
+        **kw: Any,
+    ) -> Reply:
+        """One request with the mesh token (a failure is a MeshError naming the station)."""
+        sent = {**self.headers, **(headers or {})}
+        return await self.http.call(phase, station, method, path, ok=ok, headers=sent, **kw)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What the replay fan-out found for one sequence."""
+
+    #: Every station replayed the whole prompt and the exit station has its logits.
+    hit: bool
+    #: Prompt positions every station now holds (prefill resumes there).
+    kept: int
+    #: Per station: "hit" | "partial" | "miss", and the positions it replayed.
+    verdicts: tuple[tuple[str, int], ...]
+
+
+async def check_mesh(link: MeshLink) -> wire.Health:
+    """Every station answers, runs the same model, and owns the layers the mesh says; returns
+    the exit station's health (hidden width, vocabulary, fingerprint)."""
+    healths = await asyncio.gather(
+        *(link.call("health check", s, "GET", "/healthz") for s in link.stations)
+    )
+    reports = [wire.Health.model_validate_json(h.content) for h in healths]
+    fingerprints = {h.fingerprint for h in reports}
+    if len(fingerprints) != 1:
+        raise MeshError(f"the stations run different models (fingerprints {fingerprints})")
+    for s, h in zip(link.stations, reports, strict=True):
+        if (h.layer_lo, h.layer_hi) != (s.layer_lo, s.layer_hi):
+            raise MeshError(
+                f"station {s.url} owns layers {h.layer_lo}:{h.layer_hi}, "
+                f"the mesh file says {s.layer_lo}:{s.layer_hi}"
+            )
+    last = reports[-1]
+    if last.n_layers != link.mesh.n_layers:
+        raise MeshError(
+            f"the mesh covers {link.mesh.n_layers} layers, the model has {last.n_layers}"
+        )
+    return last
+
+
+async def open_sessions(link: MeshLink, opening: wire.OpenSessionRequest) -> None:
+    """Opens the sequence's session (``opening.session_id``) on every station; on a failure
+    the ones that did open are closed again."""
+    body = opening.model_dump(mode="json")
+    results = await asyncio.gather(
+        *(link.call("session open", s, "POST", "/sessions", json=body) for s in link.stations),
+        return_exceptions=True,
+    )
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        assert opening.session_id is not None
+        await close_sessions(link, opening.session_id)
+        raise failed[0]
+
+
+async def replay(link: MeshLink, sid: str, prompt: Sequence[int], prefix_hash: int) -> Replayed:
+    """Replay fan-out. All hit (with the exit logits): the whole prompt is held. Otherwise
+    every station is brought to the shortest replayed prefix; a miss anywhere means a cold
+    prefill everywhere (the seed's global branch)."""
+    n = len(prompt)
+
+    async def one(s: StationInfo) -> Reply:
+        body = volume(sid, prefix_hash, n, s).model_dump()
+        return await link.call(
+            "replay", s, "POST", "/amplituhedron/replay", json=body, ok=(200, 204)
+        )
+
+    responses = await asyncio.gather(*(one(s) for s in link.stations))
+    verdicts = []
+    for r in responses:
+        if r.status == 204:
+            verdicts.append(("miss", 0))
+        else:
+            verdicts.append(
+                (
+                    r.headers.get(wire.REPLAY_STATUS, "hit"),
+                    int(r.headers.get(wire.REPLAY_KV_LEN, n)),
+                )
+            )
+    if (
+        all(v == "hit" for v, _ in verdicts)
+        and responses[-1].headers.get(wire.REPLAY_LOGITS) == "1"
+    ):
+        return Replayed(True, n, tuple(verdicts))
+    keep = 0 if any(v == "miss" for v, _ in verdicts) else min(h for _, h in verdicts)
+    await asyncio.gather(
+        *(
+            link.call(
+                "rollback",
+                s,
+                "POST",
+                f"/sessions/{sid}/rollback",
+                json=wire.RollbackRequest(clock=keep).model_dump(),
+            )
+            for s, (_, held) in zip(link.stations, verdicts, strict=True)
+            if held > keep
+        )
+    )
+    return Replayed(False, keep, tuple(verdicts))
+
+
+async def sample_cached(link: MeshLink, sid: str) -> int:
+    """After an all-hit replay: the exit station samples the first token from the cached
+    logits (no model run)."""
+    r = await link.call("first token", link.stations[-1], "POST", f"/sessions/{sid}/sample")
+    return wire.Sampled.model_validate_json(r.content).token
+
+
+async def close_sessions(link: MeshLink, sid: str) -> None:
+    """Closes the sequence's session on every station (already gone is fine; failures are
+    not raised: the station's idle sweep is the backstop)."""
+    await asyncio.gather(
+        *(
+            link.call("close", s, "DELETE", f"/sessions/{sid}", ok=(200, 404))
+            for s in link.stations
+        ),
+        return_exceptions=True,
+    )
+
+
+def volume(sid: str, prefix_hash: int, prefix_len: int, info: StationInfo) -> wire.VolumeRequest:
+    return wire.VolumeRequest(
+        session_id=sid,
+        prefix_hash=str(prefix_hash),
+        prefix_len=prefix_len,
+        layer_lo=info.layer_lo,
+        layer_hi=info.layer_hi,
+    )
