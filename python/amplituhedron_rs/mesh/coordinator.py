@@ -26,10 +26,12 @@ from typing import Any
 import numpy as np
 
 from amplituhedron_rs import _core
-from amplituhedron_rs._core import InputError, MeshError
+from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh import protocol as wire
-from amplituhedron_rs.mesh.client import Reply, StationClient
+from amplituhedron_rs.mesh import sessions
+from amplituhedron_rs.mesh.client import StationClient
 from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo
+from amplituhedron_rs.mesh.sessions import MeshLink, volume
 from amplituhedron_rs.runtime.sampling import SamplingParams
 
 OCTETS = {"Content-Type": wire.OCTETS}
@@ -94,6 +96,7 @@ class Coordinator:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = StationClient(timeout)
         self._call = self._http.call
+        self._link = MeshLink(mesh, self._http, self._headers)
         self.hidden = 0
         self.vocab = 0
         self.fingerprint = ""
@@ -114,24 +117,7 @@ class Coordinator:
         await self._http.close()
 
     async def _check_mesh(self) -> None:
-        healths = await asyncio.gather(
-            *(self._call("health check", s.info, "GET", "/healthz") for s in self._stations)
-        )
-        reports = [wire.Health.model_validate_json(h.content) for h in healths]
-        fingerprints = {h.fingerprint for h in reports}
-        if len(fingerprints) != 1:
-            raise MeshError(f"the stations run different models (fingerprints {fingerprints})")
-        for s, h in zip(self._stations, reports, strict=True):
-            if (h.layer_lo, h.layer_hi) != (s.info.layer_lo, s.info.layer_hi):
-                raise MeshError(
-                    f"station {s.info.url} owns layers {h.layer_lo}:{h.layer_hi}, "
-                    f"the mesh file says {s.info.layer_lo}:{s.info.layer_hi}"
-                )
-        last = reports[-1]
-        if last.n_layers != self.mesh.n_layers:
-            raise MeshError(
-                f"the mesh covers {self.mesh.n_layers} layers, the model has {last.n_layers}"
-            )
+        last = await sessions.check_mesh(self._link)
         self.hidden = last.hidden
         self.vocab = last.vocab
         self.fingerprint = last.fingerprint
@@ -267,46 +253,10 @@ class Coordinator:
         self, sid: str, prompt: list[int], prefix_hash: int, verdicts: list[StationVerdict]
     ) -> tuple[bool, int]:
         """Replay fan-out. Returns (all stations hit, positions every station now holds)."""
-        n = len(prompt)
-
-        async def one(s: _Station) -> Reply:
-            body = _volume(sid, prefix_hash, n, s.info).model_dump()
-            return await self._call(
-                "replay", s.info, "POST", "/amplituhedron/replay", json=body, ok=(200, 204)
-            )
-
-        responses = await asyncio.gather(*(one(s) for s in self._stations))
-        held = []
-        for v, r in zip(verdicts, responses, strict=True):
-            if r.status == 204:
-                v.replay, v.replayed_tokens = "miss", 0
-            else:
-                v.replay = r.headers.get(wire.REPLAY_STATUS, "hit")
-                v.replayed_tokens = int(r.headers.get(wire.REPLAY_KV_LEN, n))
-            held.append(v.replayed_tokens)
-        if all(v.replay == "hit" for v in verdicts) and (
-            responses[-1].headers.get(wire.REPLAY_LOGITS) == "1"
-        ):
-            return True, n
-        # Not a full hit: bring every station to the shortest replayed prefix. A miss
-        # anywhere means a cold prefill everywhere (the seed's global branch).
-        keep = 0 if any(v.replay == "miss" for v in verdicts) else min(held)
-        await asyncio.gather(
-            *(
-                self._call(
-                    "rollback",
-                    s.info,
-                    "POST",
-                    f"/sessions/{sid}/rollback",
-                    json=wire.RollbackRequest(clock=keep).model_dump(),
-                )
-                for s, h in zip(self._stations, held, strict=True)
-                if h > keep
-            )
-        )
-        for v in verdicts:
-            v.replayed_tokens = keep
-        return False, keep
+        found = await sessions.replay(self._link, sid, prompt, prefix_hash)
+        for v, (status, held) in zip(verdicts, found.verdicts, strict=True):
+            v.replay, v.replayed_tokens = status, held if found.hit else found.kept
+        return found.hit, found.kept
 
     async def _prefill(
         self, sid: str, prompt: list[int], start: int, verdicts: list[StationVerdict]
@@ -370,7 +320,7 @@ class Coordinator:
         (the exit station adds the logits it kept for the prompt's last position)."""
 
         async def one(i: int, s: _Station) -> None:
-            params = _volume(sid, prefix_hash, len(prompt), s.info).model_dump()
+            params = volume(sid, prefix_hash, len(prompt), s.info).model_dump()
             r = await self._call(
                 "capture",
                 s.info,
@@ -385,9 +335,7 @@ class Coordinator:
         await asyncio.gather(*(one(i, s) for i, s in enumerate(self._stations)))
 
     async def _sample_cached(self, sid: str) -> int:
-        exit_station = self._stations[-1].info
-        r = await self._call("first token", exit_station, "POST", f"/sessions/{sid}/sample")
-        return wire.Sampled.model_validate_json(r.content).token
+        return await sessions.sample_cached(self._link, sid)
 
     async def _decode_step(self, sid: str, token: int, step: int) -> int:
         """One token through every station; the exit station samples the next one."""
@@ -412,13 +360,7 @@ class Coordinator:
         return int(headers[wire.TOKEN])
 
     async def _close(self, sid: str) -> None:
-        await asyncio.gather(
-            *(
-                self._call("close", s.info, "DELETE", f"/sessions/{sid}", ok=(200, 404))
-                for s in self._stations
-            ),
-            return_exceptions=True,
-        )
+        await sessions.close_sessions(self._link, sid)
 
     async def stats(self) -> list[dict[str, Any]]:
         """Every station's volume-cache stats."""
@@ -453,13 +395,3 @@ class Coordinator:
                 for s in self._stations
             )
         )
-
-
-def _volume(sid: str, prefix_hash: int, prefix_len: int, info: StationInfo) -> wire.VolumeRequest:
-    return wire.VolumeRequest(
-        session_id=sid,
-        prefix_hash=str(prefix_hash),
-        prefix_len=prefix_len,
-        layer_lo=info.layer_lo,
-        layer_hi=info.layer_hi,
-    )

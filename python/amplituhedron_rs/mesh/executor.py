@@ -148,11 +148,13 @@ class MeshExecutor:
         return [list(r.emitted) for r in reply.entries]
 
     async def _release(self, seqs: Sequence[int]) -> None:
-        gone = [(seq, self.sids.pop(seq)) for seq in seqs if seq in self.sids]
-        for seq, _ in gone:
-            self.use_cache.pop(seq, None)
+        gone = [(seq, self.sids[seq]) for seq in seqs if seq in self.sids]
         if gone:
             await asyncio.gather(*(sessions.close_sessions(self.link, sid) for _, sid in gone))
+        # Forgotten once closed, so a live count of 0 means the stations hold none.
+        for seq, _ in gone:
+            del self.sids[seq]
+            self.use_cache.pop(seq, None)
 
 
 class MeshStepper:
@@ -192,6 +194,10 @@ class MeshStepper:
     @property
     def live_sequences(self) -> int:
         return self.executor.live
+
+    @property
+    def station_requests(self) -> int:
+        return self.executor.hops
 
     def close(self) -> None:
         async def go() -> None:

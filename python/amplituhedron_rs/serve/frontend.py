@@ -31,6 +31,11 @@ class Stepper(Protocol):
         """Sequences holding KV (0 when idle: nothing leaked)."""
         ...
 
+    @property
+    def station_requests(self) -> int:
+        """Batched steps sent to stations (a mesh: one per station per step; else 0)."""
+        ...
+
     def close(self) -> None:
         """Frees what the executor holds (called once, by the stepping thread, at the end)."""
         ...
@@ -49,6 +54,10 @@ class LocalStepper:
     @property
     def live_sequences(self) -> int:
         return self.engine.live_sequences or 0
+
+    @property
+    def station_requests(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass
