@@ -44,9 +44,8 @@ class Stepper(Protocol):
 class LocalStepper:
     """The in-process engine steps itself (one batched forward over the whole model)."""
 
-    def __init__(self, engine: _core.Engine, stepper: Stepper | None = None) -> None:
+    def __init__(self, engine: _core.Engine) -> None:
         self.engine = engine
-        self.stepper: Stepper = stepper if stepper is not None else LocalStepper(engine)
 
     def step(self) -> list[_core.EngineEvent]:
         return self.engine.step()
