@@ -117,7 +117,8 @@ class SessionOpened(BaseModel):
 
 class SessionSummary(BaseModel):
     session_id: str
-    clock: int
+    #: None while a step runs on the session (the listing never waits for one).
+    clock: int | None
     prompt_len: int
 
 

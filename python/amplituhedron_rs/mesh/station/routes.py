@@ -46,7 +46,13 @@ from amplituhedron_rs.mesh.protocol import (
     VolumeRequest,
 )
 from amplituhedron_rs.mesh.station.errors import TooLarge, Unauthorized
-from amplituhedron_rs.mesh.station.state import HiddenRows, LogitsRows, Octets, Station
+from amplituhedron_rs.mesh.station.state import (
+    HiddenRows,
+    LiveSession,
+    LogitsRows,
+    Octets,
+    Station,
+)
 
 OCTET_BODY: dict[str, Any] = {
     "requestBody": {
@@ -194,11 +200,21 @@ def list_sessions(station: StationDep) -> SessionList:
         items = list(station.sessions.items())
     return SessionList(
         sessions=[
-            SessionSummary(session_id=sid, clock=int(v.session.clock), prompt_len=len(v.prompt))
+            SessionSummary(session_id=sid, clock=_idle_clock(v), prompt_len=len(v.prompt))
             for sid, v in items
         ],
         max_sessions=station.settings.max_sessions,
     )
+
+
+def _idle_clock(live: LiveSession) -> int | None:
+    """The session's clock, or None while a step holds it (its ring is borrowed then)."""
+    if not live.lock.acquire(blocking=False):
+        return None
+    try:
+        return int(live.session.clock)
+    finally:
+        live.lock.release()
 
 
 @router.delete("/sessions/{session_id}")
