@@ -1,53 +1,40 @@
-"""The coordinator: drives a mesh of stations over HTTP (SPEC §6).
+"""The coordinator: a mesh of stations as one model (SPEC §6).
 
-``generate()``:
-1. refuse an empty prompt; hash it once (BLAKE3 → u64);
-2. open a session on every station and fan out ``/amplituhedron/replay`` in parallel;
+``generate()`` submits the request to the Rust engine (``Engine.external``: the one
+generation loop of the runtime) and the :class:`~.executor.MeshExecutor` carries each step
+through the stations:
+
+1. an empty prompt is refused; the prompt is hashed once (BLAKE3 → u64);
+2. its session opens on every station, then the replay fan-out runs in parallel;
 3. all hit → no prefill at all: the first token is sampled from the exit station's cached
-   logits; any miss → pipelined chunked prefill (chunk k+1 enters station 1 while chunk k is
-   in station 2), then a capture fan-out that runs alongside decoding, off the latency path;
-4. decode one token at a time through the stations.
+   logits; otherwise chunked prefill steps from the shortest replayed prefix, the last
+   chunk asking every station to capture the prompt's volume from its own KV;
+4. decode steps, one request per station per step (with drafts when speculating: k+1 rows
+   per hop, rejected positions rolled back on every station).
 
-A station that fails mid-session ends the call with a :class:`MeshError` naming the station
-and the phase — the coordinator never emits a token a healthy run would not. A damaged
-replayed volume takes the erasure path on the station (SPEC §2): it answers ``partial`` with
-one position fewer, and the coordinator prefills from the shortest replayed prefix.
+Several ``generate`` calls on one coordinator share steps (continuous batching). A station
+that fails mid-session ends the call with a :class:`MeshError` naming the station and the
+phase; the engine never emits a token after a failure. A damaged replayed volume takes the
+erasure path on the station (SPEC §2): it answers ``partial`` with one position fewer, and
+prefill resumes at the shortest replayed prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
-from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh import protocol as wire
-from amplituhedron_rs.mesh import sessions
-from amplituhedron_rs.mesh.client import StationClient
-from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo
-from amplituhedron_rs.mesh.sessions import MeshLink, volume
+from amplituhedron_rs.mesh.executor import MeshEngine
+from amplituhedron_rs.mesh.launcher import MeshSpec
+from amplituhedron_rs.mesh.sessions import StationVerdict
 from amplituhedron_rs.runtime.sampling import SamplingParams
 
-OCTETS = {"Content-Type": wire.OCTETS}
-
-
-@dataclass
-class StationVerdict:
-    """What one station did for one session."""
-
-    url: str
-    layer_lo: int
-    layer_hi: int
-    replay: str = "off"  # "hit" | "partial" | "miss" | "off"
-    replayed_tokens: int = 0
-    captured_bytes: int = 0
-    prefill_requests: int = 0
+__all__ = ["Coordinator", "MeshGeneration", "StationVerdict"]
 
 
 @dataclass
@@ -65,6 +52,9 @@ class MeshGeneration:
     latency_ms: float
     stop_reason: str
     stations: list[StationVerdict] = field(default_factory=list)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    verify_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -72,14 +62,9 @@ class MeshGeneration:
         return d
 
 
-@dataclass(frozen=True)
-class _Station:
-    info: StationInfo
-    is_exit: bool
-
-
 class Coordinator:
-    """A client of one mesh. Use as an async context manager."""
+    """A client of one mesh. Use as an async context manager. ``chunk``: prompt rows per
+    step (at most a station's ``max_chunk``)."""
 
     def __init__(
         self,
@@ -88,39 +73,35 @@ class Coordinator:
         token: str | None = None,
         chunk: int = 64,
         timeout: float = 120.0,
+        max_running: int = 8,
     ) -> None:
         if chunk < 1:
             raise InputError(f"chunk must be at least 1, got {chunk}")
         self.mesh = mesh
         self.chunk = chunk
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = StationClient(timeout)
-        self._call = self._http.call
-        self._link = MeshLink(mesh, self._http, self._headers)
+        # Every running sequence's decode row fits a step, whatever the chunk.
+        self._engine = MeshEngine(
+            mesh,
+            token=token,
+            timeout=timeout,
+            max_running=max_running,
+            step_tokens=max(chunk, max_running),
+            trace=True,
+        )
+        self._link = self._engine.executor.link
         self.hidden = 0
         self.vocab = 0
         self.fingerprint = ""
-        self._stations = [
-            _Station(s, i == len(mesh.stations) - 1) for i, s in enumerate(mesh.stations)
-        ]
 
     async def __aenter__(self) -> Coordinator:
-        self._http.open()
-        try:
-            await self._check_mesh()
-        except BaseException:
-            await self._http.close()
-            raise
+        await self._engine.__aenter__()
+        health = self._engine.health
+        assert health is not None
+        self.hidden, self.vocab, self.fingerprint = health.hidden, health.vocab, health.fingerprint
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._http.close()
-
-    async def _check_mesh(self) -> None:
-        last = await sessions.check_mesh(self._link)
-        self.hidden = last.hidden
-        self.vocab = last.vocab
-        self.fingerprint = last.fingerprint
+        await self._engine.__aexit__(*exc)
 
     # ---------------------------------------------------------------------------------
     async def generate(
@@ -135,6 +116,8 @@ class Coordinator:
         use_cache: bool = True,
         stop_ids: Sequence[int] = (),
         on_token: Callable[[int], None] | None = None,
+        draft: str | None = None,
+        draft_max: int = 8,
     ) -> MeshGeneration:
         """Generates ``max_new_tokens`` after ``prompt`` across the mesh.
 
@@ -143,229 +126,55 @@ class Coordinator:
         station samples with the session's seeded sampler — the single-process runtime's own
         Rust sampler — so the tokens match it, and no logits cross the wire per token.
         ``use_cache=False`` skips replay and capture for this call only.
+        ``draft="prompt-lookup"`` speculates (greedy output unchanged).
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise InputError("the prompt is empty: a volume needs at least one token")
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if draft not in (None, "prompt-lookup"):
+            raise InputError(f"draft must be None or 'prompt-lookup', got {draft!r}")
         # Validated here, before any station is touched.
-        sampling = wire.SamplingSpec.of(SamplingParams(temperature, top_k, top_p, seed))
+        sampling = SamplingParams(temperature, top_k, top_p, seed).core_kwargs()
         started = time.perf_counter()
-        prefix_hash = int(_core.prefix_hash(prompt))  # hashed once
-        sid = uuid.uuid4().hex
-        verdicts = [
-            StationVerdict(s.info.url, s.info.layer_lo, s.info.layer_hi) for s in self._stations
-        ]
-        opening = wire.OpenSessionRequest(prompt_tokens=prompt, session_id=sid, sampling=sampling)
-        opening_json = opening.model_dump(mode="json")
-        await asyncio.gather(
-            *(
-                self._call("session open", s.info, "POST", "/sessions", json=opening_json)
-                for s in self._stations
-            )
+        run = await self._engine.run(
+            prompt,
+            max_new_tokens,
+            sampling=sampling,
+            stop_ids=stop_ids,
+            use_cache=use_cache,
+            draft_max=draft_max if draft else None,
+            on_token=on_token,
         )
-        opened = time.perf_counter()
-        try:
-            return await self._run(
-                sid,
-                prompt,
-                prefix_hash,
-                max_new_tokens,
-                use_cache,
-                stop_ids,
-                on_token,
-                verdicts,
-                started,
-                opened,
-            )
-        except BaseException:
-            await self._close(sid)
-            raise
-
-    async def _run(
-        self,
-        sid: str,
-        prompt: list[int],
-        prefix_hash: int,
-        max_new_tokens: int,
-        use_cache: bool,
-        stop_ids: Sequence[int],
-        on_token: Callable[[int], None] | None,
-        verdicts: list[StationVerdict],
-        started: float,
-        opened: float,
-    ) -> MeshGeneration:
-        n = len(prompt)
-        cache_hit, resume_at = False, 0
-        if use_cache:
-            cache_hit, resume_at = await self._replay(sid, prompt, prefix_hash, verdicts)
-        replayed = time.perf_counter()
-        tails: list[bytes] = []
-        prefill_ms = 0.0
-        token: int | None = None
-        if not cache_hit and resume_at < n:
-            token, tails = await self._prefill(sid, prompt, resume_at, verdicts)
-            prefill_ms = (time.perf_counter() - replayed) * 1e3
-        capture = None
-        if use_cache and not cache_hit and tails:
-            # Off the latency path: runs while decoding, awaited before the session closes.
-            capture = asyncio.ensure_future(
-                self._capture(sid, prompt, prefix_hash, tails, verdicts)
-            )
-        output: list[int] = []
-        stop_reason = "length"
-        decode_start = time.perf_counter()
-        if max_new_tokens > 0 and token is None:
-            # All-hit (or a fully replayed prompt): the exit station samples the first token
-            # from the cached logits, without running the model.
-            token = await self._sample_cached(sid)
-        for step in range(max_new_tokens):
-            assert token is not None
-            output.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stop_ids:
-                stop_reason = "stop"
-                break
-            if step + 1 == max_new_tokens:
-                break
-            token = await self._decode_step(sid, token, step)
         done = time.perf_counter()
-        if capture is not None:
-            await capture
-        await self._close(sid)
+        st = run.stats
+        trace = run.trace
+        assert trace is not None
         return MeshGeneration(
             prompt_ids=prompt,
-            output_ids=output,
-            cache_hit=cache_hit,
-            replayed_tokens=min(v.replayed_tokens for v in verdicts),
-            open_ms=(opened - started) * 1e3,
-            replay_ms=(replayed - opened) * 1e3,
-            prefill_ms=prefill_ms,
-            decode_ms=(done - decode_start) * 1e3,
+            output_ids=run.output_ids,
+            cache_hit=bool(st.get("cache_hit")),
+            replayed_tokens=int(st.get("cached_tokens", 0)),
+            open_ms=trace.open_ms,
+            replay_ms=trace.replay_ms,
+            prefill_ms=float(st.get("prefill_ms", 0.0)),
+            decode_ms=float(st.get("decode_ms", 0.0)),
             latency_ms=(done - started) * 1e3,
-            stop_reason=stop_reason,
-            stations=verdicts,
+            stop_reason=str(run.finished.reason),
+            stations=trace.stations,
+            draft_proposed=int(st.get("draft_proposed", 0)),
+            draft_accepted=int(st.get("draft_accepted", 0)),
+            verify_steps=int(st.get("verify_steps", 0)),
         )
-
-    async def _replay(
-        self, sid: str, prompt: list[int], prefix_hash: int, verdicts: list[StationVerdict]
-    ) -> tuple[bool, int]:
-        """Replay fan-out. Returns (all stations hit, positions every station now holds)."""
-        found = await sessions.replay(self._link, sid, prompt, prefix_hash)
-        for v, (status, held) in zip(verdicts, found.verdicts, strict=True):
-            v.replay, v.replayed_tokens = status, held if found.hit else found.kept
-        return found.hit, found.kept
-
-    async def _prefill(
-        self, sid: str, prompt: list[int], start: int, verdicts: list[StationVerdict]
-    ) -> tuple[int, list[bytes]]:
-        """Pipelined chunked prefill of ``prompt[start:]``: chunk k+1 enters station i while
-        chunk k is in station i+1. Returns the first sampled token (sampled by the exit
-        station from the last position's logits) and each station's tail residual (its
-        output row at the last position)."""
-        chunks = [prompt[i : i + self.chunk] for i in range(start, len(prompt), self.chunk)]
-        k = len(self._stations)
-        queues: list[asyncio.Queue[bytes | None]] = [asyncio.Queue() for _ in range(k)]
-        for c in chunks:
-            queues[0].put_nowait(np.asarray(c, dtype="<u4").tobytes())
-        queues[0].put_nowait(None)
-        tails: list[bytes] = [b""] * k
-        first: list[int] = []
-        row_bytes = self.hidden * 4
-
-        async def worker(i: int) -> None:
-            s = self._stations[i]
-            index = 0
-            while (body := await queues[i].get()) is not None:
-                final = index == len(chunks) - 1
-                params = {"hidden": "last" if s.is_exit else "all"}
-                if s.is_exit and final:
-                    params["sample"] = "true"
-                r = await self._call(
-                    "prefill",
-                    s.info,
-                    "POST",
-                    f"/sessions/{sid}/forward",
-                    content=body,
-                    params=params,
-                    headers=OCTETS,
-                )
-                verdicts[i].prefill_requests += 1
-                rows = int(r.headers[wire.HIDDEN_ROWS])
-                hidden = r.content[: rows * row_bytes]
-                if final:
-                    tails[i] = hidden[-row_bytes:]
-                    if s.is_exit:
-                        first.append(int(r.headers[wire.TOKEN]))
-                if not s.is_exit:
-                    queues[i + 1].put_nowait(hidden)
-                index += 1
-            if not s.is_exit:
-                queues[i + 1].put_nowait(None)
-
-        await asyncio.gather(*(worker(i) for i in range(k)))
-        return first[0], tails
-
-    async def _capture(
-        self,
-        sid: str,
-        prompt: list[int],
-        prefix_hash: int,
-        tails: list[bytes],
-        verdicts: list[StationVerdict],
-    ) -> None:
-        """Capture fan-out: each station freezes its KV for the prompt plus its tail residual
-        (the exit station adds the logits it kept for the prompt's last position)."""
-
-        async def one(i: int, s: _Station) -> None:
-            params = volume(sid, prefix_hash, len(prompt), s.info).model_dump()
-            r = await self._call(
-                "capture",
-                s.info,
-                "POST",
-                "/amplituhedron/capture",
-                content=tails[i],
-                params=params,
-                headers={**OCTETS, **self._headers},
-            )
-            verdicts[i].captured_bytes = wire.Captured.model_validate_json(r.content).bytes
-
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(self._stations)))
-
-    async def _sample_cached(self, sid: str) -> int:
-        return await sessions.sample_cached(self._link, sid)
-
-    async def _decode_step(self, sid: str, token: int, step: int) -> int:
-        """One token through every station; the exit station samples the next one."""
-        body = np.asarray([token], dtype="<u4").tobytes()
-        headers: Mapping[str, str] = {}
-        for s in self._stations:
-            params = (
-                {"hidden": "none", "logits": "none", "sample": "true"}
-                if s.is_exit
-                else {"hidden": "all"}
-            )
-            r = await self._call(
-                f"decode step {step}",
-                s.info,
-                "POST",
-                f"/sessions/{sid}/decode",
-                content=body,
-                params=params,
-                headers=OCTETS,
-            )
-            body, headers = r.content, r.headers
-        return int(headers[wire.TOKEN])
-
-    async def _close(self, sid: str) -> None:
-        await sessions.close_sessions(self._link, sid)
 
     async def stats(self) -> list[dict[str, Any]]:
         """Every station's volume-cache stats."""
         rs = await asyncio.gather(
-            *(self._call("stats", s.info, "GET", "/amplituhedron/stats") for s in self._stations)
+            *(
+                self._link.call("stats", s, "GET", "/amplituhedron/stats")
+                for s in self.mesh.stations
+            )
         )
         return [r.json() for r in rs]
 
@@ -375,15 +184,14 @@ class Coordinator:
         body = wire.ConfigureRequest(**settings).model_dump(exclude_unset=True)
         await asyncio.gather(
             *(
-                self._call(
+                self._link.call(
                     "configure",
-                    s.info,
+                    s,
                     "POST",
                     "/amplituhedron/configure",
                     json=body,
-                    headers=self._headers,
                 )
-                for s in self._stations
+                for s in self.mesh.stations
             )
         )
 
@@ -391,7 +199,7 @@ class Coordinator:
         """``/amplituhedron/clear`` on every station."""
         await asyncio.gather(
             *(
-                self._call("clear", s.info, "POST", "/amplituhedron/clear", headers=self._headers)
-                for s in self._stations
+                self._link.call("clear", s, "POST", "/amplituhedron/clear")
+                for s in self.mesh.stations
             )
         )

@@ -21,8 +21,12 @@ There is no generation loop here: the engine decides what runs, stops and finish
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
@@ -30,7 +34,7 @@ from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
 from amplituhedron_rs.mesh.client import StationClient
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
-from amplituhedron_rs.mesh.sessions import MeshLink
+from amplituhedron_rs.mesh.sessions import MeshLink, StationVerdict
 
 
 def sampling_of(a: _core.EngineAdmission) -> wire.SamplingSpec:
@@ -40,16 +44,29 @@ def sampling_of(a: _core.EngineAdmission) -> wire.SamplingSpec:
     return wire.SamplingSpec(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
 
 
-class MeshExecutor:
-    """Runs an external engine's admissions, steps and releases through a mesh."""
+@dataclass
+class SeqTrace:
+    """What the mesh did for one sequence: admission timings and each station's verdict."""
 
-    def __init__(self, engine: _core.Engine, link: MeshLink) -> None:
+    open_ms: float = 0.0
+    replay_ms: float = 0.0
+    stations: list[StationVerdict] = field(default_factory=list)
+
+
+class MeshExecutor:
+    """Runs an external engine's admissions, steps and releases through a mesh. With
+    ``trace``, each sequence's :class:`SeqTrace` is kept in ``traces`` until its reader
+    pops it (a server leaves it off)."""
+
+    def __init__(self, engine: _core.Engine, link: MeshLink, *, trace: bool = False) -> None:
         self.engine = engine
         self.link = link
         #: Each live sequence's session id (the same on every station) and cache use.
         self.sids: dict[int, str] = {}
         self.use_cache: dict[int, bool] = {}
         self.hops = 0
+        self.trace = trace
+        self.traces: dict[int, SeqTrace] = {}
 
     @property
     def live(self) -> int:
@@ -85,10 +102,18 @@ class MeshExecutor:
         opening = wire.OpenSessionRequest(
             prompt_tokens=list(a.prompt), session_id=sid, salt=a.salt, sampling=sampling_of(a)
         )
+        trace = SeqTrace(
+            stations=[StationVerdict(s.url, s.layer_lo, s.layer_hi) for s in self.link.stations]
+        )
+        if self.trace:
+            self.traces[a.seq] = trace
+        started = time.perf_counter()
         try:
             await sessions.open_sessions(self.link, opening)
         except MeshError as exc:
             return a.seq, 0, None, str(exc)
+        opened = time.perf_counter()
+        trace.open_ms = (opened - started) * 1e3
         self.sids[a.seq] = sid
         self.use_cache[a.seq] = a.use_cache
         try:
@@ -97,6 +122,9 @@ class MeshExecutor:
             found = await sessions.replay(
                 self.link, sid, a.prompt, int(_core.prefix_hash(a.prompt))
             )
+            trace.replay_ms = (time.perf_counter() - opened) * 1e3
+            for v, (status, held) in zip(trace.stations, found.verdicts, strict=True):
+                v.replay, v.replayed_tokens = status, held if found.hit else found.kept
             if not found.hit:
                 return a.seq, found.kept, None, None
             first = await sessions.sample_cached(self.link, sid) if a.sample_first else None
@@ -125,9 +153,10 @@ class MeshExecutor:
         header = wire.BatchStepRequest(entries=specs)
         payload: bytes | memoryview = b""
         reply = None
-        for s in self.link.stations:
+        phase = "decode step" if all(e.kind == "decode" for e in specs) else "prefill step"
+        for i, s in enumerate(self.link.stations):
             r = await self.link.call(
-                "batch step",
+                phase,
                 s,
                 "POST",
                 wire.BATCH_ROUTE,
@@ -144,8 +173,26 @@ class MeshExecutor:
                 raise MeshError(
                     f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
                 )
+            if self.trace:
+                self._note(i, batch, specs, reply)
         assert reply is not None
         return [list(r.emitted) for r in reply.entries]
+
+    def _note(
+        self,
+        station: int,
+        batch: Sequence[_core.EngineEntry],
+        specs: Sequence[wire.BatchEntrySpec],
+        reply: wire.BatchStepReply,
+    ) -> None:
+        """Counts prefill requests and captured bytes per station, for the trace."""
+        for e, spec, res in zip(batch, specs, reply.entries, strict=True):
+            trace = self.traces.get(e.seq)
+            if trace is None or spec.kind != "prefill":
+                continue
+            trace.stations[station].prefill_requests += 1
+            if spec.capture:
+                trace.stations[station].captured_bytes = res.captured
 
     async def _release(self, seqs: Sequence[int]) -> None:
         gone = [(seq, self.sids[seq]) for seq in seqs if seq in self.sids]
@@ -212,3 +259,130 @@ class MeshStepper:
             self.loop.close()
             if self.owned is not None:
                 self.owned.close()
+
+
+@dataclass
+class MeshRun:
+    """One request's run through a mesh: its tokens and the engine's finished event."""
+
+    output_ids: list[int]
+    finished: _core.EngineEvent
+    #: What the mesh did (when the engine traces).
+    trace: SeqTrace | None = None
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return dict(self.finished.stats or {})
+
+
+class MeshEngine:
+    """The engine over a mesh for asyncio callers: ``await run(...)`` submits a request; one
+    driver task steps the engine (through :class:`MeshExecutor`) while anything is waiting
+    or running, so concurrent calls share steps. Use as ``async with``."""
+
+    def __init__(
+        self,
+        mesh: MeshSpec,
+        *,
+        token: str | None = None,
+        timeout: float = 120.0,
+        max_running: int = 8,
+        max_queue: int = 64,
+        step_tokens: int = 64,
+        trace: bool = False,
+    ) -> None:
+        self.engine = _core.Engine.external(
+            max_running=max_running, max_queue=max_queue, step_tokens=step_tokens
+        )
+        http = StationClient(timeout)
+        link = MeshLink(mesh, http, {"Authorization": f"Bearer {token}"} if token else {})
+        self.executor = MeshExecutor(self.engine, link, trace=trace)
+        self.health: wire.Health | None = None
+        self._queues: dict[int, asyncio.Queue[_core.EngineEvent]] = {}
+        self._driver: asyncio.Task[None] | None = None
+        self._failure: Exception | None = None
+
+    async def __aenter__(self) -> MeshEngine:
+        self.executor.link.http.open()
+        try:
+            self.health = await sessions.check_mesh(self.executor.link)
+        except BaseException:
+            await self.executor.link.http.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+        try:
+            await self.executor.close()
+        finally:
+            await self.executor.link.http.close()
+
+    async def run(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        sampling: dict[str, Any] | None = None,
+        stop_ids: Sequence[int] = (),
+        salt: str | None = None,
+        use_cache: bool = True,
+        draft_max: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> MeshRun:
+        """Generates through the mesh; a bad request raises InputError before anything
+        runs, a mesh failure MeshError. Cancelling the caller cancels the request."""
+        seq = self.engine.submit(
+            list(prompt),
+            max_new_tokens,
+            **(sampling or {}),
+            stop_ids=list(stop_ids),
+            salt=salt,
+            use_cache=use_cache,
+            draft_max=draft_max,
+        )
+        queue: asyncio.Queue[_core.EngineEvent] = asyncio.Queue()
+        self._queues[seq] = queue
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+        out: list[int] = []
+        try:
+            while True:
+                ev = await queue.get()
+                if ev.kind == "finished":
+                    break
+                assert ev.token is not None
+                out.append(ev.token)
+                if on_token is not None:
+                    on_token(ev.token)
+        except BaseException:
+            self.engine.cancel(seq)
+            raise
+        finally:
+            self._queues.pop(seq, None)
+        trace = self.executor.traces.pop(seq, None)
+        if ev.reason == "error":
+            raise MeshError(ev.error or "the mesh failed")
+        if ev.reason == "cancelled" and self._failure is not None:
+            raise MeshError(f"the mesh executor failed: {self._failure!r}") from self._failure
+        return MeshRun(out, ev, trace)
+
+    async def _drive(self) -> None:
+        try:
+            while self.engine.has_work:
+                for ev in await self.executor.step():
+                    queue = self._queues.get(ev.seq)
+                    if queue is not None:
+                        queue.put_nowait(ev)
+        except Exception as exc:
+            # Not a station's refusal (those finish the step's sequences): end every waiting
+            # call with it rather than leave them waiting for a step that never comes.
+            self._failure = exc
+            for seq, queue in list(self._queues.items()):
+                cancelled = self.engine.cancel(seq)
+                if cancelled is not None:
+                    queue.put_nowait(cancelled)
+            raise

@@ -43,6 +43,19 @@ class MeshLink:
         return await self.http.call(phase, station, method, path, ok=ok, headers=sent, **kw)
 
 
+@dataclass
+class StationVerdict:
+    """What one station did for one session."""
+
+    url: str
+    layer_lo: int
+    layer_hi: int
+    replay: str = "off"  # "hit" | "partial" | "miss" | "off"
+    replayed_tokens: int = 0
+    captured_bytes: int = 0
+    prefill_requests: int = 0
+
+
 @dataclass(frozen=True)
 class Replayed:
     """What the replay fan-out found for one sequence."""
