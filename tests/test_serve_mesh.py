@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import openai
 import pytest
 
 from amplituhedron_rs.mesh import protocol as wire
@@ -251,3 +253,53 @@ def test_the_batched_step_refuses_bad_input_and_changes_nothing(mesh: MeshSpec) 
         assert sessions() == before
         for s in mesh.stations:
             h.delete(f"{s.url}/sessions/bad-1")
+
+
+@pytest.mark.serve
+def test_overload_over_the_mesh_answers_429_and_every_accepted_request_completes(
+    mesh: MeshSpec, tmp_path: Path
+) -> None:
+    path = tmp_path / "mesh.json"
+    mesh.write(path)
+    args = ["--mesh", str(path), "--mesh-token", TOKEN, "--max-batch", "1", "--max-queue", "1"]
+    with start_server(*args) as srv:
+        c, m = srv.client(), srv.model()
+
+        def one(i: int) -> int:
+            try:
+                c.completions.create(model=m, prompt=f"Number {i}:", max_tokens=24)
+                return 200
+            except openai.RateLimitError as exc:
+                assert exc.response.headers.get("Retry-After")
+                return 429
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(one, range(8)))
+        assert 429 in codes and 200 in codes
+        wait_idle(srv)
+    assert open_sessions(mesh) == [0, 0]
+
+
+@pytest.mark.serve
+def test_load_over_the_mesh_32_clients_leaves_no_session_open(
+    mesh_server: Server, mesh: MeshSpec
+) -> None:
+    m = mesh_server.model()
+    c = mesh_server.client(timeout=300)
+
+    def client(k: int) -> list[int]:
+        out = []
+        for j in range(k, 128, 32):
+            r = c.completions.with_raw_response.create(
+                model=m, prompt=f"Item {j} is", max_tokens=3, temperature=0.5, seed=j
+            )
+            usage = r.parse().usage
+            assert usage is not None and usage.completion_tokens >= 1
+            out.append(r.status_code)
+        return out
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        statuses = [s for codes in pool.map(client, range(32)) for s in codes]
+    assert len(statuses) == 128 and set(statuses) == {200}
+    wait_idle(mesh_server)
+    assert open_sessions(mesh) == [0, 0]

@@ -151,6 +151,12 @@ class Coordinator:
         st = run.stats
         trace = run.trace
         assert trace is not None
+        # The engine times admission (open + replay) to first token; the prefill phase is
+        # what follows the replay, and nothing when every station replayed the prompt.
+        prefill_ms = 0.0
+        if any(v.prefill_requests for v in trace.stations):
+            since_admission = float(st.get("prefill_ms", 0.0))
+            prefill_ms = max(0.0, since_admission - trace.open_ms - trace.replay_ms)
         return MeshGeneration(
             prompt_ids=prompt,
             output_ids=run.output_ids,
@@ -158,7 +164,7 @@ class Coordinator:
             replayed_tokens=int(st.get("cached_tokens", 0)),
             open_ms=trace.open_ms,
             replay_ms=trace.replay_ms,
-            prefill_ms=float(st.get("prefill_ms", 0.0)),
+            prefill_ms=prefill_ms,
             decode_ms=float(st.get("decode_ms", 0.0)),
             latency_ms=(done - started) * 1e3,
             stop_reason=str(run.finished.reason),

@@ -179,10 +179,10 @@ class BatchStepper:
         emitted: list[int] = []
         if st.is_exit and logits is not None:
             assert live.sampler is not None
-            live.last_logits = logits[-1]
             if e.kind == "decode":
                 emitted = list(live.sampler.verify(logits, e.tokens[1:], e.start + 1))
             elif e.last:
+                # What the single-session capture endpoint freezes with the volume.
                 live.prompt_logits = logits[-1]
                 if e.emit:
                     emitted = [int(live.sampler.sample(logits[-1], e.start + len(e.tokens)))]
