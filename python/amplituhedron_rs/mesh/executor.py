@@ -363,7 +363,7 @@ class MeshEngine:
             raise
         finally:
             self._queues.pop(seq, None)
-        trace = self.executor.traces.pop(seq, None)
+            trace = self.executor.traces.pop(seq, None)
         if ev.reason == "error":
             raise MeshError(ev.error or "the mesh failed")
         if ev.reason == "cancelled" and self._failure is not None:
