@@ -47,17 +47,14 @@ async def _clear(mesh: MeshSpec) -> None:
         await c.clear()
 
 
-def forward_requests(mesh: MeshSpec) -> int:
-    """Prefill chunks that reached any station, from the stations' own /metrics."""
+def step_requests(mesh: MeshSpec) -> int:
+    """Batched steps that reached any station, from the stations' own /metrics."""
     total = 0
     for s in mesh.stations:
         request = urllib.request.Request(f"{s.url}/metrics", headers=AUTH)
         text = urllib.request.urlopen(request).read().decode()
         for line in text.splitlines():
-            if (
-                line.startswith("amplituhedron_requests_total")
-                and 'endpoint="/sessions/{session_id}/forward"' in line
-            ):
+            if line.startswith("amplituhedron_requests_total") and 'endpoint="/batch/step"' in line:
                 total += int(float(line.split()[-1]))
     return total
 
@@ -121,11 +118,14 @@ def test_second_session_takes_the_all_hit_branch_without_prefill(
     ids = prompts["json"]["token_ids"]
     run(_clear(mesh))
     first = run(_generate(mesh, ids, 4))
-    before = forward_requests(mesh)
+    before = step_requests(mesh)
     second = run(_generate(mesh, ids, 4))
     assert not first.cache_hit and second.cache_hit
-    assert second.prefill_ms == 0.0 and all(v.prefill_requests == 0 for v in second.stations)
-    assert forward_requests(mesh) == before, "a prefill request reached a station"
+    assert all(v.prefill_requests == 0 for v in second.stations)
+    assert all(v.prefill_requests > 0 for v in first.stations)
+    # Only the 3 decode steps reached the stations (the first token came from the cached
+    # logits), one request per station per step.
+    assert step_requests(mesh) - before == 3 * len(mesh.stations), "a prefill step ran"
     assert second.output_ids == first.output_ids
 
     async def stats() -> list[dict[str, Any]]:
@@ -240,3 +240,16 @@ def test_a_local_mesh_keeps_no_descriptor_of_its_station_logs(mesh: MeshSpec) ->
         with contextlib.suppress(OSError):
             targets.append(os.readlink(fd))
     assert not [t for t in targets if "amplituhedron-mesh-" in t and t.endswith(".log")]
+
+
+def test_speculation_over_the_mesh_equals_plain_decoding(mesh: MeshSpec, model: Model) -> None:
+    """Verify steps carry k+1 rows through each station in one hop; rejected drafts are
+    rolled back on every station; the greedy tokens are plain decoding's."""
+    text = "\n".join(f"- step {i}: open the valve, wait, close the valve" for i in range(10))
+    ids = model.tokenizer.encode(text + "\n- step 10:")
+    single = model.generate(ids, 40, use_cache=False, stop_at_eos=False)
+    plain = run(_generate(mesh, ids, 40, use_cache=False))
+    spec = run(_generate(mesh, ids, 40, use_cache=False, draft="prompt-lookup"))
+    assert spec.output_ids == plain.output_ids == single.output_ids
+    assert 0 < spec.draft_accepted < spec.draft_proposed, (spec.draft_accepted, spec.draft_proposed)
+    assert spec.verify_steps < len(spec.output_ids) - 1  # fewer hops than tokens

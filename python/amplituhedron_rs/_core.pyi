@@ -457,6 +457,25 @@ class Sampler:
         seed: int = ...,
     ) -> Sampler: ...
     def sample(self, logits: NDArray[np.float32], index: int) -> int: ...
+    def verify(
+        self, rows: NDArray[np.float32], drafts: Sequence[int], first_index: int
+    ) -> list[int]: ...
+
+@final
+class BatchForward:
+    """One batched forward step of many sessions over a layer range (bit-identical to each
+    session run alone; one set of step buffers for every batch)."""
+
+    def __new__(cls, weights: ModelWeights, layer_lo: int, layer_hi: int) -> BatchForward: ...
+    @property
+    def layer_range(self) -> tuple[int, int]: ...
+    def run(
+        self,
+        sessions: Sequence[RangeSession],
+        inputs: Sequence[Sequence[int] | NDArray[np.float32]],
+        logits: Sequence[_Logits],
+        spans: Sequence[SpanType] | None = None,
+    ) -> list[_Forwarded]: ...
 
 @final
 class ReplayResult:

@@ -10,9 +10,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::model::{
-    Architecture, ChunkInput, LlamaWeights, LogitsWanted, ModelConfig, NativeLlamaPipeline,
-    Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams, SessionConfig, SlidingWindow,
-    TensorInfo,
+    Architecture, ChunkInput, LayerRange, LlamaWeights, LogitsWanted, ModelConfig,
+    NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams, Segment,
+    SessionConfig, SlidingWindow, StepBuffers, TensorInfo,
 };
 use crate::quant::GgmlType;
 use crate::ring::SpanType;
@@ -350,6 +350,175 @@ impl PySampler {
         };
         self.inner.sample(values, index).map_err(PyErr::from)
     }
+
+    /// Speculative verification: `rows` (`len(drafts) + 1` rows of logits, row `j` scoring
+    /// position `first_index + j`) against `drafts`. Returns the emitted tokens: the accepted
+    /// drafts, then the model's own token (the correction, or the bonus after the last
+    /// draft). Greedy accepts exactly the argmax; sampled uses the exact rule for a
+    /// deterministic draft. Position-keyed, like `sample`.
+    fn verify(
+        &mut self,
+        rows: PyReadonlyArray2<'_, f32>,
+        drafts: Vec<u32>,
+        first_index: u64,
+    ) -> PyResult<Vec<u32>> {
+        let vocab = rows.shape()[1];
+        let values = rows.as_array().iter().copied().collect::<Vec<f32>>();
+        let mut out = Vec::with_capacity(drafts.len() + 1);
+        self.inner
+            .verify(&values, vocab, &drafts, first_index, &mut out)
+            .map_err(PyErr::from)?;
+        Ok(out)
+    }
+}
+
+/// One batched forward step of many sessions over a layer range (a station's step of many
+/// sequences): the weights are read once per step for every row, attention stays per
+/// session over its own ring, and each row's result is bit-identical to its session run
+/// alone. Holds one set of step buffers for every batch (they grow to the largest step).
+#[pyclass(name = "BatchForward", module = "amplituhedron_rs._core", frozen)]
+pub struct PyBatchForward {
+    range: LayerRange,
+    bufs: Mutex<StepBuffers>,
+}
+
+/// One entry's input, owned so that the step can run without the GIL.
+enum OwnedInput {
+    Tokens(Vec<u32>),
+    Hidden(Vec<f32>),
+}
+
+#[pymethods]
+impl PyBatchForward {
+    #[new]
+    fn new(weights: PyRef<'_, PyModelWeights>, layer_lo: usize, layer_hi: usize) -> PyResult<Self> {
+        let range =
+            LayerRange::new(Arc::clone(&weights.inner), layer_lo, layer_hi).map_err(PyErr::from)?;
+        let bufs = StepBuffers::new(range.weights().config(), 1, 1);
+        Ok(PyBatchForward {
+            range,
+            bufs: Mutex::new(bufs),
+        })
+    }
+
+    /// `(layer_lo, layer_hi)`.
+    #[getter]
+    fn layer_range(&self) -> (usize, usize) {
+        (self.range.layer_lo(), self.range.layer_hi())
+    }
+
+    /// Runs `inputs[i]` through `sessions[i]`, all in one pass: token-id lists at the entry
+    /// range, `(n, hidden)` float32 arrays elsewhere. `logits[i]` is "none", "last" or "all"
+    /// (exit range only); `spans[i]` the rows' span (default USER). Returns per session
+    /// `(hidden (n, hidden), logits (rows, vocab) | None)`. A session given twice or in use
+    /// elsewhere, of other weights or layers, or any bad input raises before anything runs;
+    /// a failed pass leaves every ring as it was.
+    #[pyo3(signature = (sessions, inputs, logits, spans=None))]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        sessions: Vec<Bound<'py, PyRangeSession>>,
+        inputs: Vec<Bound<'py, PyAny>>,
+        logits: Vec<String>,
+        spans: Option<Vec<PySpanType>>,
+    ) -> PyResult<Vec<Forwarded<'py>>> {
+        let n = sessions.len();
+        let spans = spans.unwrap_or_else(|| vec![PySpanType::User; n]);
+        if inputs.len() != n || logits.len() != n || spans.len() != n {
+            return Err(InputError::new_err(format!(
+                "{n} sessions need as many inputs, logits and spans; got {}, {} and {}",
+                inputs.len(),
+                logits.len(),
+                spans.len()
+            )));
+        }
+        let (hidden_w, vocab) = {
+            let c = self.range.weights().config();
+            (c.hidden, c.vocab)
+        };
+        let wanted = logits
+            .iter()
+            .map(|l| parse_logits(l))
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut owned = Vec::with_capacity(n);
+        for (i, input) in inputs.iter().enumerate() {
+            owned.push(if self.range.is_entry() {
+                OwnedInput::Tokens(input.extract::<Vec<u32>>().map_err(|_| {
+                    InputError::new_err(format!(
+                        "input {i}: the entry range takes a list of token ids"
+                    ))
+                })?)
+            } else {
+                let a = input.extract::<PyReadonlyArray2<'py, f32>>().map_err(|_| {
+                    InputError::new_err(format!(
+                        "input {i}: layers {}..{} take an (n, {hidden_w}) float32 array",
+                        self.range.layer_lo(),
+                        self.range.layer_hi()
+                    ))
+                })?;
+                if a.shape()[1] != hidden_w {
+                    return Err(InputError::new_err(format!(
+                        "input {i}: hidden states must have {hidden_w} columns, got {}",
+                        a.shape()[1]
+                    )));
+                }
+                OwnedInput::Hidden(a.as_array().iter().copied().collect())
+            });
+        }
+        // Mutable borrows of every session: one given twice (or busy) fails to borrow.
+        let mut borrowed = Vec::with_capacity(n);
+        for (i, s) in sessions.iter().enumerate() {
+            borrowed.push(s.try_borrow_mut().map_err(|_| {
+                InputError::new_err(format!(
+                    "session {i} is given twice or is in use by another call"
+                ))
+            })?);
+        }
+        let mut kvs = Vec::with_capacity(n);
+        for (i, b) in borrowed.iter_mut().enumerate() {
+            kvs.push(
+                b.inner
+                    .kv_for(&self.range)
+                    .map_err(|e| InputError::new_err(format!("session {i}: {e}")))?,
+            );
+        }
+        let mut outs: Vec<(Vec<f32>, Vec<f32>)> = vec![Default::default(); n];
+        let range = &self.range;
+        let bufs = &self.bufs;
+        py.detach(|| {
+            let mut segments: Vec<Segment<'_>> = kvs
+                .into_iter()
+                .zip(&owned)
+                .zip(outs.iter_mut())
+                .zip(wanted.iter().zip(&spans))
+                .map(|(((kv, input), (h, l)), (&logits, &span))| Segment {
+                    kv,
+                    input: match input {
+                        OwnedInput::Tokens(t) => ChunkInput::Tokens(t),
+                        OwnedInput::Hidden(h) => ChunkInput::Hidden(h),
+                    },
+                    span: SpanType::from(span),
+                    logits,
+                    hidden_out: h,
+                    logits_out: l,
+                })
+                .collect();
+            let mut bufs = bufs.lock().unwrap_or_else(PoisonError::into_inner);
+            range.forward_batch(&mut segments, &mut bufs)
+        })
+        .map_err(PyErr::from)?;
+        outs.into_iter()
+            .zip(&wanted)
+            .map(|((h, l), &w)| {
+                let logits = if w == LogitsWanted::None {
+                    None
+                } else {
+                    Some(rows_array(py, l, vocab)?)
+                };
+                Ok((rows_array(py, h, hidden_w)?, logits))
+            })
+            .collect()
+    }
 }
 
 /// A replayed volume: `status` is `"hit"` (whole prompt) or `"partial"` (after an erasure).
@@ -580,6 +749,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyModelWeights>()?;
     m.add_class::<PyRangeSession>()?;
     m.add_class::<PySampler>()?;
+    m.add_class::<PyBatchForward>()?;
     m.add_class::<PyReplayResult>()?;
     m.add_class::<PyPipeline>()?;
     Ok(())

@@ -92,6 +92,27 @@ impl RangeSession {
         self.kv.max_chunk()
     }
 
+    /// The session's KV for a batched pass over `range` (with [`LayerRange::forward_batch`]
+    /// and one shared [`StepBuffers`]): refused unless the session runs the same weights
+    /// (the same mapping, not just an equal model) and the same layers.
+    pub fn kv_for(&mut self, range: &LayerRange) -> Result<&mut SequenceKv, ModelError> {
+        if !Arc::ptr_eq(self.range.weights(), range.weights()) {
+            return Err(ModelError::Input(
+                "the session runs other weights than the batch".into(),
+            ));
+        }
+        if (self.layer_lo(), self.layer_hi()) != (range.layer_lo(), range.layer_hi()) {
+            return Err(ModelError::Input(format!(
+                "the session runs layers {}..{}, the batch {}..{}",
+                self.layer_lo(),
+                self.layer_hi(),
+                range.layer_lo(),
+                range.layer_hi()
+            )));
+        }
+        Ok(&mut self.kv)
+    }
+
     /// Forgets every position (clock 0) without giving the allocation back.
     pub fn reset(&mut self) {
         self.kv.reset();

@@ -666,3 +666,64 @@ fn a_bad_segment_fails_the_batch_and_changes_no_ring() {
     assert_eq!((a.clock(), b.clock()), (0, 0));
     assert!(h1.is_empty() && l1.is_empty());
 }
+
+#[test]
+fn sessions_batched_through_a_shared_range_equal_each_run_alone() {
+    let w = tiny_weights(23);
+    let range = LayerRange::new(Arc::clone(&w), 0, 3).unwrap();
+    let cfg = seq_config(16);
+    let prompts = [prompt(21, 1), prompt(3, 2)];
+    let mut alone = Vec::new();
+    for p in &prompts {
+        let mut s = RangeSession::new(Arc::clone(&w), 0, 3, &cfg).unwrap();
+        let (mut h, mut l) = (Vec::new(), Vec::new());
+        s.forward(
+            ChunkInput::Tokens(p),
+            SpanType::User,
+            LogitsWanted::All,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+        alone.push((h, l));
+    }
+    let mut sessions: Vec<RangeSession> = (0..2)
+        .map(|_| RangeSession::new(Arc::clone(&w), 0, 3, &cfg).unwrap())
+        .collect();
+    let mut outs: Vec<(Vec<f32>, Vec<f32>)> = vec![Default::default(); 2];
+    let mut bufs = StepBuffers::new(w.config(), 1, 1);
+    {
+        let mut segments: Vec<Segment<'_>> = sessions
+            .iter_mut()
+            .zip(&prompts)
+            .zip(outs.iter_mut())
+            .map(|((s, p), (h, l))| Segment {
+                kv: s.kv_for(&range).unwrap(),
+                input: ChunkInput::Tokens(p),
+                span: SpanType::User,
+                logits: LogitsWanted::All,
+                hidden_out: h,
+                logits_out: l,
+            })
+            .collect();
+        range.forward_batch(&mut segments, &mut bufs).unwrap();
+    }
+    assert!(
+        outs == alone,
+        "a batched session differs from its run alone"
+    );
+}
+
+#[test]
+fn a_session_of_other_weights_or_layers_is_refused_for_a_batch() {
+    let w = tiny_weights(24);
+    let cfg = seq_config(16);
+    let mut s = RangeSession::new(Arc::clone(&w), 0, 2, &cfg).unwrap();
+    let other_layers = LayerRange::new(Arc::clone(&w), 0, 3).unwrap();
+    assert!(matches!(s.kv_for(&other_layers), Err(ModelError::Input(_))));
+    // Equal weights mapped twice are still other weights: the batch reads one mapping.
+    let twin = LayerRange::new(tiny_weights(24), 0, 2).unwrap();
+    assert!(matches!(s.kv_for(&twin), Err(ModelError::Input(_))));
+    let same = LayerRange::new(Arc::clone(&w), 0, 2).unwrap();
+    assert!(s.kv_for(&same).is_ok());
+}

@@ -8,8 +8,10 @@ time to first token (p50/p99) and inter-token latency (p50/p99), and counts erro
 The same workload runs, in the same run, against the peers that are present:
 llama.cpp's own ``llama-server`` (``--llama-server PATH``; it has continuous batching with
 ``-np``) and ``python -m llama_cpp.server`` (the ``peers`` extra). Each system is warmed up
-with one request first. ``--json`` writes every figure, ``--plot`` throughput against
-concurrency.
+with one request first. ``--stations K`` adds the same server serving through a local mesh
+of K station processes (the engine's mesh executor, one request per station per step), so
+mesh and single process are measured side by side. ``--json`` writes every figure,
+``--plot`` throughput against concurrency.
 """
 
 from __future__ import annotations
@@ -208,30 +210,33 @@ async def run_level(
 def systems(a: argparse.Namespace, model_path: str) -> list[tuple[str, list[str] | str]]:
     """(name, command) of every system to run, or (name, why it is skipped)."""
     out: list[tuple[str, list[str] | str]] = []
-    port = free_port()
-    out.append(
-        (
-            "amplituhedron",
-            [
-                sys.executable,
-                "-m",
-                "amplituhedron_rs.cli",
-                "serve",
-                "--model",
-                model_path,
-                "--port",
-                str(port),
-                "--max-batch",
-                str(a.max_batch),
-                "--max-queue",
-                "256",
-                "--step-tokens",
-                str(a.step_tokens),
-                "--precision",
-                a.precision,
-            ],
+
+    def ours(*extra: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "amplituhedron_rs.cli",
+            "serve",
+            "--model",
+            model_path,
+            "--port",
+            str(free_port()),
+            "--max-batch",
+            str(a.max_batch),
+            "--max-queue",
+            "256",
+            "--step-tokens",
+            str(a.step_tokens),
+            "--precision",
+            a.precision,
+            *extra,
+        ]
+
+    out.append(("amplituhedron", ours()))
+    if a.stations:
+        out.append(
+            (f"amplituhedron {a.stations}-station mesh", ours("--stations", str(a.stations)))
         )
-    )
     if a.llama_server:
         port = free_port()
         out.append(
@@ -294,9 +299,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if isinstance(cmd, str):
             results.append(SystemResult(name, note=cmd))
             continue
-        model = mf.name if name == "amplituhedron" else "model"
+        model = mf.name if name.startswith("amplituhedron") else "model"
         with Server(name, cmd, _port_of(cmd), model) as srv:
-            if name == "amplituhedron":
+            if name.startswith("amplituhedron"):
                 srv.model = asyncio.run(_served_model(srv))
             asyncio.run(run_level(srv, system, 1, 1, 8))  # warm-up: caches, pages, threads
             res = SystemResult(name)
@@ -355,15 +360,20 @@ def main(a: argparse.Namespace) -> int:
     report = run(a)
     ours = next(s for s in report["systems"] if s["name"] == "amplituhedron")
     base = ours["levels"][0]["tokens_per_s"] if ours["levels"] else float("nan")
-    print("\n| system | clients | tok/s | × ours@1 | TTFT p50/p99 ms | ITL p50/p99 ms | errors |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| system | clients | tok/s | × ours@1 | × own@1 | TTFT p50/p99 ms | ITL p50/p99 ms "
+        "| errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for s in report["systems"]:
         if not s["levels"]:
-            print(f"| {s['name']} | – | – | – | – | – | {s['note']} |")
+            print(f"| {s['name']} | – | – | – | – | – | – | {s['note']} |")
         for lv in s["levels"]:
+            own = s["levels"][0]["tokens_per_s"]
             print(
                 f"| {s['name']} | {lv['clients']} | {lv['tokens_per_s']:.1f} | "
-                f"{lv['tokens_per_s'] / base:.2f} | {lv['ttft_p50_ms']:.1f} / "
+                f"{lv['tokens_per_s'] / base:.2f} | {lv['tokens_per_s'] / own:.2f} | "
+                f"{lv['ttft_p50_ms']:.1f} / "
                 f"{lv['ttft_p99_ms']:.1f} | {lv['itl_p50_ms']:.1f} / {lv['itl_p99_ms']:.1f} | "
                 f"{lv['errors']} |"
             )

@@ -10,11 +10,16 @@ For each workload and each precision asked for, every prompt is decoded greedily
 without speculation, interleaved, in the same run. Reported: decode tokens/s of each,
 their ratio, the acceptance rate (accepted / proposed drafts) and tokens per verify step.
 The greedy outputs must be identical token for token; a difference is reported as a failure.
+
+With ``--stations K`` the same prompts also run over a local mesh of K station processes
+(the engine's mesh executor: a verify step carries k+1 rows through each station in one
+hop), in the same run, and their outputs must equal the single process's too.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import json
 import statistics
@@ -81,6 +86,8 @@ def workloads(
 class Row:
     workload: str
     precision: str
+    #: "process", or "K-station mesh".
+    where: str
     prompts: int
     plain_tok_s: float
     spec_tok_s: float
@@ -89,6 +96,68 @@ class Row:
     tokens_per_verify: float
     identical: bool
     samples: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Tally:
+    """One workload's runs in one place."""
+
+    plain_rates: list[float] = field(default_factory=list)
+    spec_rates: list[float] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    verifies: int = 0
+    identical: bool = True
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, plain: Run, spec: Run, reference: Ids) -> None:
+        self.identical &= plain.output_ids == spec.output_ids == reference
+        n = len(plain.output_ids) - 1  # the first token comes from the prefill
+        if n < 1:
+            return
+        self.plain_rates.append(n / (plain.decode_ms / 1e3))
+        self.spec_rates.append(n / (spec.decode_ms / 1e3))
+        self.proposed += spec.draft_proposed
+        self.accepted += spec.draft_accepted
+        self.verifies += spec.verify_steps
+
+    def row(self, workload: str, precision: str, where: str, prompts: int) -> Row:
+        plain = statistics.median(self.plain_rates) if self.plain_rates else float("nan")
+        spec = statistics.median(self.spec_rates) if self.spec_rates else float("nan")
+        r = Row(
+            workload=workload,
+            precision=precision,
+            where=where,
+            prompts=prompts,
+            plain_tok_s=plain,
+            spec_tok_s=spec,
+            speedup=spec / plain,
+            acceptance=self.accepted / self.proposed if self.proposed else 0.0,
+            tokens_per_verify=(
+                (self.accepted + self.verifies) / self.verifies if self.verifies else 1.0
+            ),
+            identical=self.identical,
+            samples=self.samples,
+        )
+        print(
+            f"{precision:>7} · {where:>15} · {workload:>10}: plain {r.plain_tok_s:6.1f} tok/s "
+            f"· speculative {r.spec_tok_s:6.1f} tok/s · ×{r.speedup:.2f} · acceptance "
+            f"{r.acceptance:.0%} · {r.tokens_per_verify:.2f} tokens/verify · identical "
+            f"{r.identical}",
+            file=sys.stderr,
+        )
+        return r
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one generation reports, in one process or over a mesh."""
+
+    output_ids: Ids
+    decode_ms: float
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    verify_steps: int = 0
 
 
 def measure(a: argparse.Namespace) -> list[Row]:
@@ -102,65 +171,91 @@ def measure(a: argparse.Namespace) -> list[Row]:
             cache=CacheOptions(enabled=False),
             precision=precision,
         )
-        for name, prompts in workloads(model.chat_ids).items():
-            plain_rates: list[float] = []
-            spec_rates: list[float] = []
-            proposed = accepted = verifies = emitted = 0
-            identical = True
-            samples = []
+        loads = workloads(model.chat_ids)
+        references: dict[str, Ids] = {}
+        for name, prompts in loads.items():
+            tally = _Tally()
             for label, ids in prompts:
                 for _ in range(a.rounds):
                     g0 = model.generate(ids, a.max_new_tokens)
                     g1 = model.generate(
                         ids, a.max_new_tokens, draft="prompt-lookup", draft_max=a.draft_max
                     )
-                    identical &= g0.output_ids == g1.output_ids
-                    n = len(g0.output_ids) - 1  # the first token comes from the prefill
-                    if n < 1:
-                        continue
-                    plain_rates.append(n / (g0.decode_ms / 1e3))
-                    spec_rates.append(n / (g1.decode_ms / 1e3))
-                    proposed += g1.draft_proposed
-                    accepted += g1.draft_accepted
-                    verifies += g1.verify_steps
-                    emitted += n
-                samples.append({"prompt": label, "tokens": len(g0.output_ids)})
-            plain = statistics.median(plain_rates) if plain_rates else float("nan")
-            spec = statistics.median(spec_rates) if spec_rates else float("nan")
-            rows.append(
-                Row(
-                    workload=name,
-                    precision=precision,
-                    prompts=len(prompts),
-                    plain_tok_s=plain,
-                    spec_tok_s=spec,
-                    speedup=spec / plain,
-                    acceptance=accepted / proposed if proposed else 0.0,
-                    tokens_per_verify=(accepted + verifies) / verifies if verifies else 1.0,
-                    identical=identical,
-                    samples=samples,
+                    plain = Run(g0.output_ids, g0.decode_ms)
+                    spec = Run(
+                        g1.output_ids,
+                        g1.decode_ms,
+                        g1.draft_proposed,
+                        g1.draft_accepted,
+                        g1.verify_steps,
+                    )
+                    references.setdefault(label, g0.output_ids)
+                    tally.add(plain, spec, references[label])
+                tally.samples.append({"prompt": label, "tokens": len(g0.output_ids)})
+            rows.append(tally.row(name, precision, "process", len(prompts)))
+        if a.stations:
+            stop_ids = [model.eos_id] if model.eos_id is not None else []
+            rows += asyncio.run(_over_a_mesh(a, precision, loads, references, stop_ids))
+    return rows
+
+
+async def _over_a_mesh(
+    a: argparse.Namespace,
+    precision: str,
+    loads: dict[str, list[tuple[str, Ids]]],
+    references: dict[str, Ids],
+    stop_ids: Ids,
+) -> list[Row]:
+    """The same prompts through a local mesh of ``a.stations`` stations (cache off)."""
+    import secrets
+
+    from amplituhedron_rs.mesh.executor import MeshEngine
+    from amplituhedron_rs.mesh.launcher import LocalMesh
+
+    where = f"{a.stations}-station mesh"
+    token = secrets.token_hex(16)
+    station_args = ["--precision", precision, "--no-cache"]
+    rows: list[Row] = []
+    with LocalMesh(a.stations, model_path=a.model, token=token, station_args=station_args) as m:
+        # Prompt chunks of a station's max_chunk (256 rows): prefill in as few hops as allowed.
+        async with MeshEngine(m, token=token, step_tokens=256) as engine:
+
+            async def run(ids: Ids, draft_max: int | None) -> Run:
+                r = await engine.run(
+                    ids, a.max_new_tokens, stop_ids=stop_ids, use_cache=False, draft_max=draft_max
                 )
-            )
-            r = rows[-1]
-            print(
-                f"{precision:>7} · {name:>10}: plain {r.plain_tok_s:6.1f} tok/s · speculative "
-                f"{r.spec_tok_s:6.1f} tok/s · ×{r.speedup:.2f} · acceptance {r.acceptance:.0%} "
-                f"· {r.tokens_per_verify:.2f} tokens/verify · identical {r.identical}",
-                file=sys.stderr,
-            )
+                st = r.stats
+                return Run(
+                    r.output_ids,
+                    float(st["decode_ms"]),
+                    int(st["draft_proposed"]),
+                    int(st["draft_accepted"]),
+                    int(st["verify_steps"]),
+                )
+
+            for name, prompts in loads.items():
+                tally = _Tally()
+                for label, ids in prompts:
+                    for _ in range(a.rounds):
+                        tally.add(
+                            await run(ids, None), await run(ids, a.draft_max), references[label]
+                        )
+                    tally.samples.append({"prompt": label})
+                rows.append(tally.row(name, precision, where, len(prompts)))
     return rows
 
 
 def main(a: argparse.Namespace) -> int:
     rows = measure(a)
     print(
-        "\n| workload | precision | plain tok/s | speculative tok/s | × | acceptance | "
+        "\n| workload | precision | where | plain tok/s | speculative tok/s | × | acceptance | "
         "tokens/verify | greedy identical |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.workload} | {r.precision} | {r.plain_tok_s:.1f} | {r.spec_tok_s:.1f} | "
+            f"| {r.workload} | {r.precision} | {r.where} | {r.plain_tok_s:.1f} | "
+            f"{r.spec_tok_s:.1f} | "
             f"{r.speedup:.2f} | {r.acceptance:.0%} | {r.tokens_per_verify:.2f} | "
             f"{'yes' if r.identical else 'NO'} |"
         )

@@ -23,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["refined", "fast"], default="refined")
     p.add_argument("--max-batch", type=int, default=16, metavar="N")
     p.add_argument("--step-tokens", type=int, default=64, metavar="T")
+    p.add_argument(
+        "--stations",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also serve through a local mesh of K stations, side by side (0: no mesh)",
+    )
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
     p.add_argument("--llama-parallel", type=int, default=8, metavar="NP", help="its -np")
     p.add_argument(

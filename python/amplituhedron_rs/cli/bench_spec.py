@@ -20,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="precisions to measure (default refined,fast)",
     )
     p.add_argument("--draft-max", type=int, default=8, metavar="K")
+    p.add_argument(
+        "--stations",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run over a local mesh of K stations (0: single process only)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
 
 

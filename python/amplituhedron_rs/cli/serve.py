@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from amplituhedron_rs.cli.common import add_model
+from amplituhedron_rs.cli.common import TOKEN_ENV, add_model
 from amplituhedron_rs.serve.options import ServeOptions
 
 HELP = "an OpenAI-compatible server with continuous batching"
@@ -54,6 +54,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative decoding for requests that do not choose (greedy output unchanged)",
     )
     p.add_argument("--draft-max", type=int, default=d.draft_max, metavar="K")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--mesh",
+        metavar="FILE_OR_URLS",
+        help="serve through a mesh: a mesh file, or comma-separated station URLs (the model "
+        "file then only gives the tokenizer)",
+    )
+    where.add_argument(
+        "--stations",
+        type=int,
+        metavar="K",
+        help="serve through a local mesh of K station processes started with the server",
+    )
+    p.add_argument(
+        "--mesh-token",
+        default=os.environ.get(TOKEN_ENV),
+        metavar="TOKEN",
+        help=f"the stations' bearer token (env {TOKEN_ENV}; with --stations: generated)",
+    )
 
 
 def run(a: argparse.Namespace) -> int:
@@ -72,6 +91,9 @@ def run(a: argparse.Namespace) -> int:
             precision=a.precision,
             draft=a.draft == "prompt-lookup",
             draft_max=a.draft_max,
+            mesh=a.mesh,
+            stations=a.stations,
+            mesh_token=a.mesh_token,
         )
     )
     return 0

@@ -5,7 +5,7 @@ f32 hidden rows between stations, f32 tail (+ logits) for volumes."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -148,3 +148,79 @@ class Sampled(BaseModel):
 
 class RolledBack(BaseModel):
     clock: int
+
+
+# --- the batched step (many sessions, one request per station per step) -------------------
+#
+# ``POST /batch/step`` (bearer token) runs one step of many sessions at one station. Its body
+# and its answer are both a *frame*:
+#
+#     u32 LE  header length H
+#     H bytes JSON header (UTF-8): a BatchStepRequest / BatchStepReply
+#     rest    payload: f32 LE hidden rows, every entry's rows concatenated in entry order
+#
+# The request's payload is empty at the entry station (the header's token ids are the input)
+# and holds ``sum(len(tokens))`` rows of ``hidden`` floats elsewhere. The answer's payload
+# holds every entry's output rows, except at the exit station, which answers none: it emits
+# tokens instead (sampled or verified with each session's own seeded sampler, keyed by
+# position), so no logits cross the wire.
+
+BATCH_ROUTE = "/batch/step"
+FRAME_HEADER = 4
+
+
+class BatchEntrySpec(_Strict):
+    """One session's rows of a step: ``tokens[0]`` sits at position ``start``. A station
+    first rolls the session back to ``start`` when it holds more (drafts rejected last step)."""
+
+    session_id: SessionId
+    start: int = Field(ge=0, le=1 << 31)
+    #: The rows' token ids (the input at the entry station; the drafts to verify at the exit).
+    tokens: list[TokenId] = Field(min_length=1)
+    #: "prefill": a chunk of the prompt; "decode": the last emitted token, then drafts.
+    kind: Literal["prefill", "decode"]
+    #: Prefill: the chunk ends the prompt.
+    last: bool = False
+    #: Exit station, prefill ending the prompt: sample the first token.
+    emit: bool = False
+    #: Prefill ending the prompt: every station captures the prompt's volume (its own KV,
+    #: its own last output row, and at the exit station its own logits).
+    capture: bool = False
+
+
+class BatchStepRequest(_Strict):
+    entries: list[BatchEntrySpec] = Field(min_length=1, max_length=4096)
+
+
+class BatchEntryResult(BaseModel):
+    #: Positions the session holds after the step.
+    clock: int
+    #: Output rows of this entry in the answer's payload (0 at the exit station).
+    rows: int
+    #: Exit station: the emitted tokens (1 to len(tokens) for a decode entry).
+    emitted: list[int] = Field(default_factory=list)
+    #: Bytes of the captured volume (0: declined or not asked).
+    captured: int = 0
+
+
+class BatchStepReply(BaseModel):
+    entries: list[BatchEntryResult]
+
+
+def pack_frame(header: BaseModel, payload: bytes = b"") -> bytes:
+    """A frame: the header's JSON, length-prefixed, then the payload."""
+    head = header.model_dump_json().encode()
+    return len(head).to_bytes(FRAME_HEADER, "little") + head + payload
+
+
+def split_frame(body: bytes) -> tuple[bytes, memoryview]:
+    """The JSON header and the payload of a frame; ValueError if it is not one."""
+    if len(body) < FRAME_HEADER:
+        raise ValueError(f"a frame starts with a {FRAME_HEADER}-byte header length")
+    n = int.from_bytes(body[:FRAME_HEADER], "little")
+    if n > len(body) - FRAME_HEADER:
+        raise ValueError(
+            f"the frame's header length {n} exceeds its {len(body) - FRAME_HEADER} bytes"
+        )
+    view = memoryview(body)
+    return bytes(view[FRAME_HEADER : FRAME_HEADER + n]), view[FRAME_HEADER + n :]

@@ -17,14 +17,35 @@ from amplituhedron_rs.serve.options import ServeOptions
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from amplituhedron_rs.runtime.tokenizer import Tokenizer
+    from amplituhedron_rs.serve.frontend import EngineFront
+
 __all__ = ["ServeOptions", "build_app", "serve"]
 
 
 def build_app(o: ServeOptions) -> FastAPI:
-    """Loads the model and returns the ASGI app (the engine starts with the app)."""
-    from amplituhedron_rs.runtime import BatchOptions, load_model
+    """Loads the model (or connects to its mesh) and returns the ASGI app (the engine starts
+    with the app)."""
     from amplituhedron_rs.runtime.gguf_file import model_id
     from amplituhedron_rs.serve.app import ServeSettings, create_app
+
+    if o.mesh is not None or o.stations is not None:
+        front, tokenizer, context_len = _mesh_front(o)
+    else:
+        front, tokenizer, context_len = _local_front(o)
+    settings = ServeSettings(
+        model_name=o.served_model_name or model_id(o.model_path),
+        context_len=context_len,
+        api_keys=o.api_keys,
+        draft_by_default=o.draft,
+        draft_max=o.draft_max,
+    )
+    return create_app(front, tokenizer, settings)
+
+
+def _local_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
+    """The in-process engine over the whole model."""
+    from amplituhedron_rs.runtime import BatchOptions, load_model
     from amplituhedron_rs.serve.frontend import EngineFront
 
     model = load_model(
@@ -34,14 +55,49 @@ def build_app(o: ServeOptions) -> FastAPI:
             max_running=o.max_batch, max_queue=o.max_queue, step_tokens=o.step_tokens
         ),
     )
-    settings = ServeSettings(
-        model_name=o.served_model_name or model_id(o.model_path),
-        context_len=min(model.session_options.slots, int(model.file.config["context_len"])),
-        api_keys=o.api_keys,
-        draft_by_default=o.draft,
-        draft_max=o.draft_max,
+    context_len = min(model.session_options.slots, int(model.file.config["context_len"]))
+    return EngineFront(model.engine), model.tokenizer, context_len
+
+
+def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
+    """The external engine stepped through a mesh of stations (started here with
+    ``stations``), each step one request per station."""
+    import secrets
+
+    from amplituhedron_rs import _core
+    from amplituhedron_rs.mesh.executor import MeshStepper
+    from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+    from amplituhedron_rs.runtime.gguf_file import read_model_file
+    from amplituhedron_rs.runtime.options import SessionOptions
+    from amplituhedron_rs.runtime.tokenizer import Tokenizer
+    from amplituhedron_rs.serve.frontend import EngineFront
+
+    model_file = read_model_file(o.model_path)
+    token, local = o.mesh_token, None
+    if o.stations is not None:
+        token = token or secrets.token_hex(16)
+        local = LocalMesh(
+            o.stations,
+            model_path=o.model_path,
+            token=token,
+            # Room for every running sequence, plus one being opened while one closes.
+            station_args=["--precision", o.precision, "--max-sessions", str(o.max_batch + 2)],
+        )
+        spec = local.start()
+    else:
+        assert o.mesh is not None
+        spec = MeshSpec.load(o.mesh)
+    engine = _core.Engine.external(
+        max_running=o.max_batch, max_queue=o.max_queue, step_tokens=o.step_tokens
     )
-    return create_app(EngineFront(model.engine), model.tokenizer, settings)
+    stepper = MeshStepper(engine, spec, token=token, owned=local)
+    try:
+        stepper.open()
+    except BaseException:
+        stepper.close()
+        raise
+    context_len = min(SessionOptions().slots, int(model_file.config["context_len"]))
+    return EngineFront(engine, stepper), Tokenizer(model_file), context_len
 
 
 def serve(o: ServeOptions) -> None:

@@ -1,9 +1,10 @@
 """The scheduler front: hands requests to the engine and streams its events back.
 
 The engine (Rust) does the scheduling — continuous batching, chunked prefill under a step
-budget, admission through the volume cache. This front only owns the loop that steps it:
-a dedicated thread calls ``engine.step()`` (the GIL is released while the model runs) while
-the event loop submits and cancels; each step's events are delivered to the requests'
+budget, admission through the volume cache. This front only owns the thread that steps it:
+a dedicated thread calls its :class:`Stepper` (the in-process engine's ``step()``, which
+releases the GIL while the model runs, or a mesh executor's step through the stations)
+while the event loop submits and cancels; each step's events are delivered to the requests'
 asyncio queues in one hand-off.
 """
 
@@ -13,9 +14,52 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from amplituhedron_rs import _core
+
+
+class Stepper(Protocol):
+    """Runs the engine's steps: one interface for the in-process and the mesh executor."""
+
+    def step(self) -> list[_core.EngineEvent]:
+        """One step; what it reported."""
+        ...
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences holding KV (0 when idle: nothing leaked)."""
+        ...
+
+    @property
+    def station_requests(self) -> int:
+        """Batched steps sent to stations (a mesh: one per station per step; else 0)."""
+        ...
+
+    def close(self) -> None:
+        """Frees what the executor holds (called once, by the stepping thread, at the end)."""
+        ...
+
+
+class LocalStepper:
+    """The in-process engine steps itself (one batched forward over the whole model)."""
+
+    def __init__(self, engine: _core.Engine) -> None:
+        self.engine = engine
+
+    def step(self) -> list[_core.EngineEvent]:
+        return self.engine.step()
+
+    @property
+    def live_sequences(self) -> int:
+        return self.engine.live_sequences or 0
+
+    @property
+    def station_requests(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -50,8 +94,9 @@ class RequestStream:
 class EngineFront:
     """Steps an engine in a background thread and routes its events to request streams."""
 
-    def __init__(self, engine: _core.Engine) -> None:
+    def __init__(self, engine: _core.Engine, stepper: Stepper | None = None) -> None:
         self.engine = engine
+        self.stepper: Stepper = stepper if stepper is not None else LocalStepper(engine)
         self._streams: dict[int, RequestStream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -99,18 +144,28 @@ class EngineFront:
             self._wake.notify()
 
     @property
+    def live_sequences(self) -> int:
+        return self.stepper.live_sequences
+
+    @property
     def live_requests(self) -> int:
         with self._lock:
             return len(self._streams)
 
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        finally:
+            self.stepper.close()
+
+    def _loop_steps(self) -> None:
         while True:
             with self._wake:
                 while not self._stopped and not self.engine.has_work:
                     self._wake.wait()
                 if self._stopped:
                     return
-            events = self.engine.step()
+            events = self.stepper.step()
             self.steps += 1
             if not events:
                 continue

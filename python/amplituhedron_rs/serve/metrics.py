@@ -30,6 +30,12 @@ class ServeMetrics:
         self.cache_hits = Counter(
             f"{p}_cache_hits", "Requests whose whole prompt was replayed", registry=r
         )
+        self.draft_proposed = Counter(
+            f"{p}_draft_proposed", "Draft tokens proposed by prompt lookup", registry=r
+        )
+        self.draft_accepted = Counter(
+            f"{p}_draft_accepted", "Draft tokens the model accepted", registry=r
+        )
         self.finished_by = Counter(
             f"{p}_finished", "Sequences finished, by reason", ["reason"], registry=r
         )
@@ -52,7 +58,13 @@ class ServeMetrics:
         live = Gauge(
             f"{p}_live_sequences", "Sequences holding KV (0 when idle: nothing leaked)", registry=r
         )
-        live.set_function(lambda: front.engine.live_sequences or 0)
+        live.set_function(lambda: front.live_sequences)
+        hops = Gauge(
+            f"{p}_station_requests",
+            "Batched steps sent to stations (over a mesh: one per station per step)",
+            registry=r,
+        )
+        hops.set_function(lambda: front.stepper.station_requests)
 
     def finished(
         self,
@@ -64,6 +76,8 @@ class ServeMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.cached_tokens.inc(int(stats.get("cached_tokens", 0)))
+        self.draft_proposed.inc(int(stats.get("draft_proposed", 0)))
+        self.draft_accepted.inc(int(stats.get("draft_accepted", 0)))
         if stats.get("cache_hit"):
             self.cache_hits.inc()
         self.finished_by.labels(reason).inc()

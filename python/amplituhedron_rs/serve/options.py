@@ -26,3 +26,10 @@ class ServeOptions:
     precision: str = "refined"
     draft: bool = False
     draft_max: int = 8
+    #: Serve through a mesh: a mesh file or comma-separated station URLs (the server is the
+    #: mesh's coordinator; ``model_path`` then only gives the tokenizer and chat template).
+    mesh: str | None = None
+    #: Serve through a local mesh of this many station processes, started with the server.
+    stations: int | None = None
+    #: The mesh's bearer token (None with ``stations``: a fresh one is generated).
+    mesh_token: str | None = None

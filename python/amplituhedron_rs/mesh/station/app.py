@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh.protocol import OCTETS
+from amplituhedron_rs.mesh.station.batch import router as batch_router
 from amplituhedron_rs.mesh.station.errors import (
     HANDLED,
     TooLarge,
@@ -209,6 +210,7 @@ def create_app(station: Station) -> FastAPI:
     )
     app.state.station = station
     app.include_router(router)
+    app.include_router(batch_router)
     if s.fault_injection:
         app.include_router(debug_router)
 

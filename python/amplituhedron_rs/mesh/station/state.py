@@ -240,6 +240,18 @@ class Station:
         self.inflight = 0
         self._inflight_lock = threading.Lock()
 
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Counts a compute call in flight (the decode fast path stays off the event loop
+        while any runs)."""
+        with self._inflight_lock:
+            self.inflight += 1
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self.inflight -= 1
+
     # --- sessions ------------------------------------------------------------------------
     def sweep_idle(self) -> int:
         """Closes sessions idle longer than ``session_idle_s``; returns how many."""
@@ -412,26 +424,32 @@ class Station:
         live = self.get_session(req.session_id)
         self.check_volume_request(req, live)
         with live.use(req.session_id, self.settings.busy_wait_s) as session:
-            n = len(live.prompt)
-            if not live.exact:
-                raise Conflict(
-                    "the session's forwarded tokens are not the prompt it was opened with; "
-                    "nothing to capture"
+            return self.capture_own(live, session)
+
+    def capture_own(self, live: LiveSession, session: _core.RangeSession) -> int:
+        """The capture itself, under the session's lock (the capture endpoint and the
+        batched step share it): Conflict unless the session computed exactly its prompt."""
+        n = len(live.prompt)
+        clock = int(session.clock)
+        if not live.exact:
+            raise Conflict(
+                "the session's forwarded tokens are not the prompt it was opened with; "
+                "nothing to capture"
+            )
+        tail, logits = live.prompt_tail, live.prompt_logits
+        if tail is None or clock < n or (self.is_exit and logits is None):
+            raise Conflict(
+                f"the session has not computed its {n}-token prompt (clock {clock}); "
+                "a capture freezes only what the station computed"
+            )
+        if self.declines_captures is not None:
+            return 0
+        with self.pipeline_lock:
+            return int(
+                self.pipeline.amplituhedron_capture(
+                    session, live.prompt, tail, logits if self.is_exit else None, live.salt
                 )
-            tail, logits = live.prompt_tail, live.prompt_logits
-            if tail is None or live.clock < n or (self.is_exit and logits is None):
-                raise Conflict(
-                    f"the session has not computed its {n}-token prompt (clock {live.clock}); "
-                    "a capture freezes only what the station computed"
-                )
-            if self.declines_captures is not None:
-                return 0
-            with self.pipeline_lock:
-                return int(
-                    self.pipeline.amplituhedron_capture(
-                        session, live.prompt, tail, logits if self.is_exit else None, live.salt
-                    )
-                )
+            )
 
     def replay(self, req: VolumeRequest) -> Octets | None:
         """Splices the prompt's volume into the fresh session: the tail (+ logits) with the
@@ -517,9 +535,7 @@ class Station:
         # Sampling needs the last position's logits even when they are not returned.
         compute: LogitsRows = "last" if sample and logits == "none" else logits
         token = None
-        with self._inflight_lock:
-            self.inflight += 1
-        try:
+        with self.computing():
             waited = self.settings.busy_wait_s if wait is None else wait
             with live.use(sid, waited) as session:
                 start = int(session.clock)
@@ -530,15 +546,12 @@ class Station:
                         session, arr.reshape(rows, self.hidden), rows, compute, cancel, start
                     )
                 clock = int(session.clock)
-                self._note_prompt(live, ids if self.is_entry else None, start, h, lg, compute)
+                self.note_prompt(live, ids if self.is_entry else None, start, h, lg, compute)
                 if lg is not None:
                     live.last_logits = lg[-1]
                     if sample:
                         assert live.sampler is not None
                         token = int(live.sampler.sample(lg[-1], clock))
-        finally:
-            with self._inflight_lock:
-                self.inflight -= 1
         self.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
@@ -591,7 +604,7 @@ class Station:
         lg_all = None if not lgs else lgs[0] if len(lgs) == 1 else np.concatenate(lgs)
         return h_all, lg_all
 
-    def _note_prompt(
+    def note_prompt(
         self,
         live: LiveSession,
         ids: Any,
@@ -654,11 +667,16 @@ class Station:
     def rollback(self, sid: str, clock: int) -> int:
         live = self.get_session(sid)
         with live.use(sid, self.settings.busy_wait_s) as session:
-            session.rollback(clock)
-            if clock < len(live.prompt):
-                # The prompt's last position is gone; it is recorded again when recomputed.
-                live.prompt_tail = live.prompt_logits = None
+            self.rollback_locked(live, session, clock)
             return int(session.clock)
+
+    @staticmethod
+    def rollback_locked(live: LiveSession, session: _core.RangeSession, clock: int) -> None:
+        """Rolls the ring back to ``clock`` (under the session's lock)."""
+        session.rollback(clock)
+        if clock < len(live.prompt):
+            # The prompt's last position is gone; it is recorded again when recomputed.
+            live.prompt_tail = live.prompt_logits = None
 
     def damage(self, prompt: list[int], position: int, tenant: str | None) -> bool:
         """Fault injection: poisons one cached position (tests and failure drills)."""

@@ -1,0 +1,101 @@
+"""The batched station step of the core (``_core.BatchForward``) on the real model: many
+sessions in one pass equal each session run alone, bit for bit, at the entry, a middle and
+the exit range; refusals change no ring. And ``Sampler.verify``, the exit station's draft
+verification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from amplituhedron_rs import InputError, Model, _core
+
+pytestmark = pytest.mark.model
+
+SPLIT = (0, 12, 30)  # entry 0:12, exit 12:30
+
+
+def _session(model: Model, lo: int, hi: int) -> _core.RangeSession:
+    return model.new_session(lo, hi)
+
+
+def test_a_batched_step_equals_each_session_alone(model: Model) -> None:
+    prompts = [[1, 504, 3458, 282, 4195, 314, 9581], [1, 7306], [1, 38, 52, 2743, 418, 28, 88, 19]]
+    decode = [[28], [16], [901]]
+    lo, mid, hi = SPLIT
+    # Alone: each prompt, then one decode row, through entry then exit.
+    alone: list[list[Any]] = []
+    for p, d in zip(prompts, decode, strict=True):
+        e, x = _session(model, lo, mid), _session(model, mid, hi)
+        h1, _ = e.forward_tokens(p, logits="none")
+        h2, l2 = x.forward_hidden(h1, logits="all")
+        h3, _ = e.forward_tokens(d, logits="none", span=_core.SpanType.RESPONSE_SENTENCE)
+        h4, l4 = x.forward_hidden(h3, logits="last", span=_core.SpanType.RESPONSE_SENTENCE)
+        alone.append([h1, h2, l2, h3, h4, l4])
+    entry = _core.BatchForward(model.weights, lo, mid)
+    exit_ = _core.BatchForward(model.weights, mid, hi)
+    assert entry.layer_range == (lo, mid)
+    es = [_session(model, lo, mid) for _ in prompts]
+    xs = [_session(model, mid, hi) for _ in prompts]
+    n = len(prompts)
+    step1 = entry.run(es, prompts, ["none"] * n)
+    step2 = exit_.run(xs, [h for h, _ in step1], ["all"] * n)
+    spans = [_core.SpanType.RESPONSE_SENTENCE] * n
+    step3 = entry.run(es, decode, ["none"] * n, spans)
+    step4 = exit_.run(xs, [h for h, _ in step3], ["last"] * n, spans)
+    for i in range(n):
+        got = [step1[i][0], step2[i][0], step2[i][1], step3[i][0], step4[i][0], step4[i][1]]
+        for a, b in zip(got, alone[i], strict=True):
+            assert a is not None and b is not None
+            assert a.shape == b.shape and a.tobytes() == b.tobytes(), f"session {i} differs"
+        assert step1[i][1] is None
+        assert xs[i].clock == es[i].clock == len(prompts[i]) + 1
+
+
+def test_refusals_change_no_ring(model: Model) -> None:
+    lo, mid, hi = SPLIT
+    entry = _core.BatchForward(model.weights, lo, mid)
+    a, b = _session(model, lo, mid), _session(model, lo, mid)
+    entry.run([a], [[1, 2, 3]], ["none"])
+    assert a.clock == 3
+    cases: list[tuple[list[Any], list[Any], list[Any], str]] = [
+        ([a, a], [[5], [6]], ["none", "none"], "twice"),
+        ([a, b], [[5]], ["none", "none"], "as many"),
+        ([a, b], [[5], [10**7]], ["none", "none"], "vocabulary"),
+        ([a, b], [[5], []], ["none", "none"], "no tokens"),
+        ([a, b], [[5], [6]], ["none", "sometimes"], "logits"),
+        ([a, _session(model, mid, hi)], [[5], [6]], ["none", "none"], "layers"),
+        ([a], [np.zeros((1, int(model.weights.hidden)), np.float32)], ["none"], "token ids"),
+    ]
+    for sessions, inputs, logits, words in cases:
+        with pytest.raises(InputError, match=words):
+            entry.run(sessions, inputs, logits)
+        assert (a.clock, b.clock) == (3, 0), words
+    exit_ = _core.BatchForward(model.weights, mid, hi)
+    x = _session(model, mid, hi)
+    with pytest.raises(InputError, match="columns"):
+        exit_.run([x], [np.zeros((1, 7), np.float32)], ["last"])
+    assert x.clock == 0
+    # Other weights (even of the same file) are another mapping: refused.
+    other = Model(model.file)
+    with pytest.raises(InputError, match="other weights"):
+        entry.run([other.new_session(lo, mid)], [[1]], ["none"])
+
+
+def test_verify_emits_accepted_drafts_then_the_models_token() -> None:
+    vocab = 6
+    rows = np.full((3, vocab), -5.0, np.float32)
+    rows[0, 2] = rows[1, 4] = rows[2, 1] = 5.0  # argmax 2, then 4, then 1
+    greedy = _core.Sampler()
+    assert greedy.verify(rows, [2, 4], 10) == [2, 4, 1]  # both accepted, then the bonus
+    assert greedy.verify(rows, [2, 3], 10) == [2, 4]  # the correction at the first rejection
+    assert greedy.verify(rows[:1], [], 10) == [2]  # no drafts: plain decoding
+    with pytest.raises(InputError):
+        greedy.verify(rows, [2], 10)  # 3 rows for 1 draft
+    # Sampled: position-keyed, so the same call gives the same tokens.
+    sampled = _core.Sampler(greedy=False, temperature=0.8, seed=7)
+    first = sampled.verify(rows, [2, 4], 3)
+    assert sampled.verify(rows, [2, 4], 3) == first
+    assert 1 <= len(first) <= 3
