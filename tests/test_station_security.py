@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from amplituhedron_rs import MeshError, Model, _core
+from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh.coordinator import Coordinator
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
 
@@ -129,6 +130,7 @@ def test_every_endpoint_but_healthz_needs_the_token(secure: LocalMesh) -> None:
         ("POST", "/amplituhedron/configure"),
         ("POST", f"/sessions/{'A' * 32}/decode"),
         ("POST", f"/sessions/{'A' * 32}/forward"),
+        ("POST", wire.BATCH_ROUTE),
         ("GET", "/no-such-route"),
     ]:
         for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}]:
@@ -394,6 +396,10 @@ def test_attack_6_a_busy_session_never_blocks_the_event_loop(secure: LocalMesh) 
                     statuses.append(h.get(f"{url}/sessions").status_code)
                     r = h.post(f"{url}/sessions/{sid}/decode", content=ids([1]), headers=OCTETS)
                     statuses.append(r.status_code)
+                    # A batched step into the held session waits in a worker too.
+                    chunk = {"session_id": sid, "start": 0, "tokens": [1] * 64, "kind": "prefill"}
+                    r = h.post(f"{url}{wire.BATCH_ROUTE}", content=frame([chunk]), headers=OCTETS)
+                    statuses.append(r.status_code)
 
         threads = [threading.Thread(target=f) for f in (hold, poke, poke)]
         for t in threads:
@@ -624,3 +630,86 @@ def test_attack_10_no_cache_is_per_request(secure: LocalMesh) -> None:
     # The stations' caches are still on for everyone: the next runs capture, then replay.
     assert not generate(spec, PROMPT, 2).cache_hit
     assert generate(spec, PROMPT, 2).cache_hit
+
+
+# --- the batched step: the same rules as the single-session routes -------------------------
+def frame(entries: list[dict[str, Any]], payload: bytes = b"") -> bytes:
+    return wire.pack_frame(wire.BatchStepRequest.model_validate({"entries": entries}), payload)
+
+
+def test_the_batched_step_refuses_the_attacks(secure: LocalMesh) -> None:
+    """/batch/step behind the token (attack 0), only for sessions one holds (4), bounded
+    (1), and caching only a session whose positions are exactly its prompt (2)."""
+    spec = spec_of(secure)
+    entry = spec.stations[0]
+    step = f"{entry.url}{wire.BATCH_ROUTE}"
+    other = [*PROMPT[:-1], 7000]
+    with client_of(secure) as c:
+        c.post(f"{entry.url}/amplituhedron/clear")
+        mine, theirs, fed = (open_session(c, entry.url) for _ in range(3))
+        whole = {"session_id": mine, "start": 0, "tokens": PROMPT, "kind": "prefill"}
+        whole |= {"last": True, "capture": True}
+
+        def captures() -> int:
+            n: int = c.get(f"{entry.url}/amplituhedron/stats").json()["captures"]
+            return n
+
+        def post(entries: list[dict[str, Any]]) -> httpx.Response:
+            return c.post(step, content=frame(entries), headers=OCTETS)
+
+        before = captures()
+        for headers in [{}, {"Authorization": "Bearer wrong"}]:
+            r = httpx.post(step, content=frame([whole]), headers={**OCTETS, **headers})
+            assert r.status_code == 401, r.text
+        # A session one does not hold: a guessed id names nothing; a malformed one is refused.
+        r = post([{**whole, "session_id": "A" * 32}])
+        assert r.status_code == 404, r.text
+        r = c.post(step, content=b"", headers=OCTETS)
+        assert r.status_code == 400 and "frame" in r.text, r.text
+        bad_id = (
+            b'{"entries": [{"session_id": "a/b", "start": 0, "tokens": [1], "kind": "prefill"}]}'
+        )
+        r = c.post(step, content=len(bad_id).to_bytes(4, "little") + bad_id, headers=OCTETS)
+        assert r.status_code == 400 and "session_id" in r.text, r.text
+        # Tokens other than the opened prompt's: refused before anything runs.
+        r = post([{**whole, "tokens": other}])
+        assert r.status_code == 409 and "prompt" in r.text, r.text
+        # Oversized: rows past max_chunk, a body past the limit, out-of-vocabulary ids.
+        r = post([{**whole, "tokens": [1] * 257, "last": False, "capture": False}])
+        assert r.status_code == 413 and "256 rows per entry" in r.text, r.text
+        r = c.post(step, content=b"\0" * (17 << 20), headers=OCTETS)
+        assert r.status_code == 413 and "limit" in r.text, r.text
+        r = post(
+            [
+                {
+                    **whole,
+                    "start": len(PROMPT),
+                    "tokens": [1 << 20],
+                    "kind": "decode",
+                    "last": False,
+                    "capture": False,
+                }
+            ]
+        )
+        assert r.status_code == 422 and "vocabulary" in r.text, r.text
+        assert captures() == before and httpx.get(f"{entry.url}/healthz").status_code == 200
+        # A session fed other tokens (here through forward) never captures, even after a
+        # step recomputes its prompt: the batched step keeps forward's capture rule.
+        r = c.post(f"{entry.url}/sessions/{fed}/forward", content=ids(other), headers=OCTETS)
+        assert r.status_code == 200
+        r = post([{**whole, "session_id": fed}])
+        assert r.status_code == 200, r.text
+        head, _ = wire.split_frame(r.content)
+        result = wire.BatchStepReply.model_validate_json(head).entries[0]
+        assert result.clock == len(PROMPT) and result.captured == 0
+        assert captures() == before
+        # Nothing above touched the other sessions: each computes and captures its prompt.
+        for sid in (mine, theirs):
+            r = post([{**whole, "session_id": sid}])
+            assert r.status_code == 200, r.text
+            head, _ = wire.split_frame(r.content)
+            result = wire.BatchStepReply.model_validate_json(head).entries[0]
+            assert result.clock == len(PROMPT)
+        assert captures() > before
+        for sid in (mine, theirs, fed):
+            c.delete(f"{entry.url}/sessions/{sid}")
