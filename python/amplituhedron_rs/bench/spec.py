@@ -207,18 +207,16 @@ async def _over_a_mesh(
     stop_ids: Ids,
 ) -> list[Row]:
     """The same prompts through a local mesh of ``a.stations`` stations (cache off)."""
-    import secrets
-
     from amplituhedron_rs.mesh.executor import MeshEngine
     from amplituhedron_rs.mesh.launcher import LocalMesh
 
     where = f"{a.stations}-station mesh"
-    token = secrets.token_hex(16)
     station_args = ["--precision", precision, "--no-cache"]
     rows: list[Row] = []
-    with LocalMesh(a.stations, model_path=a.model, token=token, station_args=station_args) as m:
+    # The local mesh draws its token; the engine takes it from the spec.
+    with LocalMesh(a.stations, model_path=a.model, station_args=station_args) as m:
         # Prompt chunks of a station's max_chunk (256 rows): prefill in as few hops as allowed.
-        async with MeshEngine(m, token=token, step_tokens=256) as engine:
+        async with MeshEngine(m, step_tokens=256) as engine:
 
             async def run(ids: Ids, draft_max: int | None) -> Run:
                 r = await engine.run(

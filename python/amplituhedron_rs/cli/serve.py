@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mesh-token",
         default=os.environ.get(TOKEN_ENV),
         metavar="TOKEN",
-        help=f"the stations' bearer token (env {TOKEN_ENV}; with --stations: generated)",
+        help=f"the stations' bearer token (env {TOKEN_ENV}; default: the mesh file's; "
+        "with --stations: generated)",
     )
 
 

@@ -351,7 +351,8 @@ class MeshEngine:
         on_token: Callable[[int], None] | None = None,
     ) -> MeshRun:
         """Generates through the mesh; a bad request raises InputError before anything
-        runs, a mesh failure MeshError. Cancelling the caller cancels the request."""
+        runs, a mesh failure MeshError. Cancelling the caller cancels the request. ``salt``
+        is the tenant (sent as the tenant header; the stations key the cache salt by it)."""
         seq = self.engine.submit(
             list(prompt),
             max_new_tokens,

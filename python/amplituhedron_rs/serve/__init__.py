@@ -62,8 +62,6 @@ def _local_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
 def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
     """The external engine stepped through a mesh of stations (started here with
     ``stations``), each step one request per station."""
-    import secrets
-
     from amplituhedron_rs import _core
     from amplituhedron_rs.mesh.executor import MeshStepper
     from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
@@ -73,24 +71,23 @@ def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
     from amplituhedron_rs.serve.frontend import EngineFront
 
     model_file = read_model_file(o.model_path)
-    token, local = o.mesh_token, None
+    local = None
     if o.stations is not None:
-        token = token or secrets.token_hex(16)
         local = LocalMesh(
             o.stations,
             model_path=o.model_path,
-            token=token,
+            token=o.mesh_token,  # None: the mesh draws one (spec.token)
             # Room for every running sequence, plus one being opened while one closes.
             station_args=["--precision", o.precision, "--max-sessions", str(o.max_batch + 2)],
         )
         spec = local.start()
     else:
         assert o.mesh is not None
-        spec = MeshSpec.load(o.mesh)
+        spec = MeshSpec.load(o.mesh, o.mesh_token)  # a given token overrides the file's
     engine = _core.Engine.external(
         max_running=o.max_batch, max_queue=o.max_queue, step_tokens=o.step_tokens
     )
-    stepper = MeshStepper(engine, spec, token=token, owned=local)
+    stepper = MeshStepper(engine, spec, owned=local)
     try:
         stepper.open()
     except BaseException:
