@@ -47,13 +47,8 @@ from amplituhedron_rs.mesh.station.routes import (
     in_thread,
     read_body,
 )
-from amplituhedron_rs.mesh.station.state import (
-    FloatArray,
-    LiveSession,
-    LogitsRows,
-    Station,
-    floats,
-)
+from amplituhedron_rs.mesh.station.session import FloatArray, LiveSession, LogitsRows, floats
+from amplituhedron_rs.mesh.station.state import Station
 
 
 @dataclass
@@ -86,7 +81,7 @@ class BatchStepper:
             self._check_positions(planned)
             for p in planned:
                 if p.live.session.clock > p.spec.start:
-                    st.rollback_locked(p.live, p.live.session, p.spec.start)
+                    p.live.rollback(p.live.session, p.spec.start)
             outs = self.forward.run(
                 [p.live.session for p in planned],
                 [p.input for p in planned],
@@ -194,7 +189,7 @@ class BatchStepper:
         # What a capture may freeze, recorded as ``forward`` does (the entry station's
         # prefill tokens were checked against the prompt already).
         ids = np.asarray(e.tokens, dtype=np.uint32) if st.is_entry else None
-        st.note_prompt(live, ids, e.start, hidden, logits, self._logits(e))
+        live.note_prompt(ids, e.start, hidden, logits, self._logits(e))
         emitted: list[int] = []
         if st.is_exit and logits is not None:
             assert live.sampler is not None
