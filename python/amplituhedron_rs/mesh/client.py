@@ -4,10 +4,11 @@ phase of the generation it broke."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from multidict import CIMultiDict
@@ -108,3 +109,18 @@ class StationFailed(MeshError):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+async def all_or_cancel(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Runs the coroutines together; the first failure cancels the rest (no request of a
+    failed generation keeps running against stations) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise cast(BaseException, t.exception())

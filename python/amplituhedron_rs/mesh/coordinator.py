@@ -22,55 +22,23 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError, MeshError
 from amplituhedron_rs.mesh import protocol as wire
-from amplituhedron_rs.mesh.client import Reply, StationClient, StationFailed
+from amplituhedron_rs.mesh.client import Reply, StationClient, StationFailed, all_or_cancel
+from amplituhedron_rs.mesh.generation import MeshGeneration, StationVerdict
 from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo
 from amplituhedron_rs.runtime.sampling import SamplingParams
 
+__all__ = ["Coordinator", "MeshGeneration", "StationVerdict"]
+
 OCTETS = {"Content-Type": wire.OCTETS}
-
-
-@dataclass
-class StationVerdict:
-    """What one station did for one session."""
-
-    url: str
-    layer_lo: int
-    layer_hi: int
-    replay: str = "off"  # "hit" | "partial" | "miss" | "off"
-    replayed_tokens: int = 0
-    captured_bytes: int = 0
-    prefill_requests: int = 0
-
-
-@dataclass
-class MeshGeneration:
-    """The result of one :meth:`Coordinator.generate` call."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    cache_hit: bool
-    replayed_tokens: int
-    open_ms: float
-    replay_ms: float
-    prefill_ms: float
-    decode_ms: float
-    latency_ms: float
-    stop_reason: str
-    stations: list[StationVerdict] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["cache"] = {"hit": self.cache_hit, "stations": d.pop("stations")}
-        return d
 
 
 @dataclass(frozen=True)
@@ -408,7 +376,7 @@ class Coordinator:
             if not s.is_exit:
                 queues[i + 1].put_nowait(None)
 
-        await _all(worker(i) for i in range(k))
+        await all_or_cancel(worker(i) for i in range(k))
         return first[0]
 
     async def _capture(
@@ -426,7 +394,7 @@ class Coordinator:
             r = await self._call("capture", s.info, "POST", "/amplituhedron/capture", params=params)
             verdicts[i].captured_bytes = wire.Captured.model_validate_json(r.content).bytes
 
-        await _all(one(i, s) for i, s in enumerate(self._stations))
+        await all_or_cancel(one(i, s) for i, s in enumerate(self._stations))
 
     async def _sample_cached(self, sids: list[str]) -> int:
         exit_station = self._stations[-1].info
@@ -503,21 +471,6 @@ class Coordinator:
         await asyncio.gather(
             *(self._call("clear", s.info, "POST", "/amplituhedron/clear") for s in self._stations)
         )
-
-
-async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Runs the coroutines together; the first failure cancels the rest (no request of a
-    failed generation keeps running against stations) and is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for t in tasks:
-        if not t.cancelled() and t.exception() is not None:
-            raise cast(BaseException, t.exception())
 
 
 def _opened(call: asyncio.Future[Reply]) -> str | None:

@@ -36,7 +36,8 @@ from amplituhedron_rs.mesh.station.errors import (
 )
 from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
-from amplituhedron_rs.mesh.station.state import Station, StationSettings
+from amplituhedron_rs.mesh.station.settings import StationSettings
+from amplituhedron_rs.mesh.station.state import Station
 
 #: Seconds a station keeps an idle connection open.
 KEEPALIVE_S = 30

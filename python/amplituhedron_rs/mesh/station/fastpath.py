@@ -12,7 +12,8 @@ from starlette.responses import Response
 
 from amplituhedron_rs.mesh.protocol import DECODE_ROUTE, OCTETS
 from amplituhedron_rs.mesh.station.errors import HANDLED, Busy, error_response
-from amplituhedron_rs.mesh.station.state import Octets, Station
+from amplituhedron_rs.mesh.station.session import Octets
+from amplituhedron_rs.mesh.station.state import Station
 
 # Only well-formed ids (never percent-decoded); anything else goes to the route's 422.
 _DECODE_PATH = re.compile(r"/sessions/([A-Za-z0-9_-]{16,64})/decode")

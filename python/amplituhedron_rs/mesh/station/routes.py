@@ -52,7 +52,8 @@ from amplituhedron_rs.mesh.protocol import (
     VolumeRequest,
 )
 from amplituhedron_rs.mesh.station.errors import Cancelled, NotFound
-from amplituhedron_rs.mesh.station.state import HiddenRows, LogitsRows, Octets, Station
+from amplituhedron_rs.mesh.station.session import HiddenRows, LogitsRows, Octets
+from amplituhedron_rs.mesh.station.state import Station
 
 OCTET_BODY: dict[str, Any] = {
     "requestBody": {

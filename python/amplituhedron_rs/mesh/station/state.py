@@ -8,25 +8,15 @@ the Rust calls release the GIL. A session's lock serialises its ring, and the pi
 the shared volume cache (Rust borrows it mutably). The event loop never waits on a lock:
 it tries once, and a worker waits (bounded) instead.
 
-Trust (SPEC §14): a station caches only what it computed itself. Each session remembers
-whether its forwarded positions are exactly its prompt (the entry station compares the token
-ids; every station counts positions), the tail row it emitted at the prompt's last position
-and, at the exit, that position's logits; a capture freezes those, and takes no tensors
-from the client.
+Trust (SPEC §14): a station caches only what it computed itself (see :mod:`.session`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import os
-import secrets
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -48,143 +38,27 @@ from amplituhedron_rs.mesh.protocol import (
 )
 from amplituhedron_rs.mesh.station.errors import (
     BadBody,
-    Busy,
-    Cancelled,
     Conflict,
     Forbidden,
     Full,
     NotFound,
     TooLarge,
 )
-from amplituhedron_rs.runtime.gguf_file import read_model_file
-from amplituhedron_rs.runtime.options import CacheOptions, Precision, SessionOptions
-from amplituhedron_rs.runtime.weights import (
-    load_indexed_weights,
-    load_weights,
-    new_pipeline,
-    new_session,
+from amplituhedron_rs.mesh.station.session import (
+    HiddenRows,
+    LiveSession,
+    LogitsRows,
+    Octets,
+    f32_bytes,
+    floats,
+    new_session_id,
+    note_prompt,
+    run_pieces,
 )
+from amplituhedron_rs.mesh.station.settings import StationSettings, physical_memory
+from amplituhedron_rs.runtime.weights import new_pipeline, new_session
 
-FloatArray = np.ndarray[Any, np.dtype[np.float32]]
-LogitsRows = Literal["none", "last", "all"]
-HiddenRows = Literal["all", "last", "none"]
-
-
-@dataclass
-class StationSettings:
-    """Everything a station is started with."""
-
-    layer_lo: int
-    layer_hi: int
-    model_path: str | None = None
-    #: A model index written by the mesh launcher (the header parsed once for K stations).
-    model_index: str | None = None
-    #: The mesh token every endpoint but /healthz requires; None only for an explicitly
-    #: ``--insecure`` station (loopback only, enforced by :func:`~.app.serve`).
-    token: str | None = None
-    #: Serve /metrics without the token (a scraper on another host holds no mesh token).
-    open_metrics: bool = False
-    max_sessions: int = 8
-    #: A client that vanished between requests leaves its session at most this long.
-    session_idle_s: float = 30.0
-    #: Octet bodies (forward, decode); JSON bodies get ``max_json_bytes``.
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_json_bytes: int = 1024 * 1024
-    #: Rows one forward may carry (None: the session's ``max_chunk``).
-    max_forward_rows: int | None = None
-    #: Rows of ``logits=all`` one forward may ask for (each row is vocab × 4 bytes).
-    max_logits_rows: int = 64
-    #: Bytes of KV rings the station may hold (None: a quarter of physical memory).
-    memory_budget: int | None = None
-    #: How long a worker waits for a busy session before answering 409.
-    busy_wait_s: float = 10.0
-    cache: CacheOptions = field(default_factory=CacheOptions)
-    session: SessionOptions = field(default_factory=SessionOptions)
-    fault_injection: bool = False
-    precision: Precision = "refined"
-
-    def load_weights(self) -> _core.ModelWeights:
-        if self.model_index is not None:
-            return load_indexed_weights(Path(self.model_index), self.precision)
-        return load_weights(read_model_file(self.model_path), self.precision)
-
-
-@dataclass
-class LiveSession:
-    """A session's ring buffer plus what the station needs to serve it.
-
-    The lock travels with the ring when a closed session's ring is pooled for reuse, so a
-    request that still holds the old wrapper serialises with the ring's next owner and then
-    sees ``closed``. ``clock`` mirrors the ring's clock (read without borrowing the ring,
-    which a forward in another thread holds mutably).
-    """
-
-    session: _core.RangeSession
-    prompt: list[int]
-    salt: str | None
-    n_sys: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    last_used: float = field(default_factory=time.monotonic)
-    closed: bool = False
-    clock: int = 0
-    # Exit station only: the session's sampler and the logits of its last position.
-    sampler: _core.Sampler | None = None
-    last_logits: FloatArray | None = None
-    # What a capture freezes, all computed here: whether every forwarded prompt position
-    # was the prompt's own token (sticky once false), the output row at the prompt's last
-    # position, and (exit) that position's logits.
-    exact: bool = True
-    prompt_tail: FloatArray | None = None
-    prompt_logits: FloatArray | None = None
-
-    @contextlib.contextmanager
-    def use(self, sid: str, wait: float) -> Iterator[_core.RangeSession]:
-        """Exclusive use of the ring, waiting at most ``wait`` seconds (0: the event loop,
-        which never waits); Busy if another request holds it, NotFound if it closed."""
-        acquired = self.lock.acquire(timeout=wait) if wait > 0 else self.lock.acquire(False)
-        if not acquired:
-            raise Busy(f"session {sid!r} is busy with another request; retry")
-        try:
-            if self.closed:
-                raise NotFound(f"session {sid!r} was closed")
-            try:
-                yield self.session
-            finally:
-                self.clock = int(self.session.clock)
-        finally:
-            self.lock.release()
-
-
-@dataclass(frozen=True)
-class Octets:
-    """A binary answer: the body and its headers."""
-
-    body: bytes
-    headers: dict[str, str]
-
-
-def floats(body: bytes, what: str) -> FloatArray:
-    """A body of little-endian f32, every value finite."""
-    if len(body) % 4 != 0:
-        raise BadBody(f"{what}: {len(body)} bytes is not a whole number of f32")
-    arr = np.frombuffer(body, dtype="<f4")
-    if not np.isfinite(arr).all():
-        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
-        raise BadBody(f"{what}: value {bad} is not finite")
-    return arr
-
-
-def _f32_bytes(a: Any) -> bytes:
-    return np.ascontiguousarray(a, dtype="<f4").tobytes()
-
-
-def new_session_id() -> str:
-    """192 random bits, URL-safe: an id is a capability, so it is unguessable."""
-    return secrets.token_urlsafe(24)
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+__all__ = ["HiddenRows", "LiveSession", "LogitsRows", "Octets", "Station", "StationSettings"]
 
 
 class Station:
@@ -455,7 +329,7 @@ class Station:
                 # The cache holds only station-computed volumes of this very prompt.
                 live.prompt_tail = np.asarray(r.tail, dtype=np.float32)
                 live.prompt_logits = r.logits
-        parts = [_f32_bytes(a) for a in (r.tail, r.logits) if a is not None]
+        parts = [f32_bytes(a) for a in (r.tail, r.logits) if a is not None]
         headers = {
             REPLAY_STATUS: r.status,
             REPLAY_KV_LEN: str(r.kv_len),
@@ -524,13 +398,12 @@ class Station:
             with live.use(sid, waited) as session:
                 start = int(session.clock)
                 if self.is_entry:
-                    h, lg = self._run(session, ids, rows, compute, cancel, start)
+                    rows_in: Any = ids
                 else:
-                    h, lg = self._run(
-                        session, arr.reshape(rows, self.hidden), rows, compute, cancel, start
-                    )
+                    rows_in = arr.reshape(rows, self.hidden)
+                h, lg = run_pieces(session, self.is_entry, rows_in, rows, compute, cancel, start)
                 clock = int(session.clock)
-                self._note_prompt(live, ids if self.is_entry else None, start, h, lg, compute)
+                note_prompt(live, ids if self.is_entry else None, start, h, lg, compute)
                 if lg is not None:
                     live.last_logits = lg[-1]
                     if sample:
@@ -545,7 +418,7 @@ class Station:
         elif hidden == "none":
             h = h[:0]
         returned = lg if logits != "none" else None
-        parts = [_f32_bytes(h)] + ([_f32_bytes(returned)] if returned is not None else [])
+        parts = [f32_bytes(h)] + ([f32_bytes(returned)] if returned is not None else [])
         headers = {
             HIDDEN_ROWS: str(h.shape[0]),
             LOGITS_ROWS: str(0 if returned is None else returned.shape[0]),
@@ -554,70 +427,6 @@ class Station:
         if token is not None:
             headers[TOKEN] = str(token)
         return Octets(b"".join(parts), headers)
-
-    #: Rows per Rust call within one forward: the points where a departed client's work stops.
-    PIECE_ROWS = 64
-
-    def _run(
-        self,
-        session: _core.RangeSession,
-        rows_in: Any,
-        rows: int,
-        compute: LogitsRows,
-        cancel: threading.Event | None,
-        start: int,
-    ) -> tuple[FloatArray, FloatArray | None]:
-        """The forward in pieces (chunked equals unchunked, bit for bit)."""
-        hs: list[FloatArray] = []
-        lgs: list[FloatArray] = []
-        try:
-            for lo in range(0, rows, self.PIECE_ROWS):
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled("the client disconnected; the forward was abandoned")
-                hi = min(rows, lo + self.PIECE_ROWS)
-                want: LogitsRows = compute if compute != "last" or hi == rows else "none"
-                if self.is_entry:
-                    h, lg = session.forward_tokens(rows_in[lo:hi].tolist(), logits=want)
-                else:
-                    h, lg = session.forward_hidden(rows_in[lo:hi], logits=want)
-                hs.append(h)
-                if lg is not None:
-                    lgs.append(lg)
-        except BaseException:
-            if int(session.clock) != start:
-                session.rollback(start)
-            raise
-        h_all = hs[0] if len(hs) == 1 else np.concatenate(hs)
-        lg_all = None if not lgs else lgs[0] if len(lgs) == 1 else np.concatenate(lgs)
-        return h_all, lg_all
-
-    def _note_prompt(
-        self,
-        live: LiveSession,
-        ids: Any,
-        start: int,
-        h: FloatArray,
-        lg: FloatArray | None,
-        compute: LogitsRows,
-    ) -> None:
-        """Records what a later capture may freeze: whether the rows forwarded into the
-        prompt's positions were its tokens (the entry station can tell; the others count
-        positions), and the tail row and logits computed at its last position."""
-        n = len(live.prompt)
-        end = start + h.shape[0]
-        if start >= n:
-            return
-        if ids is not None:
-            overlap = min(end, n) - start
-            if ids[:overlap].tolist() != live.prompt[start : start + overlap]:
-                live.exact = False
-        if end >= n:
-            at = n - 1 - start
-            live.prompt_tail = np.array(h[at], dtype=np.float32)
-            if lg is not None and compute == "all":
-                live.prompt_logits = np.array(lg[at], dtype=np.float32)
-            elif lg is not None and end == n:
-                live.prompt_logits = np.array(lg[-1], dtype=np.float32)
 
     def decode_step(
         self,
