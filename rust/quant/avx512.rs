@@ -269,9 +269,14 @@ unsafe fn pair_sums<const VNNI: bool>(
     unsafe {
         let mut acc = _mm512_setzero_si512();
         if VNNI {
-            for (v, &c) in codes.iter().enumerate() {
-                acc = _mm512_dpbusd_epi32(acc, c, broadcast4(a.add(4 * v)));
+            // Two independent chains (integer sums, so any order gives the same result):
+            // one chain of 8 would leave the token's dot latency-bound.
+            let mut odd = _mm512_setzero_si512();
+            for (k, pair) in codes.chunks_exact(2).enumerate() {
+                acc = _mm512_dpbusd_epi32(acc, pair[0], broadcast4(a.add(8 * k)));
+                odd = _mm512_dpbusd_epi32(odd, pair[1], broadcast4(a.add(8 * k + 4)));
             }
+            acc = _mm512_add_epi32(acc, odd);
         } else {
             for (k, pair) in codes.chunks_exact(2).enumerate() {
                 let p0 = _mm512_maddubs_epi16(pair[0], broadcast4(a.add(8 * k)));

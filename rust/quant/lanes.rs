@@ -118,6 +118,19 @@ pub(crate) trait LaneFormat<S: Isa> {
     /// Unpacks block `blk` (of row 0; row `i` at `blk + i·row_bytes`) into `out[..SLOTS]`.
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I);
 
+    /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and block `b` at `blk`, unpacked
+    /// and consumed at once (`buf`, one block's slots, is scratch if the format needs it).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn direct_block<const T: usize>(
+        blk: *const u8,
+        row_bytes: usize,
+        buf: *mut S::I,
+        b: usize,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    );
+
     /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and blocks `blocks` in order;
     /// block `b` is unpacked at `buf + (b − blocks.start)·SLOTS`.
     unsafe fn tile<const T: usize>(
@@ -298,8 +311,15 @@ unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(
             if let Some(next) = next {
                 prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
             }
-            F::unpack(w.add(b * F::BLOCK_BYTES), row_bytes, buf);
-            F::tile::<T>(buf, b..b + 1, act, t0, &mut acc);
+            F::direct_block::<T>(
+                w.add(b * F::BLOCK_BYTES),
+                row_bytes,
+                buf,
+                b,
+                act,
+                t0,
+                &mut acc,
+            );
         }
         for (t, a) in acc.into_iter().enumerate() {
             S::fstore_out(out.add(t * out_stride), a);
@@ -378,69 +398,119 @@ unsafe fn or_bit<S: Isa>(x: S::I, bits: S::I, bit_shift: u32, shift: u32) -> S::
 
 // ---- 32-element formats ------------------------------------------------------------------
 
-/// Buffer layout of a 32-element block: 8 code vectors (element order), for non-VNNI `Q8_0`
-/// 8 more (the signed codes, next to their magnitudes), then `d` and `m` as f32.
-const fn small_slots(signed: bool) -> usize {
-    if signed {
-        18
-    } else {
-        10
-    }
-}
-
 /// Whether format `F` runs `Q8_0`'s signed path on ISA `S` (no VNNI: `maddubs` needs the
 /// sign trick; with VNNI the codes are `q + 128` and the zero point removes the 128).
 const fn signed_path<S: Isa, F: BlockFormat>() -> bool {
     !F::NIBBLES && !S::VNNI
 }
 
+/// Buffer slots of a 32-element block: 8 code vectors (element order), for the signed path 8
+/// more (the signed codes, next to their magnitudes), then `d` and `m` as f32.
+const fn small_slots<S: Isa, F: BlockFormat>() -> usize {
+    if signed_path::<S, F>() {
+        18
+    } else {
+        10
+    }
+}
+
+/// One unpacked 32-element block of `LANES` rows.
+struct SmallBlock<S: Isa> {
+    /// Code vector `v` holds elements `4v..4v+4` (the magnitudes on the signed path).
+    codes: [S::I; 8],
+    /// The signed codes (signed path only).
+    signed: [S::I; 8],
+    dw: S::F,
+    m: S::F,
+}
+
+impl<S: Isa> SmallBlock<S> {
+    #[inline(always)]
+    unsafe fn store<F: BlockFormat>(&self, out: *mut S::I) {
+        let slots = small_slots::<S, F>();
+        // SAFETY: `out` holds the block's slots (caller).
+        unsafe {
+            for (v, &c) in self.codes.iter().enumerate() {
+                S::store(out.add(v), c);
+            }
+            if signed_path::<S, F>() {
+                for (v, &q) in self.signed.iter().enumerate() {
+                    S::store(out.add(8 + v), q);
+                }
+            }
+            S::store(out.add(slots - 2), f_bits::<S>(self.dw));
+            S::store(out.add(slots - 1), f_bits::<S>(self.m));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load<F: BlockFormat>(base: *const S::I) -> Self {
+        let slots = small_slots::<S, F>();
+        // SAFETY: `base` holds the block's slots (caller).
+        unsafe {
+            let mut blk = Self {
+                codes: [S::zero(); 8],
+                signed: [S::zero(); 8],
+                dw: S::fload(base.add(slots - 2) as *const S::F),
+                m: S::fload(base.add(slots - 1) as *const S::F),
+            };
+            for v in 0..8 {
+                blk.codes[v] = S::load(base.add(v));
+                if signed_path::<S, F>() {
+                    blk.signed[v] = S::load(base.add(8 + v));
+                }
+            }
+            blk
+        }
+    }
+}
+
 /// Unpacks a 32-element block of `LANES` rows.
 #[inline(always)]
-unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize, out: *mut S::I) {
-    // SAFETY: the block of every row is readable (caller); `out` holds the block's slots.
+unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize) -> SmallBlock<S> {
+    // SAFETY: the block of every row is readable (caller).
     unsafe {
         let head = S::rows_x16(blk, row_bytes);
         let dm = head[0];
-        let signed = signed_path::<S, F>();
-        let slots = small_slots(signed);
-        S::store(out.add(slots - 2), f_bits::<S>(S::f16_low(dm)));
-        S::store(
-            out.add(slots - 1),
-            f_bits::<S>(S::f16_low(S::srl32(dm, 16))),
-        );
+        let mut out = SmallBlock {
+            codes: [S::zero(); 8],
+            signed: [S::zero(); 8],
+            dw: S::f16_low(dm),
+            m: S::f16_low(S::srl32(dm, 16)),
+        };
         if !F::NIBBLES {
-            // 32 signed bytes: dwords 0..3 from bytes 2..18, 4..7 from 18..34.
-            let lo = S::rows_x16(blk.add(2), row_bytes);
-            let hi = S::rows_x16(blk.add(18), row_bytes);
-            for (v, &q) in lo.iter().chain(&hi).enumerate() {
-                if signed {
-                    S::store(out.add(v), S::abs8(q));
-                    S::store(out.add(8 + v), q);
+            // 32 signed bytes: words 0..3 from bytes 2..18, 4..7 from 18..34.
+            let q = words::<S, 8>(blk.add(2), row_bytes);
+            for (v, &qv) in q.iter().enumerate() {
+                if signed_path::<S, F>() {
+                    out.codes[v] = S::abs8(qv);
+                    out.signed[v] = qv;
                 } else {
-                    S::store(out.add(v), S::sub8(q, S::splat(0x8080_8080u32 as i32)));
+                    out.codes[v] = S::sub8(qv, S::splat(0x8080_8080u32 as i32));
                 }
             }
-            return;
+            return out;
         }
         let qs = S::rows_x16(blk.add(F::QS_OFFSET), row_bytes);
         // The 32 high bits of Q5: bytes 2..6 (Q5_0) or 4..8 (Q5_1) of the block.
         let qh = match F::QH_OFFSET {
-            Some(2) => Some(S::or(S::srl32(head[0], 16), S::sll32(head[1], 16))),
-            Some(_) => Some(head[1]),
-            None => None,
+            Some(2) => S::or(S::srl32(head[0], 16), S::sll32(head[1], 16)),
+            Some(_) => head[1],
+            None => S::zero(),
         };
         for (j, &q) in qs.iter().enumerate() {
             let (mut low, mut high) = nibbles::<S>(q);
-            if let Some(qh) = qh {
-                // Element e's 5th bit is bit e of qh: the low nibbles of dword j are elements
+            if F::QH_OFFSET.is_some() {
+                // Element e's 5th bit is bit e of qh: the low nibbles of word j are elements
                 // 4j..4j+4 (qh byte j/2, bits 4(j%2)..), the high ones 16+4j.. (byte 2 + j/2).
                 let mask = S::splat((0x0804_0201u32 << (4 * (j as u32 % 2))) as i32);
                 low = S::or(low, fifth_bits::<S>(qh, j as u32 / 2, mask));
                 high = S::or(high, fifth_bits::<S>(qh, 2 + j as u32 / 2, mask));
             }
-            S::store(out.add(j), low);
-            S::store(out.add(4 + j), high);
+            out.codes[j] = low;
+            out.codes[4 + j] = high;
         }
+        out
     }
 }
 
@@ -454,18 +524,17 @@ unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
     }
 }
 
-/// The tile of a 32-element format: per block and token, `isum` from the codes, then
+/// Block `b`'s terms for tokens `t0..t0+T`: `isum` from the codes, then
 /// `term = (dw·da)·isum (+ m·s)` and `acc = acc + term`.
 #[inline(always)]
-unsafe fn tile_small<S: Isa, F: BlockFormat, const T: usize>(
-    buf: *const S::I,
-    blocks: Range<usize>,
+unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
+    blk: &SmallBlock<S>,
+    b: usize,
     act: &ActBlocks<'_>,
     t0: usize,
     acc: &mut [S::F; T],
 ) {
     let signed = signed_path::<S, F>();
-    let slots = small_slots(signed);
     let zero_point = if F::NIBBLES {
         F::ZERO
     } else if signed {
@@ -473,41 +542,31 @@ unsafe fn tile_small<S: Isa, F: BlockFormat, const T: usize>(
     } else {
         128
     };
-    // SAFETY: the buffer holds every block of `blocks`; every activation index is below
-    // n_tokens · blocks_per_token (caller).
+    // SAFETY: every activation index is below n_tokens · blocks_per_token (caller).
     unsafe {
-        for (slot, b) in blocks.enumerate() {
-            let base = buf.add(slot * slots);
-            let mut codes = [S::zero(); 8];
-            for (v, c) in codes.iter_mut().enumerate() {
-                *c = S::load(base.add(v));
-            }
-            let dw = S::fload(base.add(slots - 2) as *const S::F);
-            let m = S::fload(base.add(slots - 1) as *const S::F);
-            for (t, acc_t) in acc.iter_mut().enumerate() {
-                let i = act.index(t0 + t, b);
-                let a = act.qs.as_ptr().add(i * QK);
-                let mut isum = if signed {
-                    let mut s = S::zero();
-                    for (v, &abs_q) in codes.iter().enumerate() {
-                        s = S::dot4_signed(s, abs_q, S::load(base.add(8 + v)), a.add(4 * v));
-                    }
-                    s
-                } else {
-                    S::dot_codes(&codes, a)
-                };
-                if zero_point != 0 {
-                    let offset = zero_point * *act.qsum.get_unchecked(i);
-                    isum = S::sub32(isum, S::splat(offset));
+        for (t, acc_t) in acc.iter_mut().enumerate() {
+            let i = act.index(t0 + t, b);
+            let a = act.qs.as_ptr().add(i * QK);
+            let mut isum = if signed {
+                let mut s = S::zero();
+                for v in 0..8 {
+                    s = S::dot4_signed(s, blk.codes[v], blk.signed[v], a.add(4 * v));
                 }
-                let da = S::fsplat(*act.scale.get_unchecked(i));
-                let mut term = S::fmul(S::fmul(dw, da), S::cvt(isum));
-                if F::HAS_MIN {
-                    let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
-                    term = S::fadd(term, S::fmul(m, s));
-                }
-                *acc_t = S::fadd(*acc_t, term);
+                s
+            } else {
+                S::dot_codes(&blk.codes, a)
+            };
+            if zero_point != 0 {
+                let offset = zero_point * *act.qsum.get_unchecked(i);
+                isum = S::sub32(isum, S::splat(offset));
             }
+            let da = S::fsplat(*act.scale.get_unchecked(i));
+            let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
+            if F::HAS_MIN {
+                let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
+                term = S::fadd(term, S::fmul(blk.m, s));
+            }
+            *acc_t = S::fadd(*acc_t, term);
         }
     }
 }
@@ -526,12 +585,29 @@ pub(crate) struct Small<F>(std::marker::PhantomData<F>);
 impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
     type Act<'a> = ActBlocks<'a>;
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
-    const SLOTS: usize = small_slots(signed_path::<S, F>());
+    const SLOTS: usize = small_slots::<S, F>();
 
     #[inline(always)]
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
         // SAFETY: forwarded to the caller.
-        unsafe { unpack_small::<S, F>(blk, row_bytes, out) }
+        unsafe { unpack_small::<S, F>(blk, row_bytes).store::<F>(out) }
+    }
+
+    #[inline(always)]
+    unsafe fn direct_block<const T: usize>(
+        blk: *const u8,
+        row_bytes: usize,
+        _buf: *mut S::I,
+        b: usize,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    ) {
+        // SAFETY: forwarded to the caller; the block stays in registers.
+        unsafe {
+            let unpacked = unpack_small::<S, F>(blk, row_bytes);
+            small_terms::<S, F, T>(&unpacked, b, act, t0, acc)
+        }
     }
 
     #[inline(always)]
@@ -542,8 +618,13 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
         t0: usize,
         acc: &mut [S::F; T],
     ) {
-        // SAFETY: forwarded to the caller.
-        unsafe { tile_small::<S, F, T>(buf, blocks, act, t0, acc) }
+        // SAFETY: the buffer holds every block of `blocks` (caller).
+        unsafe {
+            for (slot, b) in blocks.enumerate() {
+                let unpacked = SmallBlock::<S>::load::<F>(buf.add(slot * small_slots::<S, F>()));
+                small_terms::<S, F, T>(&unpacked, b, act, t0, acc);
+            }
+        }
     }
 
     unsafe fn scalar_rect(
@@ -852,6 +933,24 @@ impl<S: Isa, F: SuperBlockFormat> LaneFormat<S> for Super<F> {
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
         // SAFETY: forwarded to the caller.
         unsafe { unpack_super::<S, F>(blk, row_bytes, out) }
+    }
+
+    #[inline(always)]
+    unsafe fn direct_block<const T: usize>(
+        blk: *const u8,
+        row_bytes: usize,
+        buf: *mut S::I,
+        b: usize,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    ) {
+        // SAFETY: forwarded to the caller; a super-block is too large for registers, so it
+        // goes through `buf`.
+        unsafe {
+            unpack_super::<S, F>(blk, row_bytes, buf);
+            tile_super::<S, F, T>(buf, b..b + 1, act, t0, acc)
+        }
     }
 
     #[inline(always)]
