@@ -5,12 +5,9 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
-use super::avx512::{small_rect, super_rect};
-use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
+use super::activation::{block_scale, quantize_span, ROUNDING_MAGIC};
 use super::kernel::OutPtr;
-use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
-use super::lanes::{self, Isa, Small, Super};
+use super::lanes::{self, Isa};
 
 /// AVX2 + FMA + F16C.
 #[derive(Clone, Copy)]
@@ -247,48 +244,9 @@ impl Isa for Avx2 {
         // SAFETY: 8 writable floats (caller).
         unsafe { _mm256_storeu_ps(p, v) }
     }
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
-    }
 }
 
-/// AVX2 rectangle of a quantized matmul with a 32-element format.
-///
-/// # Safety
-/// The CPU supports AVX2 + FMA + F16C; otherwise as for `lanes::rect`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn quant_rect(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe { small_rect!(Avx2, dtype, data, row_bytes, act, rows, tokens, out) }
-}
-
-/// AVX2 rectangle of a k-quant matmul.
-///
-/// # Safety
-/// As for [`quant_rect`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn k_rect(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &SuperActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe { super_rect!(Avx2, dtype, data, row_bytes, act, rows, tokens, out) }
-}
+lanes::lane_entries!(Avx2, "avx2,fma,f16c", small, k);
 
 /// AVX2 rectangle of a float-weight matmul (contract as `avx512::float_rect`, AVX2 + F16C).
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -11,6 +11,7 @@
 //! performs exactly the scalar canonical sequence (see `scalar`), so results are bit-identical
 //! to it whatever the ISA, the tiling or the chunking.
 
+use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
@@ -93,8 +94,60 @@ pub(crate) trait Isa: Copy {
     unsafe fn fstore(p: *mut Self::F, v: Self::F);
     /// Stores `LANES` floats at `p` (unaligned).
     unsafe fn fstore_out(p: *mut f32, v: Self::F);
-    unsafe fn prefetch(p: *const u8);
 }
+
+/// Defines the `#[target_feature]` entry points of one ISA: `$small` for the 32-element
+/// formats and `$k` for the k-quants, each dispatching `$dtype` to [`rect`].
+macro_rules! lane_entries {
+    ($isa:ty, $features:literal, $small:ident, $k:ident) => {
+        /// Rectangle of a 32-element-format matmul (contract as `lanes::rect`).
+        ///
+        /// # Safety
+        /// The CPU has the features above; otherwise as for `lanes::rect`.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $small(
+            dtype: $crate::quant::GgmlType,
+            data: &[u8],
+            row_bytes: usize,
+            act: &$crate::quant::activation::ActBlocks<'_>,
+            rows: std::ops::Range<usize>,
+            tokens: std::ops::Range<usize>,
+            out: $crate::quant::kernel::OutPtr,
+        ) {
+            use $crate::quant::lanes::{rect, Small};
+            // SAFETY: forwarded to the caller; the kernels' features are enabled here.
+            unsafe {
+                $crate::quant::format::with_small_format!(dtype, F => rect::<$isa, Small<F>>(
+                    data, row_bytes, act, rows, tokens, out
+                ))
+            }
+        }
+
+        /// Rectangle of a k-quant matmul (contract as `lanes::rect`).
+        ///
+        /// # Safety
+        /// As for the 32-element entry above.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $k(
+            dtype: $crate::quant::GgmlType,
+            data: &[u8],
+            row_bytes: usize,
+            act: &$crate::quant::activation::SuperActBlocks<'_>,
+            rows: std::ops::Range<usize>,
+            tokens: std::ops::Range<usize>,
+            out: $crate::quant::kernel::OutPtr,
+        ) {
+            use $crate::quant::lanes::{rect, Super};
+            // SAFETY: forwarded to the caller; the kernels' features are enabled here.
+            unsafe {
+                $crate::quant::kquant::with_k_format!(dtype, F => rect::<$isa, Super<F>>(
+                    data, row_bytes, act, rows, tokens, out
+                ))
+            }
+        }
+    };
+}
+pub(crate) use lane_entries;
 
 /// Bytes of the unpacked-block buffer (a column chunk of one row group: within L1).
 const BUFFER_BYTES: usize = 20 * 1024;
@@ -119,7 +172,8 @@ pub(crate) trait LaneFormat<S: Isa> {
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I);
 
     /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and block `b` at `blk`, unpacked
-    /// and consumed at once (`buf`, one block's slots, is scratch if the format needs it).
+    /// and consumed at once; by default through `buf` (one block's slots).
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn direct_block<const T: usize>(
         blk: *const u8,
@@ -129,7 +183,13 @@ pub(crate) trait LaneFormat<S: Isa> {
         act: &Self::Act<'_>,
         t0: usize,
         acc: &mut [S::F; T],
-    );
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            Self::unpack(blk, row_bytes, buf);
+            Self::tile::<T>(buf, b..b + 1, act, t0, acc)
+        }
+    }
 
     /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and blocks `blocks` in order;
     /// block `b` is unpacked at `buf + (b − blocks.start)·SLOTS`.
@@ -215,7 +275,7 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
                     unsafe {
                         let blk = w.add(b * F::BLOCK_BYTES);
                         if let (Some(next), true) = (next, chunk_start == tokens.start) {
-                            prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
+                            prefetch_slice(next, b, S::LANES * F::BLOCK_BYTES);
                         }
                         F::unpack(blk, row_bytes, buf.add((b - c0) * F::SLOTS));
                     }
@@ -309,7 +369,7 @@ unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(
         let mut acc = [S::fzero(); T];
         for b in 0..nb {
             if let Some(next) = next {
-                prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
+                prefetch_slice(next, b, S::LANES * F::BLOCK_BYTES);
             }
             F::direct_block::<T>(
                 w.add(b * F::BLOCK_BYTES),
@@ -363,18 +423,29 @@ unsafe fn run_tile<S: Isa, F: LaneFormat<S>, const T: usize>(
     T
 }
 
-/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it,
-/// into L2: a k-quant block's share is dozens of lines, and prefetches into L1 would stall
-/// on its few miss buffers.
+/// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it:
+/// into L1 when it is a few lines (32-element blocks), into L2 when it is dozens (a
+/// k-quant block's share, which would stall on L1's few miss buffers).
 #[inline(always)]
-unsafe fn prefetch_slice<S: Isa>(next: *const u8, b: usize, span: usize) {
+unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
     let from = next.wrapping_add(b * span);
+    let l1 = span <= L1_PREFETCH_SPAN;
     for off in (0..span).step_by(64).chain([span - 1]) {
         // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
         // defined even past the end of `data`.
-        unsafe { S::prefetch(from.wrapping_add(off)) };
+        unsafe {
+            let p = from.wrapping_add(off) as *const i8;
+            if l1 {
+                _mm_prefetch::<_MM_HINT_T0>(p)
+            } else {
+                _mm_prefetch::<_MM_HINT_T1>(p)
+            }
+        };
     }
 }
+
+/// Largest per-block prefetch burst sent to L1 (a 32-element block of 16 rows is ≤ 544).
+const L1_PREFETCH_SPAN: usize = 640;
 
 /// Low (`x & 0xf`) and high (`x >> 4`) nibbles of every byte.
 #[inline(always)]
@@ -593,6 +664,7 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
         unsafe { unpack_small::<S, F>(blk, row_bytes).store::<F>(out) }
     }
 
+    /// In registers: a 32-element block is 10 vectors.
     #[inline(always)]
     unsafe fn direct_block<const T: usize>(
         blk: *const u8,
@@ -933,24 +1005,6 @@ impl<S: Isa, F: SuperBlockFormat> LaneFormat<S> for Super<F> {
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
         // SAFETY: forwarded to the caller.
         unsafe { unpack_super::<S, F>(blk, row_bytes, out) }
-    }
-
-    #[inline(always)]
-    unsafe fn direct_block<const T: usize>(
-        blk: *const u8,
-        row_bytes: usize,
-        buf: *mut S::I,
-        b: usize,
-        act: &Self::Act<'_>,
-        t0: usize,
-        acc: &mut [S::F; T],
-    ) {
-        // SAFETY: forwarded to the caller; a super-block is too large for registers, so it
-        // goes through `buf`.
-        unsafe {
-            unpack_super::<S, F>(blk, row_bytes, buf);
-            tile_super::<S, F, T>(buf, b..b + 1, act, t0, acc)
-        }
     }
 
     #[inline(always)]
