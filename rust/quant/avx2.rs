@@ -153,9 +153,15 @@ impl Isa for Avx2 {
         }
     }
     #[inline(always)]
-    unsafe fn dot_codes(codes: &[__m256i], a: *const i8) -> __m256i {
-        // SAFETY: 4·codes.len() readable bytes at `a` (caller).
-        unsafe { pair_sums(codes, a, _mm256_set1_epi16(1)) }
+    unsafe fn dot_pair(acc: __m256i, c0: __m256i, c1: __m256i, a: *const i8) -> __m256i {
+        // SAFETY: 8 readable bytes at `a` (caller).
+        unsafe {
+            // Codes below 64: the 4 products of a pair of i16 sums fit in i16.
+            let p0 = _mm256_maddubs_epi16(c0, broadcast4(a));
+            let p1 = _mm256_maddubs_epi16(c1, broadcast4(a.add(4)));
+            let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+            _mm256_add_epi32(acc, p)
+        }
     }
     #[inline(always)]
     unsafe fn dot_codes_scaled(codes: &[__m256i], a: *const i8, scale: __m256i) -> __m256i {

@@ -144,9 +144,19 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         }
     }
     #[inline(always)]
-    unsafe fn dot_codes(codes: &[__m512i], a: *const i8) -> __m512i {
-        // SAFETY: 4·codes.len() readable bytes at `a` (caller).
-        unsafe { pair_sums::<VNNI>(codes, a, _mm512_set1_epi16(1)) }
+    unsafe fn dot_pair(acc: __m512i, c0: __m512i, c1: __m512i, a: *const i8) -> __m512i {
+        // SAFETY: 8 readable bytes at `a` (caller).
+        unsafe {
+            let (a0, a1) = (broadcast4(a), broadcast4(a.add(4)));
+            if VNNI {
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, c0, a0), c1, a1)
+            } else {
+                // Codes below 64: the 4 products of a pair of i16 sums fit in i16.
+                let p =
+                    _mm512_add_epi16(_mm512_maddubs_epi16(c0, a0), _mm512_maddubs_epi16(c1, a1));
+                _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))
+            }
+        }
     }
     #[inline(always)]
     unsafe fn dot_codes_scaled(codes: &[__m512i], a: *const i8, scale: __m512i) -> __m512i {

@@ -65,8 +65,9 @@ pub(crate) trait Isa: Copy {
     /// The 16 bytes at `p + i·stride` of every row `i`, as four vectors: lane `i` of vector
     /// `k` is the `k`-th 32-bit word of row `i`'s bytes.
     unsafe fn rows_x16(p: *const u8, stride: usize) -> [Self::I; 4];
-    /// `Σ_v Σ_k codes[v]_k · a[4v + k]` per lane (codes below 64, or any byte with VNNI).
-    unsafe fn dot_codes(codes: &[Self::I], a: *const i8) -> Self::I;
+    /// `acc + Σ_k c0_k · a[k] + Σ_k c1_k · a[4 + k]` per lane (codes below 64, or any byte
+    /// with VNNI).
+    unsafe fn dot_pair(acc: Self::I, c0: Self::I, c1: Self::I, a: *const i8) -> Self::I;
     /// `scale · Σ_v Σ_k codes[v]_k · a[4v + k]` per lane, `scale` in [`Isa::scale_form`].
     unsafe fn dot_codes_scaled(codes: &[Self::I], a: *const i8, scale: Self::I) -> Self::I;
     /// A group scale's form for [`Isa::dot_codes_scaled`], from the byte at index `k` of
@@ -245,23 +246,25 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
         let next = (r + 2 * S::LANES <= simd_end).then(|| w.wrapping_add(S::LANES * row_bytes));
         if tokens.len() <= S::TILE {
             // Few tokens: each block is unpacked and consumed at once (the compiler keeps it in
-            // registers), the accumulators stay in registers across all blocks; 5–7 tokens
-            // take two or three such passes.
-            let mut t = tokens.start;
-            while t < tokens.end {
-                let prefetch = if t == tokens.start { next } else { None };
-                // SAFETY: as below, each pass covering tokens t..t+T.
-                unsafe {
-                    let (o, s) = (out.at(t, r), out.stride);
-                    t += match tokens.end - t {
-                        8.. if S::TILE >= 8 => {
-                            direct::<S, F, 8>(w, prefetch, row_bytes, nb, buf, act, t, o, s)
-                        }
-                        4.. => direct::<S, F, 4>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
-                        2.. => direct::<S, F, 2>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
-                        _ => direct::<S, F, 1>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
-                    };
-                }
+            // registers), the accumulators stay in registers across all blocks. Every count
+            // up to TILE has its own pass, so the weights are unpacked once whatever the
+            // number of tokens (a batch of 3, 5, 6 or 7 streams would otherwise unpack them
+            // two or three times).
+            let t = tokens.start;
+            // SAFETY: as below, the pass covering tokens t..tokens.end.
+            unsafe {
+                let (o, s) = (out.at(t, r), out.stride);
+                let d = (w, next, row_bytes, nb, buf, act, t, o, s);
+                match tokens.len() {
+                    8.. if S::TILE >= 8 => direct::<S, F, 8>(d),
+                    7 if S::TILE >= 8 => direct::<S, F, 7>(d),
+                    6 if S::TILE >= 8 => direct::<S, F, 6>(d),
+                    5 if S::TILE >= 8 => direct::<S, F, 5>(d),
+                    4.. => direct::<S, F, 4>(d),
+                    3 => direct::<S, F, 3>(d),
+                    2 => direct::<S, F, 2>(d),
+                    _ => direct::<S, F, 1>(d),
+                };
             }
             continue;
         }
@@ -346,24 +349,29 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
     }
 }
 
+/// The arguments of [`direct`]: the row group `w`, the next one (to prefetch), `row_bytes`,
+/// blocks per row, the one-block buffer, the activations, the first token, the output of
+/// (first token, first row) and the output's token stride.
+type DirectArgs<'a, 'b, S, F> = (
+    *const u8,
+    Option<*const u8>,
+    usize,
+    usize,
+    *mut <S as Isa>::I,
+    &'a <F as LaneFormat<S>>::Act<'b>,
+    usize,
+    *mut f32,
+    usize,
+);
+
 /// All blocks of one row group for a single tile of `T` tokens: unpack a block, consume it.
 ///
 /// # Safety
 /// As for [`rect`]: `w` is the row group, `buf` holds one unpacked block, tokens
 /// `t0..t0 + T` exist, `out` is owned for LANES floats at T token strides.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(
-    w: *const u8,
-    next: Option<*const u8>,
-    row_bytes: usize,
-    nb: usize,
-    buf: *mut S::I,
-    act: &F::Act<'_>,
-    t0: usize,
-    out: *mut f32,
-    out_stride: usize,
-) -> usize {
+unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(args: DirectArgs<'_, '_, S, F>) {
+    let (w, next, row_bytes, nb, buf, act, t0, out, out_stride) = args;
     // SAFETY: forwarded to the caller.
     unsafe {
         let mut acc = [S::fzero(); T];
@@ -385,7 +393,6 @@ unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(
             S::fstore_out(out.add(t * out_stride), a);
         }
     }
-    T
 }
 
 /// One tile of `T` tokens over a column chunk: accumulators start at zero (first chunk) or
@@ -597,6 +604,13 @@ unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
 
 /// Block `b`'s terms for tokens `t0..t0+T`: `isum` from the codes, then
 /// `term = (dw·da)·isum (+ m·s)` and `acc = acc + term`.
+///
+/// The loops run code pair by code pair with the tokens innermost: each token's `isum` is
+/// its own dependency chain (two for fewer than 4 tokens, which would otherwise wait on the
+/// `vpdpbusd` latency), and small bodies with constant trip counts unroll fully, so the
+/// sums and the accumulators stay in registers (a loop over whole tokens kept them on the
+/// stack). `isum` starts at `−zero_point·Σa`: exact integers, the same value as subtracting
+/// the offset at the end.
 #[inline(always)]
 unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
     blk: &SmallBlock<S>,
@@ -613,31 +627,58 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
     } else {
         128
     };
+    let split = T < 4;
     // SAFETY: every activation index is below n_tokens · blocks_per_token (caller).
     unsafe {
-        for (t, acc_t) in acc.iter_mut().enumerate() {
-            let i = act.index(t0 + t, b);
-            let a = act.qs.as_ptr().add(i * QK);
-            let mut isum = if signed {
-                let mut s = S::zero();
-                for v in 0..8 {
-                    s = S::dot4_signed(s, blk.codes[v], blk.signed[v], a.add(4 * v));
-                }
-                s
-            } else {
-                S::dot_codes(&blk.codes, a)
-            };
-            if zero_point != 0 {
-                let offset = zero_point * *act.qsum.get_unchecked(i);
-                isum = S::sub32(isum, S::splat(offset));
+        let i0 = act.index(t0, b);
+        let step = act.blocks_per_token;
+        let a0 = act.qs.as_ptr().add(i0 * QK);
+        let a = |t: usize| a0.add(t * step * QK);
+        let mut isum = [S::zero(); T];
+        let mut odd = [S::zero(); T];
+        if zero_point != 0 {
+            for (t, s) in isum.iter_mut().enumerate() {
+                *s = S::splat(-(zero_point * *act.qsum.get_unchecked(i0 + t * step)));
             }
+        }
+        if signed {
+            for v in 0..8 {
+                for t in 0..T {
+                    let s = if split && v % 2 == 1 {
+                        &mut odd[t]
+                    } else {
+                        &mut isum[t]
+                    };
+                    *s = S::dot4_signed(*s, blk.codes[v], blk.signed[v], a(t).add(4 * v));
+                }
+            }
+        } else {
+            for k in 0..4 {
+                let (c0, c1) = (blk.codes[2 * k], blk.codes[2 * k + 1]);
+                for t in 0..T {
+                    let s = if split && k % 2 == 1 {
+                        &mut odd[t]
+                    } else {
+                        &mut isum[t]
+                    };
+                    *s = S::dot_pair(*s, c0, c1, a(t).add(8 * k));
+                }
+            }
+        }
+        for t in 0..T {
+            let i = i0 + t * step;
+            let isum = if split {
+                S::add32(isum[t], odd[t])
+            } else {
+                isum[t]
+            };
             let da = S::fsplat(*act.scale.get_unchecked(i));
             let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
             if F::HAS_MIN {
                 let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
                 term = S::fadd(term, S::fmul(blk.m, s));
             }
-            *acc_t = S::fadd(*acc_t, term);
+            acc[t] = S::fadd(acc[t], term);
         }
     }
 }
