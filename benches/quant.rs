@@ -13,7 +13,9 @@
 //!   of as many bytes in the same run;
 //! - `small_batch`: the 210 layer matmuls of all 30 layers for n = 1, 2, 4, 8, 16 tokens
 //!   (continuous batching, speculative decoding), all-Q4_1 and all-Q8_0 layers, with inputs
-//!   quantized fast (one 8-bit pass) or refined (value + residual, folded) as the model does.
+//!   quantized fast (one 8-bit pass) or refined (value + residual, folded) as the model does;
+//! - `small_batch_formats`: one 640×2048 matmul per format (SmolLM2's and Gemma 3 Q4_K_M's)
+//!   for n = 1, 2, 3, 4, 6, 8, 16 tokens, weights streamed from memory, both precisions.
 //!
 //! Timings are noisy on a shared 2-core machine, so the summary printed at the end compares
 //! numbers measured in this same run (ratios), from criterion's own samples.
@@ -81,8 +83,8 @@ fn random_weights(dtype: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> V
         let v = rng.next_u64().to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
     }
-    if dtype.is_k_quant() {
-        return data;
+    if dtype.block_size() > 32 {
+        return data; // k-quant
     }
     let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
     let min = half::f16::from_f32(-0.07).to_bits().to_le_bytes();
@@ -637,6 +639,57 @@ fn small_batch_kernel(c: &mut Criterion) {
     g.finish();
 }
 
+/// Formats of the per-format small-batch bench: SmolLM2's (Q4_0, Q4_1, Q8_0) and Gemma 3
+/// Q4_K_M's (Q5_0, Q4_K, Q6_K).
+const BATCH_FORMATS: [GgmlType; 6] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q5_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+/// Token counts of that bench: the powers of two, and 3 and 6 (counts that are not a tile
+/// size).
+const FORMAT_BATCHES: [usize; 7] = [1, 2, 3, 4, 6, 8, 16];
+/// Decode shape of that bench (Gemma 3 270M's FFN down: cols a multiple of 256 for k-quants).
+const BATCH_SHAPE: (usize, usize) = (640, 2048);
+
+/// One matmul per format at a decode shape for n = 1…16 tokens, weights streamed from memory
+/// (a ring of copies as in `formats`), 2 threads, both precisions: what a continuous-batching
+/// decode step pays per matrix.
+fn small_batch_formats(c: &mut Criterion) {
+    let mut rng = Rng(8);
+    let pool = pool(2);
+    let (rows, cols) = BATCH_SHAPE;
+    let mut g = c.benchmark_group("small_batch_formats");
+    let x = rng.floats(16 * cols);
+    let mut out = vec![0.0f32; 16 * rows];
+    let mut proj = Projection::default();
+    for dtype in BATCH_FORMATS {
+        let bytes = rows * dtype.row_bytes(cols).unwrap();
+        let ring: Vec<Vec<u8>> = (0..RING_BYTES.div_ceil(bytes))
+            .map(|_| random_weights(dtype, rows, cols, &mut rng))
+            .collect();
+        let mut next = 0;
+        for refined in [false, true] {
+            for n in FORMAT_BATCHES {
+                g.throughput(Throughput::Elements(n as u64));
+                let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+                g.bench_function(&id, |b| {
+                    timed(b, &pool, &format!("batchfmt/{id}"), || {
+                        let w = QMatrix::new(dtype, rows, cols, &ring[next]).unwrap();
+                        next = (next + 1) % ring.len();
+                        proj.apply(refined, &x[..n * cols], n, &mut [(w, &mut out[..n * rows])]);
+                        black_box(&out);
+                    })
+                });
+            }
+        }
+    }
+    g.finish();
+}
+
 fn small_batch(c: &mut Criterion) {
     let mut rng = Rng(5);
     let pool = pool(2);
@@ -802,6 +855,26 @@ fn summary(_c: &mut Criterion) {
         }
     }
 
+    let (rows, cols) = BATCH_SHAPE;
+    for (stat, pick) in [
+        ("median", median as fn(&str) -> f64),
+        ("fastest sample", fastest),
+    ] {
+        println!("small batch per format, {stat}: one {rows}x{cols} matmul, weights streamed from memory, 2 threads (us per call, rows/s ratio over n = 1):");
+        for dtype in BATCH_FORMATS {
+            for refined in [false, true] {
+                let key = |n: usize| format!("batchfmt/{dtype}/{}/n{n}", precision_name(refined));
+                let one = pick(&key(1));
+                let mut line = format!("  {dtype:<5} {:<8}", precision_name(refined));
+                for n in FORMAT_BATCHES {
+                    let m = pick(&key(n));
+                    line += &format!(" n={n}:{:>6.1} ({:.2}x)", m * 1e6, n as f64 * one / m);
+                }
+                println!("{line}");
+            }
+        }
+    }
+
     println!("small batch kernel: one cache-warm 1536x576 matrix, 1 thread (GMAC/s; activation passes count once):");
     for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
         for refined in [false, true] {
@@ -841,6 +914,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, summary
 }
 criterion_main!(benches);

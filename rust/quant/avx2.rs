@@ -5,12 +5,9 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
-use super::avx512::{small_rect, super_rect};
-use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
+use super::activation::{block_scale, quantize_span, ROUNDING_MAGIC};
 use super::kernel::OutPtr;
-use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
-use super::lanes::{self, Isa, Small, Super};
+use super::lanes::{self, Isa};
 
 /// AVX2 + FMA + F16C.
 #[derive(Clone, Copy)]
@@ -156,9 +153,15 @@ impl Isa for Avx2 {
         }
     }
     #[inline(always)]
-    unsafe fn dot_codes(codes: &[__m256i], a: *const i8) -> __m256i {
-        // SAFETY: 4·codes.len() readable bytes at `a` (caller).
-        unsafe { pair_sums(codes, a, _mm256_set1_epi16(1)) }
+    unsafe fn dot_pair(acc: __m256i, c0: __m256i, c1: __m256i, a: *const i8) -> __m256i {
+        // SAFETY: 8 readable bytes at `a` (caller).
+        unsafe {
+            // Codes below 64: the 4 products of a pair of i16 sums fit in i16.
+            let p0 = _mm256_maddubs_epi16(c0, broadcast4(a));
+            let p1 = _mm256_maddubs_epi16(c1, broadcast4(a.add(4)));
+            let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), _mm256_set1_epi16(1));
+            _mm256_add_epi32(acc, p)
+        }
     }
     #[inline(always)]
     unsafe fn dot_codes_scaled(codes: &[__m256i], a: *const i8, scale: __m256i) -> __m256i {
@@ -247,48 +250,9 @@ impl Isa for Avx2 {
         // SAFETY: 8 writable floats (caller).
         unsafe { _mm256_storeu_ps(p, v) }
     }
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
-    }
 }
 
-/// AVX2 rectangle of a quantized matmul with a 32-element format.
-///
-/// # Safety
-/// The CPU supports AVX2 + FMA + F16C; otherwise as for `lanes::rect`.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn quant_rect(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe { small_rect!(Avx2, dtype, data, row_bytes, act, rows, tokens, out) }
-}
-
-/// AVX2 rectangle of a k-quant matmul.
-///
-/// # Safety
-/// As for [`quant_rect`].
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn k_rect(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &SuperActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe { super_rect!(Avx2, dtype, data, row_bytes, act, rows, tokens, out) }
-}
+lanes::lane_entries!(Avx2, "avx2,fma,f16c", small, k);
 
 /// AVX2 rectangle of a float-weight matmul (contract as `avx512::float_rect`, AVX2 + F16C).
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -5,11 +5,9 @@
 use core::arch::x86_64::*;
 use std::ops::Range;
 
-use super::activation::{block_scale, quantize_span, ActBlocks, SuperActBlocks, ROUNDING_MAGIC};
-use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
+use super::activation::{block_scale, quantize_span, ROUNDING_MAGIC};
 use super::kernel::OutPtr;
-use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
-use super::lanes::{self, Isa, Small, Super};
+use super::lanes::{self, Isa};
 
 /// AVX-512 F + BW (+ VNNI when `VNNI`).
 #[derive(Clone, Copy)]
@@ -146,9 +144,19 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         }
     }
     #[inline(always)]
-    unsafe fn dot_codes(codes: &[__m512i], a: *const i8) -> __m512i {
-        // SAFETY: 4·codes.len() readable bytes at `a` (caller).
-        unsafe { pair_sums::<VNNI>(codes, a, _mm512_set1_epi16(1)) }
+    unsafe fn dot_pair(acc: __m512i, c0: __m512i, c1: __m512i, a: *const i8) -> __m512i {
+        // SAFETY: 8 readable bytes at `a` (caller).
+        unsafe {
+            let (a0, a1) = (broadcast4(a), broadcast4(a.add(4)));
+            if VNNI {
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, c0, a0), c1, a1)
+            } else {
+                // Codes below 64: the 4 products of a pair of i16 sums fit in i16.
+                let p =
+                    _mm512_add_epi16(_mm512_maddubs_epi16(c0, a0), _mm512_maddubs_epi16(c1, a1));
+                _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))
+            }
+        }
     }
     #[inline(always)]
     unsafe fn dot_codes_scaled(codes: &[__m512i], a: *const i8, scale: __m512i) -> __m512i {
@@ -248,11 +256,6 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         // SAFETY: 16 writable floats (caller).
         unsafe { _mm512_storeu_ps(p, v) }
     }
-    #[inline(always)]
-    unsafe fn prefetch(p: *const u8) {
-        // SAFETY: prefetches never fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) }
-    }
 }
 
 /// `Σ_v` of the code vectors' dot products with the activation words, each `vpmaddwd` pair
@@ -269,9 +272,14 @@ unsafe fn pair_sums<const VNNI: bool>(
     unsafe {
         let mut acc = _mm512_setzero_si512();
         if VNNI {
-            for (v, &c) in codes.iter().enumerate() {
-                acc = _mm512_dpbusd_epi32(acc, c, broadcast4(a.add(4 * v)));
+            // Two independent chains (integer sums, so any order gives the same result):
+            // one chain of 8 would leave the token's dot latency-bound.
+            let mut odd = _mm512_setzero_si512();
+            for (k, pair) in codes.chunks_exact(2).enumerate() {
+                acc = _mm512_dpbusd_epi32(acc, pair[0], broadcast4(a.add(8 * k)));
+                odd = _mm512_dpbusd_epi32(odd, pair[1], broadcast4(a.add(8 * k + 4)));
             }
+            acc = _mm512_add_epi32(acc, odd);
         } else {
             for (k, pair) in codes.chunks_exact(2).enumerate() {
                 let p0 = _mm512_maddubs_epi16(pair[0], broadcast4(a.add(8 * k)));
@@ -284,162 +292,13 @@ unsafe fn pair_sums<const VNNI: bool>(
     }
 }
 
-/// AVX-512 rectangle of a quantized matmul with a 32-element format.
-///
-/// # Safety
-/// The CPU supports AVX-512 F + BW (+ VNNI when `vnni`); otherwise as for `lanes::rect`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn quant_rect(
-    dtype: GgmlType,
-    vnni: bool,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        if vnni {
-            rect_vnni(dtype, data, row_bytes, act, rows, tokens, out)
-        } else {
-            rect_bw(dtype, data, row_bytes, act, rows, tokens, out)
-        }
-    }
-}
-
-/// Dispatches a 32-element format to `lanes::rect` with ISA `$isa`.
-macro_rules! small_rect {
-    ($isa:ty, $dtype:expr, $($arg:expr),*) => {
-        match $dtype {
-            GgmlType::Q4_0 => lanes::rect::<$isa, Small<Q40>>($($arg),*),
-            GgmlType::Q4_1 => lanes::rect::<$isa, Small<Q41>>($($arg),*),
-            GgmlType::Q5_0 => lanes::rect::<$isa, Small<Q50>>($($arg),*),
-            GgmlType::Q5_1 => lanes::rect::<$isa, Small<Q51>>($($arg),*),
-            GgmlType::Q8_0 => lanes::rect::<$isa, Small<Q80>>($($arg),*),
-            other => unreachable!("{other} is not a 32-element format"),
-        }
-    };
-}
-
-/// Dispatches a k-quant to `lanes::rect` with ISA `$isa`.
-macro_rules! super_rect {
-    ($isa:ty, $dtype:expr, $($arg:expr),*) => {
-        match $dtype {
-            GgmlType::Q2_K => lanes::rect::<$isa, Super<Q2K>>($($arg),*),
-            GgmlType::Q3_K => lanes::rect::<$isa, Super<Q3K>>($($arg),*),
-            GgmlType::Q4_K => lanes::rect::<$isa, Super<Q4K>>($($arg),*),
-            GgmlType::Q5_K => lanes::rect::<$isa, Super<Q5K>>($($arg),*),
-            GgmlType::Q6_K => lanes::rect::<$isa, Super<Q6K>>($($arg),*),
-            other => unreachable!("{other} is not a k-quant"),
-        }
-    };
-}
-pub(crate) use {small_rect, super_rect};
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rect_vnni(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe { small_rect!(Avx512<true>, dtype, data, row_bytes, act, rows, tokens, out) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn rect_bw(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe {
-        small_rect!(
-            Avx512<false>,
-            dtype,
-            data,
-            row_bytes,
-            act,
-            rows,
-            tokens,
-            out
-        )
-    }
-}
-
-/// AVX-512 rectangle of a k-quant matmul.
-///
-/// # Safety
-/// As for [`quant_rect`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn k_rect(
-    dtype: GgmlType,
-    vnni: bool,
-    data: &[u8],
-    row_bytes: usize,
-    act: &SuperActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        if vnni {
-            k_rect_vnni(dtype, data, row_bytes, act, rows, tokens, out)
-        } else {
-            k_rect_bw(dtype, data, row_bytes, act, rows, tokens, out)
-        }
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn k_rect_vnni(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &SuperActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe { super_rect!(Avx512<true>, dtype, data, row_bytes, act, rows, tokens, out) }
-}
-
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn k_rect_bw(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &SuperActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller; the features the kernels need are enabled here.
-    unsafe {
-        super_rect!(
-            Avx512<false>,
-            dtype,
-            data,
-            row_bytes,
-            act,
-            rows,
-            tokens,
-            out
-        )
-    }
-}
+lanes::lane_entries!(
+    Avx512<true>,
+    "avx512f,avx512bw,avx512vnni",
+    small_vnni,
+    k_vnni
+);
+lanes::lane_entries!(Avx512<false>, "avx512f,avx512bw", small_bw, k_bw);
 
 /// AVX-512 rectangle of a float-weight matmul (F32 or F16 weights, f32 activations).
 ///

@@ -263,6 +263,38 @@ pub(crate) trait BlockFormat {
     }
 }
 
+/// Evaluates `$body` with the type alias `$F` bound to the block layout of the 32-element
+/// format `$dtype` (`Q40` … `Q80`): the one place that maps these ggml types to layouts.
+macro_rules! with_small_format {
+    ($dtype:expr, $F:ident => $body:expr) => {{
+        use $crate::quant::format as layouts;
+        match $dtype {
+            $crate::quant::GgmlType::Q4_0 => {
+                type $F = layouts::Q40;
+                $body
+            }
+            $crate::quant::GgmlType::Q4_1 => {
+                type $F = layouts::Q41;
+                $body
+            }
+            $crate::quant::GgmlType::Q5_0 => {
+                type $F = layouts::Q50;
+                $body
+            }
+            $crate::quant::GgmlType::Q5_1 => {
+                type $F = layouts::Q51;
+                $body
+            }
+            $crate::quant::GgmlType::Q8_0 => {
+                type $F = layouts::Q80;
+                $body
+            }
+            other => unreachable!("{other} is not a 32-element format"),
+        }
+    }};
+}
+pub(crate) use with_small_format;
+
 /// `Q4_0` block layout.
 pub(crate) struct Q40;
 /// `Q4_1` block layout.
@@ -351,14 +383,8 @@ pub(crate) fn dequantize_row_into(dtype: GgmlType, row: &[u8], out: &mut [f32]) 
                 *o = f16_at(b);
             }
         }
-        GgmlType::Q4_0 => dequantize_blocks::<Q40>(row, out),
-        GgmlType::Q4_1 => dequantize_blocks::<Q41>(row, out),
-        GgmlType::Q5_0 => dequantize_blocks::<Q50>(row, out),
-        GgmlType::Q5_1 => dequantize_blocks::<Q51>(row, out),
-        GgmlType::Q8_0 => dequantize_blocks::<Q80>(row, out),
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-            kquant::dequantize_row(dtype, row, out)
-        }
+        k if k.is_k_quant() => kquant::dequantize_row(dtype, row, out),
+        _ => with_small_format!(dtype, F => dequantize_blocks::<F>(row, out)),
     }
 }
 
@@ -449,14 +475,8 @@ pub(crate) fn quantize_row_into(dtype: GgmlType, src: &[f32], out: &mut [u8]) {
                 o.copy_from_slice(&f16_bytes(v));
             }
         }
-        GgmlType::Q4_0 => quantize_blocks::<Q40>(src, out),
-        GgmlType::Q4_1 => quantize_blocks::<Q41>(src, out),
-        GgmlType::Q5_0 => quantize_blocks::<Q50>(src, out),
-        GgmlType::Q5_1 => quantize_blocks::<Q51>(src, out),
-        GgmlType::Q8_0 => quantize_blocks::<Q80>(src, out),
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
-            kquant::quantize_row(dtype, src, out)
-        }
+        k if k.is_k_quant() => kquant::quantize_row(dtype, src, out),
+        _ => with_small_format!(dtype, F => quantize_blocks::<F>(src, out)),
     }
 }
 

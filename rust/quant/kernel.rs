@@ -9,8 +9,10 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::activation::{ActBlocks, QuantizedInput, SuperActBlocks};
-use super::format::{GgmlType, Q40, Q41, Q50, Q51, Q80};
-use super::kquant::{Q2K, Q3K, Q4K, Q5K, Q6K};
+use super::format::{with_small_format, GgmlType};
+use super::kquant::with_k_format;
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
 use super::{scalar, QMatrix, QuantError};
 
 /// Raw output pointer shared by the tasks of one matmul; each task writes a disjoint
@@ -366,39 +368,16 @@ unsafe fn quant_rect(
     unsafe {
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni | Kernel::Avx512 => {
-                let vnni = kernel == Kernel::Avx512Vnni;
-                super::avx512::quant_rect(dtype, vnni, data, row_bytes, act, rows, tokens, out)
+            Kernel::Avx512Vnni => {
+                avx512::small_vnni(dtype, data, row_bytes, act, rows, tokens, out)
             }
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => super::avx2::quant_rect(dtype, data, row_bytes, act, rows, tokens, out),
-            _ => scalar_quant_rect(dtype, data, row_bytes, act, rows, tokens, out),
-        }
-    }
-}
-
-/// Scalar rectangle for any 32-element format.
-///
-/// # Safety
-/// As for [`scalar::quant_rect`].
-pub(crate) unsafe fn scalar_quant_rect(
-    dtype: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    act: &ActBlocks<'_>,
-    rows: Range<usize>,
-    tokens: Range<usize>,
-    out: OutPtr,
-) {
-    // SAFETY: forwarded to the caller.
-    unsafe {
-        match dtype {
-            GgmlType::Q4_0 => scalar::quant_rect::<Q40>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q4_1 => scalar::quant_rect::<Q41>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q5_0 => scalar::quant_rect::<Q50>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q5_1 => scalar::quant_rect::<Q51>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q8_0 => scalar::quant_rect::<Q80>(data, row_bytes, act, rows, tokens, out),
-            _ => unreachable!("{dtype} is not a 32-element format"),
+            Kernel::Avx512 => avx512::small_bw(dtype, data, row_bytes, act, rows, tokens, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => avx2::small(dtype, data, row_bytes, act, rows, tokens, out),
+            _ => {
+                with_small_format!(dtype, F => scalar::quant_rect::<F>(data, row_bytes, act, rows, tokens, out))
+            }
         }
     }
 }
@@ -422,23 +401,14 @@ unsafe fn super_rect(
     unsafe {
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni | Kernel::Avx512 => {
-                let vnni = kernel == Kernel::Avx512Vnni;
-                return super::avx512::k_rect(dtype, vnni, data, row_bytes, act, rows, tokens, out);
-            }
+            Kernel::Avx512Vnni => avx512::k_vnni(dtype, data, row_bytes, act, rows, tokens, out),
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => {
-                return super::avx2::k_rect(dtype, data, row_bytes, act, rows, tokens, out)
+            Kernel::Avx512 => avx512::k_bw(dtype, data, row_bytes, act, rows, tokens, out),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => avx2::k(dtype, data, row_bytes, act, rows, tokens, out),
+            _ => {
+                with_k_format!(dtype, F => scalar::super_rect::<F>(data, row_bytes, act, rows, tokens, out))
             }
-            _ => {}
-        }
-        match dtype {
-            GgmlType::Q2_K => scalar::super_rect::<Q2K>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q3_K => scalar::super_rect::<Q3K>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q4_K => scalar::super_rect::<Q4K>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q5_K => scalar::super_rect::<Q5K>(data, row_bytes, act, rows, tokens, out),
-            GgmlType::Q6_K => scalar::super_rect::<Q6K>(data, row_bytes, act, rows, tokens, out),
-            _ => unreachable!("{dtype} is not a k-quant"),
         }
     }
 }

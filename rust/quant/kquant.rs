@@ -51,6 +51,38 @@ pub(crate) trait SuperBlockFormat {
     fn pack(u: &[u8; QK_K], scales: &[i32], mins: &[i32], blk: &mut [u8]);
 }
 
+/// Evaluates `$body` with the type alias `$F` bound to the layout of the k-quant `$dtype`
+/// (`Q2K` … `Q6K`): the one place that maps these ggml types to layouts.
+macro_rules! with_k_format {
+    ($dtype:expr, $F:ident => $body:expr) => {{
+        use $crate::quant::kquant as layouts;
+        match $dtype {
+            $crate::quant::GgmlType::Q2_K => {
+                type $F = layouts::Q2K;
+                $body
+            }
+            $crate::quant::GgmlType::Q3_K => {
+                type $F = layouts::Q3K;
+                $body
+            }
+            $crate::quant::GgmlType::Q4_K => {
+                type $F = layouts::Q4K;
+                $body
+            }
+            $crate::quant::GgmlType::Q5_K => {
+                type $F = layouts::Q5K;
+                $body
+            }
+            $crate::quant::GgmlType::Q6_K => {
+                type $F = layouts::Q6K;
+                $body
+            }
+            other => unreachable!("{other} is not a k-quant"),
+        }
+    }};
+}
+pub(crate) use with_k_format;
+
 /// `Q2_K` layout.
 pub(crate) struct Q2K;
 /// `Q3_K` layout.
@@ -330,14 +362,7 @@ fn dequantize_blocks<F: SuperBlockFormat>(row: &[u8], out: &mut [f32]) {
 }
 
 pub(crate) fn dequantize_row(dtype: GgmlType, row: &[u8], out: &mut [f32]) {
-    match dtype {
-        GgmlType::Q2_K => dequantize_blocks::<Q2K>(row, out),
-        GgmlType::Q3_K => dequantize_blocks::<Q3K>(row, out),
-        GgmlType::Q4_K => dequantize_blocks::<Q4K>(row, out),
-        GgmlType::Q5_K => dequantize_blocks::<Q5K>(row, out),
-        GgmlType::Q6_K => dequantize_blocks::<Q6K>(row, out),
-        _ => unreachable!("{dtype} is not a k-quant"),
-    }
+    with_k_format!(dtype, F => dequantize_blocks::<F>(row, out))
 }
 
 /// `round(v / step)` clamped to `lo..=hi`, or `lo.max(0)` … `fallback` when `step` is 0.
@@ -412,12 +437,5 @@ fn quantize_blocks<F: SuperBlockFormat>(src: &[f32], out: &mut [u8]) {
 }
 
 pub(crate) fn quantize_row(dtype: GgmlType, src: &[f32], out: &mut [u8]) {
-    match dtype {
-        GgmlType::Q2_K => quantize_blocks::<Q2K>(src, out),
-        GgmlType::Q3_K => quantize_blocks::<Q3K>(src, out),
-        GgmlType::Q4_K => quantize_blocks::<Q4K>(src, out),
-        GgmlType::Q5_K => quantize_blocks::<Q5K>(src, out),
-        GgmlType::Q6_K => quantize_blocks::<Q6K>(src, out),
-        _ => unreachable!("{dtype} is not a k-quant"),
-    }
+    with_k_format!(dtype, F => quantize_blocks::<F>(src, out))
 }

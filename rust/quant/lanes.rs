@@ -11,6 +11,7 @@
 //! performs exactly the scalar canonical sequence (see `scalar`), so results are bit-identical
 //! to it whatever the ISA, the tiling or the chunking.
 
+use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
@@ -64,8 +65,9 @@ pub(crate) trait Isa: Copy {
     /// The 16 bytes at `p + i·stride` of every row `i`, as four vectors: lane `i` of vector
     /// `k` is the `k`-th 32-bit word of row `i`'s bytes.
     unsafe fn rows_x16(p: *const u8, stride: usize) -> [Self::I; 4];
-    /// `Σ_v Σ_k codes[v]_k · a[4v + k]` per lane (codes below 64, or any byte with VNNI).
-    unsafe fn dot_codes(codes: &[Self::I], a: *const i8) -> Self::I;
+    /// `acc + Σ_k c0_k · a[k] + Σ_k c1_k · a[4 + k]` per lane (codes below 64, or any byte
+    /// with VNNI).
+    unsafe fn dot_pair(acc: Self::I, c0: Self::I, c1: Self::I, a: *const i8) -> Self::I;
     /// `scale · Σ_v Σ_k codes[v]_k · a[4v + k]` per lane, `scale` in [`Isa::scale_form`].
     unsafe fn dot_codes_scaled(codes: &[Self::I], a: *const i8, scale: Self::I) -> Self::I;
     /// A group scale's form for [`Isa::dot_codes_scaled`], from the byte at index `k` of
@@ -93,8 +95,60 @@ pub(crate) trait Isa: Copy {
     unsafe fn fstore(p: *mut Self::F, v: Self::F);
     /// Stores `LANES` floats at `p` (unaligned).
     unsafe fn fstore_out(p: *mut f32, v: Self::F);
-    unsafe fn prefetch(p: *const u8);
 }
+
+/// Defines the `#[target_feature]` entry points of one ISA: `$small` for the 32-element
+/// formats and `$k` for the k-quants, each dispatching `$dtype` to [`rect`].
+macro_rules! lane_entries {
+    ($isa:ty, $features:literal, $small:ident, $k:ident) => {
+        /// Rectangle of a 32-element-format matmul (contract as `lanes::rect`).
+        ///
+        /// # Safety
+        /// The CPU has the features above; otherwise as for `lanes::rect`.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $small(
+            dtype: $crate::quant::GgmlType,
+            data: &[u8],
+            row_bytes: usize,
+            act: &$crate::quant::activation::ActBlocks<'_>,
+            rows: std::ops::Range<usize>,
+            tokens: std::ops::Range<usize>,
+            out: $crate::quant::kernel::OutPtr,
+        ) {
+            use $crate::quant::lanes::{rect, Small};
+            // SAFETY: forwarded to the caller; the kernels' features are enabled here.
+            unsafe {
+                $crate::quant::format::with_small_format!(dtype, F => rect::<$isa, Small<F>>(
+                    data, row_bytes, act, rows, tokens, out
+                ))
+            }
+        }
+
+        /// Rectangle of a k-quant matmul (contract as `lanes::rect`).
+        ///
+        /// # Safety
+        /// As for the 32-element entry above.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $k(
+            dtype: $crate::quant::GgmlType,
+            data: &[u8],
+            row_bytes: usize,
+            act: &$crate::quant::activation::SuperActBlocks<'_>,
+            rows: std::ops::Range<usize>,
+            tokens: std::ops::Range<usize>,
+            out: $crate::quant::kernel::OutPtr,
+        ) {
+            use $crate::quant::lanes::{rect, Super};
+            // SAFETY: forwarded to the caller; the kernels' features are enabled here.
+            unsafe {
+                $crate::quant::kquant::with_k_format!(dtype, F => rect::<$isa, Super<F>>(
+                    data, row_bytes, act, rows, tokens, out
+                ))
+            }
+        }
+    };
+}
+pub(crate) use lane_entries;
 
 /// Bytes of the unpacked-block buffer (a column chunk of one row group: within L1).
 const BUFFER_BYTES: usize = 20 * 1024;
@@ -117,6 +171,26 @@ pub(crate) trait LaneFormat<S: Isa> {
 
     /// Unpacks block `blk` (of row 0; row `i` at `blk + i·row_bytes`) into `out[..SLOTS]`.
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I);
+
+    /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and block `b` at `blk`, unpacked
+    /// and consumed at once; by default through `buf` (one block's slots).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn direct_block<const T: usize>(
+        blk: *const u8,
+        row_bytes: usize,
+        buf: *mut S::I,
+        b: usize,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    ) {
+        // SAFETY: forwarded to the caller.
+        unsafe {
+            Self::unpack(blk, row_bytes, buf);
+            Self::tile::<T>(buf, b..b + 1, act, t0, acc)
+        }
+    }
 
     /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and blocks `blocks` in order;
     /// block `b` is unpacked at `buf + (b − blocks.start)·SLOTS`.
@@ -172,23 +246,25 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
         let next = (r + 2 * S::LANES <= simd_end).then(|| w.wrapping_add(S::LANES * row_bytes));
         if tokens.len() <= S::TILE {
             // Few tokens: each block is unpacked and consumed at once (the compiler keeps it in
-            // registers), the accumulators stay in registers across all blocks; 5–7 tokens
-            // take two or three such passes.
-            let mut t = tokens.start;
-            while t < tokens.end {
-                let prefetch = if t == tokens.start { next } else { None };
-                // SAFETY: as below, each pass covering tokens t..t+T.
-                unsafe {
-                    let (o, s) = (out.at(t, r), out.stride);
-                    t += match tokens.end - t {
-                        8.. if S::TILE >= 8 => {
-                            direct::<S, F, 8>(w, prefetch, row_bytes, nb, buf, act, t, o, s)
-                        }
-                        4.. => direct::<S, F, 4>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
-                        2.. => direct::<S, F, 2>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
-                        _ => direct::<S, F, 1>(w, prefetch, row_bytes, nb, buf, act, t, o, s),
-                    };
-                }
+            // registers), the accumulators stay in registers across all blocks. Every count
+            // up to TILE has its own pass, so the weights are unpacked once whatever the
+            // number of tokens (a batch of 3, 5, 6 or 7 streams would otherwise unpack them
+            // two or three times).
+            let t = tokens.start;
+            // SAFETY: as below, the pass covering tokens t..tokens.end.
+            unsafe {
+                let (o, s) = (out.at(t, r), out.stride);
+                let d = (w, next, row_bytes, nb, buf, act, t, o, s);
+                match tokens.len() {
+                    8.. if S::TILE >= 8 => direct::<S, F, 8>(d),
+                    7 if S::TILE >= 8 => direct::<S, F, 7>(d),
+                    6 if S::TILE >= 8 => direct::<S, F, 6>(d),
+                    5 if S::TILE >= 8 => direct::<S, F, 5>(d),
+                    4.. => direct::<S, F, 4>(d),
+                    3 => direct::<S, F, 3>(d),
+                    2 => direct::<S, F, 2>(d),
+                    _ => direct::<S, F, 1>(d),
+                };
             }
             continue;
         }
@@ -202,7 +278,7 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
                     unsafe {
                         let blk = w.add(b * F::BLOCK_BYTES);
                         if let (Some(next), true) = (next, chunk_start == tokens.start) {
-                            prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
+                            prefetch_slice(next, b, S::LANES * F::BLOCK_BYTES);
                         }
                         F::unpack(blk, row_bytes, buf.add((b - c0) * F::SLOTS));
                     }
@@ -273,39 +349,50 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
     }
 }
 
+/// The arguments of [`direct`]: the row group `w`, the next one (to prefetch), `row_bytes`,
+/// blocks per row, the one-block buffer, the activations, the first token, the output of
+/// (first token, first row) and the output's token stride.
+type DirectArgs<'a, 'b, S, F> = (
+    *const u8,
+    Option<*const u8>,
+    usize,
+    usize,
+    *mut <S as Isa>::I,
+    &'a <F as LaneFormat<S>>::Act<'b>,
+    usize,
+    *mut f32,
+    usize,
+);
+
 /// All blocks of one row group for a single tile of `T` tokens: unpack a block, consume it.
 ///
 /// # Safety
 /// As for [`rect`]: `w` is the row group, `buf` holds one unpacked block, tokens
 /// `t0..t0 + T` exist, `out` is owned for LANES floats at T token strides.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(
-    w: *const u8,
-    next: Option<*const u8>,
-    row_bytes: usize,
-    nb: usize,
-    buf: *mut S::I,
-    act: &F::Act<'_>,
-    t0: usize,
-    out: *mut f32,
-    out_stride: usize,
-) -> usize {
+unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(args: DirectArgs<'_, '_, S, F>) {
+    let (w, next, row_bytes, nb, buf, act, t0, out, out_stride) = args;
     // SAFETY: forwarded to the caller.
     unsafe {
         let mut acc = [S::fzero(); T];
         for b in 0..nb {
             if let Some(next) = next {
-                prefetch_slice::<S>(next, b, S::LANES * F::BLOCK_BYTES);
+                prefetch_slice(next, b, S::LANES * F::BLOCK_BYTES);
             }
-            F::unpack(w.add(b * F::BLOCK_BYTES), row_bytes, buf);
-            F::tile::<T>(buf, b..b + 1, act, t0, &mut acc);
+            F::direct_block::<T>(
+                w.add(b * F::BLOCK_BYTES),
+                row_bytes,
+                buf,
+                b,
+                act,
+                t0,
+                &mut acc,
+            );
         }
         for (t, a) in acc.into_iter().enumerate() {
             S::fstore_out(out.add(t * out_stride), a);
         }
     }
-    T
 }
 
 /// One tile of `T` tokens over a column chunk: accumulators start at zero (first chunk) or
@@ -345,14 +432,15 @@ unsafe fn run_tile<S: Isa, F: LaneFormat<S>, const T: usize>(
 
 /// Prefetches slice `b` (of `span` bytes) of the next row group, one block's share of it,
 /// into L2: a k-quant block's share is dozens of lines, and prefetches into L1 would stall
-/// on its few miss buffers.
+/// on its few miss buffers. The few lines of a 32-element block go to L2 too: into L1 they
+/// streamed Q8_0 weights ~25% slower at one token (Q4_0/Q4_1 within the noise).
 #[inline(always)]
-unsafe fn prefetch_slice<S: Isa>(next: *const u8, b: usize, span: usize) {
+unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
     let from = next.wrapping_add(b * span);
     for off in (0..span).step_by(64).chain([span - 1]) {
         // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
         // defined even past the end of `data`.
-        unsafe { S::prefetch(from.wrapping_add(off)) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(from.wrapping_add(off) as *const i8) };
     }
 }
 
@@ -378,69 +466,119 @@ unsafe fn or_bit<S: Isa>(x: S::I, bits: S::I, bit_shift: u32, shift: u32) -> S::
 
 // ---- 32-element formats ------------------------------------------------------------------
 
-/// Buffer layout of a 32-element block: 8 code vectors (element order), for non-VNNI `Q8_0`
-/// 8 more (the signed codes, next to their magnitudes), then `d` and `m` as f32.
-const fn small_slots(signed: bool) -> usize {
-    if signed {
-        18
-    } else {
-        10
-    }
-}
-
 /// Whether format `F` runs `Q8_0`'s signed path on ISA `S` (no VNNI: `maddubs` needs the
 /// sign trick; with VNNI the codes are `q + 128` and the zero point removes the 128).
 const fn signed_path<S: Isa, F: BlockFormat>() -> bool {
     !F::NIBBLES && !S::VNNI
 }
 
+/// Buffer slots of a 32-element block: 8 code vectors (element order), for the signed path 8
+/// more (the signed codes, next to their magnitudes), then `d` and `m` as f32.
+const fn small_slots<S: Isa, F: BlockFormat>() -> usize {
+    if signed_path::<S, F>() {
+        18
+    } else {
+        10
+    }
+}
+
+/// One unpacked 32-element block of `LANES` rows.
+struct SmallBlock<S: Isa> {
+    /// Code vector `v` holds elements `4v..4v+4` (the magnitudes on the signed path).
+    codes: [S::I; 8],
+    /// The signed codes (signed path only).
+    signed: [S::I; 8],
+    dw: S::F,
+    m: S::F,
+}
+
+impl<S: Isa> SmallBlock<S> {
+    #[inline(always)]
+    unsafe fn store<F: BlockFormat>(&self, out: *mut S::I) {
+        let slots = small_slots::<S, F>();
+        // SAFETY: `out` holds the block's slots (caller).
+        unsafe {
+            for (v, &c) in self.codes.iter().enumerate() {
+                S::store(out.add(v), c);
+            }
+            if signed_path::<S, F>() {
+                for (v, &q) in self.signed.iter().enumerate() {
+                    S::store(out.add(8 + v), q);
+                }
+            }
+            S::store(out.add(slots - 2), f_bits::<S>(self.dw));
+            S::store(out.add(slots - 1), f_bits::<S>(self.m));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load<F: BlockFormat>(base: *const S::I) -> Self {
+        let slots = small_slots::<S, F>();
+        // SAFETY: `base` holds the block's slots (caller).
+        unsafe {
+            let mut blk = Self {
+                codes: [S::zero(); 8],
+                signed: [S::zero(); 8],
+                dw: S::fload(base.add(slots - 2) as *const S::F),
+                m: S::fload(base.add(slots - 1) as *const S::F),
+            };
+            for v in 0..8 {
+                blk.codes[v] = S::load(base.add(v));
+                if signed_path::<S, F>() {
+                    blk.signed[v] = S::load(base.add(8 + v));
+                }
+            }
+            blk
+        }
+    }
+}
+
 /// Unpacks a 32-element block of `LANES` rows.
 #[inline(always)]
-unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize, out: *mut S::I) {
-    // SAFETY: the block of every row is readable (caller); `out` holds the block's slots.
+unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize) -> SmallBlock<S> {
+    // SAFETY: the block of every row is readable (caller).
     unsafe {
         let head = S::rows_x16(blk, row_bytes);
         let dm = head[0];
-        let signed = signed_path::<S, F>();
-        let slots = small_slots(signed);
-        S::store(out.add(slots - 2), f_bits::<S>(S::f16_low(dm)));
-        S::store(
-            out.add(slots - 1),
-            f_bits::<S>(S::f16_low(S::srl32(dm, 16))),
-        );
+        let mut out = SmallBlock {
+            codes: [S::zero(); 8],
+            signed: [S::zero(); 8],
+            dw: S::f16_low(dm),
+            m: S::f16_low(S::srl32(dm, 16)),
+        };
         if !F::NIBBLES {
-            // 32 signed bytes: dwords 0..3 from bytes 2..18, 4..7 from 18..34.
-            let lo = S::rows_x16(blk.add(2), row_bytes);
-            let hi = S::rows_x16(blk.add(18), row_bytes);
-            for (v, &q) in lo.iter().chain(&hi).enumerate() {
-                if signed {
-                    S::store(out.add(v), S::abs8(q));
-                    S::store(out.add(8 + v), q);
+            // 32 signed bytes: words 0..3 from bytes 2..18, 4..7 from 18..34.
+            let q = words::<S, 8>(blk.add(2), row_bytes);
+            for (v, &qv) in q.iter().enumerate() {
+                if signed_path::<S, F>() {
+                    out.codes[v] = S::abs8(qv);
+                    out.signed[v] = qv;
                 } else {
-                    S::store(out.add(v), S::sub8(q, S::splat(0x8080_8080u32 as i32)));
+                    out.codes[v] = S::sub8(qv, S::splat(0x8080_8080u32 as i32));
                 }
             }
-            return;
+            return out;
         }
         let qs = S::rows_x16(blk.add(F::QS_OFFSET), row_bytes);
         // The 32 high bits of Q5: bytes 2..6 (Q5_0) or 4..8 (Q5_1) of the block.
         let qh = match F::QH_OFFSET {
-            Some(2) => Some(S::or(S::srl32(head[0], 16), S::sll32(head[1], 16))),
-            Some(_) => Some(head[1]),
-            None => None,
+            Some(2) => S::or(S::srl32(head[0], 16), S::sll32(head[1], 16)),
+            Some(_) => head[1],
+            None => S::zero(),
         };
         for (j, &q) in qs.iter().enumerate() {
             let (mut low, mut high) = nibbles::<S>(q);
-            if let Some(qh) = qh {
-                // Element e's 5th bit is bit e of qh: the low nibbles of dword j are elements
+            if F::QH_OFFSET.is_some() {
+                // Element e's 5th bit is bit e of qh: the low nibbles of word j are elements
                 // 4j..4j+4 (qh byte j/2, bits 4(j%2)..), the high ones 16+4j.. (byte 2 + j/2).
                 let mask = S::splat((0x0804_0201u32 << (4 * (j as u32 % 2))) as i32);
                 low = S::or(low, fifth_bits::<S>(qh, j as u32 / 2, mask));
                 high = S::or(high, fifth_bits::<S>(qh, 2 + j as u32 / 2, mask));
             }
-            S::store(out.add(j), low);
-            S::store(out.add(4 + j), high);
+            out.codes[j] = low;
+            out.codes[4 + j] = high;
         }
+        out
     }
 }
 
@@ -454,18 +592,24 @@ unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
     }
 }
 
-/// The tile of a 32-element format: per block and token, `isum` from the codes, then
+/// Block `b`'s terms for tokens `t0..t0+T`: `isum` from the codes, then
 /// `term = (dw·da)·isum (+ m·s)` and `acc = acc + term`.
+///
+/// The loops run code pair by code pair with the tokens innermost: each token's `isum` is
+/// its own dependency chain (two for fewer than 4 tokens, which would otherwise wait on the
+/// `vpdpbusd` latency), and small bodies with constant trip counts unroll fully, so the
+/// sums and the accumulators stay in registers (a loop over whole tokens kept them on the
+/// stack). `isum` starts at `−zero_point·Σa`: exact integers, the same value as subtracting
+/// the offset at the end.
 #[inline(always)]
-unsafe fn tile_small<S: Isa, F: BlockFormat, const T: usize>(
-    buf: *const S::I,
-    blocks: Range<usize>,
+unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
+    blk: &SmallBlock<S>,
+    b: usize,
     act: &ActBlocks<'_>,
     t0: usize,
     acc: &mut [S::F; T],
 ) {
     let signed = signed_path::<S, F>();
-    let slots = small_slots(signed);
     let zero_point = if F::NIBBLES {
         F::ZERO
     } else if signed {
@@ -473,41 +617,58 @@ unsafe fn tile_small<S: Isa, F: BlockFormat, const T: usize>(
     } else {
         128
     };
-    // SAFETY: the buffer holds every block of `blocks`; every activation index is below
-    // n_tokens · blocks_per_token (caller).
+    let split = T < 4;
+    // SAFETY: every activation index is below n_tokens · blocks_per_token (caller).
     unsafe {
-        for (slot, b) in blocks.enumerate() {
-            let base = buf.add(slot * slots);
-            let mut codes = [S::zero(); 8];
-            for (v, c) in codes.iter_mut().enumerate() {
-                *c = S::load(base.add(v));
+        let i0 = act.index(t0, b);
+        let step = act.blocks_per_token;
+        let a0 = act.qs.as_ptr().add(i0 * QK);
+        let a = |t: usize| a0.add(t * step * QK);
+        let mut isum = [S::zero(); T];
+        let mut odd = [S::zero(); T];
+        if zero_point != 0 {
+            for (t, s) in isum.iter_mut().enumerate() {
+                *s = S::splat(-(zero_point * *act.qsum.get_unchecked(i0 + t * step)));
             }
-            let dw = S::fload(base.add(slots - 2) as *const S::F);
-            let m = S::fload(base.add(slots - 1) as *const S::F);
-            for (t, acc_t) in acc.iter_mut().enumerate() {
-                let i = act.index(t0 + t, b);
-                let a = act.qs.as_ptr().add(i * QK);
-                let mut isum = if signed {
-                    let mut s = S::zero();
-                    for (v, &abs_q) in codes.iter().enumerate() {
-                        s = S::dot4_signed(s, abs_q, S::load(base.add(8 + v)), a.add(4 * v));
-                    }
-                    s
-                } else {
-                    S::dot_codes(&codes, a)
-                };
-                if zero_point != 0 {
-                    let offset = zero_point * *act.qsum.get_unchecked(i);
-                    isum = S::sub32(isum, S::splat(offset));
+        }
+        if signed {
+            for v in 0..8 {
+                for t in 0..T {
+                    let s = if split && v % 2 == 1 {
+                        &mut odd[t]
+                    } else {
+                        &mut isum[t]
+                    };
+                    *s = S::dot4_signed(*s, blk.codes[v], blk.signed[v], a(t).add(4 * v));
                 }
-                let da = S::fsplat(*act.scale.get_unchecked(i));
-                let mut term = S::fmul(S::fmul(dw, da), S::cvt(isum));
-                if F::HAS_MIN {
-                    let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
-                    term = S::fadd(term, S::fmul(m, s));
-                }
-                *acc_t = S::fadd(*acc_t, term);
             }
+        } else {
+            for k in 0..4 {
+                let (c0, c1) = (blk.codes[2 * k], blk.codes[2 * k + 1]);
+                for t in 0..T {
+                    let s = if split && k % 2 == 1 {
+                        &mut odd[t]
+                    } else {
+                        &mut isum[t]
+                    };
+                    *s = S::dot_pair(*s, c0, c1, a(t).add(8 * k));
+                }
+            }
+        }
+        for t in 0..T {
+            let i = i0 + t * step;
+            let isum = if split {
+                S::add32(isum[t], odd[t])
+            } else {
+                isum[t]
+            };
+            let da = S::fsplat(*act.scale.get_unchecked(i));
+            let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
+            if F::HAS_MIN {
+                let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
+                term = S::fadd(term, S::fmul(blk.m, s));
+            }
+            acc[t] = S::fadd(acc[t], term);
         }
     }
 }
@@ -526,12 +687,30 @@ pub(crate) struct Small<F>(std::marker::PhantomData<F>);
 impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
     type Act<'a> = ActBlocks<'a>;
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
-    const SLOTS: usize = small_slots(signed_path::<S, F>());
+    const SLOTS: usize = small_slots::<S, F>();
 
     #[inline(always)]
     unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
         // SAFETY: forwarded to the caller.
-        unsafe { unpack_small::<S, F>(blk, row_bytes, out) }
+        unsafe { unpack_small::<S, F>(blk, row_bytes).store::<F>(out) }
+    }
+
+    /// In registers: a 32-element block is 10 vectors.
+    #[inline(always)]
+    unsafe fn direct_block<const T: usize>(
+        blk: *const u8,
+        row_bytes: usize,
+        _buf: *mut S::I,
+        b: usize,
+        act: &Self::Act<'_>,
+        t0: usize,
+        acc: &mut [S::F; T],
+    ) {
+        // SAFETY: forwarded to the caller; the block stays in registers.
+        unsafe {
+            let unpacked = unpack_small::<S, F>(blk, row_bytes);
+            small_terms::<S, F, T>(&unpacked, b, act, t0, acc)
+        }
     }
 
     #[inline(always)]
@@ -542,8 +721,13 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
         t0: usize,
         acc: &mut [S::F; T],
     ) {
-        // SAFETY: forwarded to the caller.
-        unsafe { tile_small::<S, F, T>(buf, blocks, act, t0, acc) }
+        // SAFETY: the buffer holds every block of `blocks` (caller).
+        unsafe {
+            for (slot, b) in blocks.enumerate() {
+                let unpacked = SmallBlock::<S>::load::<F>(buf.add(slot * small_slots::<S, F>()));
+                small_terms::<S, F, T>(&unpacked, b, act, t0, acc);
+            }
+        }
     }
 
     unsafe fn scalar_rect(

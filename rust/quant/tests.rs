@@ -608,7 +608,7 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
             for raw in [false, true] {
                 let data = random_weights(dtype, rows, cols, &mut rng, raw);
                 let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
-                for n in [1, 2, 3, 5, 8, 13, 17] {
+                for n in [1, 2, 3, 5, 6, 7, 8, 13, 17] {
                     let x = rng.floats(n * cols, 4.0);
                     let reference = bits(&run(Kernel::Scalar, &w, &x, n));
                     for kernel in Kernel::available() {
@@ -691,7 +691,7 @@ fn batch_invariance_any_size_position_and_thread_count() {
                         run(kernel, &w, x, n)
                     }
                 };
-                for n in [1, 2, 3, 7, 16, 64, 256] {
+                for n in [1, 2, 3, 5, 6, 7, 16, 64, 256] {
                     for pool in &pools {
                         let out = pool.install(|| product(n, &x[..n * cols]));
                         for (t, expected) in alone.iter().enumerate().take(n) {

@@ -68,6 +68,8 @@ class LevelResult:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    #: The distinct errors seen (the first few), so a failing peer says why.
+    error_messages: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +206,7 @@ async def run_level(
         ttft_p99_ms=1e3 * percentile([r.ttft_s for r in ok], 99),
         itl_p50_ms=1e3 * percentile(gaps, 50),
         itl_p99_ms=1e3 * percentile(gaps, 99),
+        error_messages=sorted({r.error for r in records if r.error is not None})[:5],
     )
 
 
