@@ -140,7 +140,9 @@ pub struct Tracked {
     pub last_used: u64,
     /// Recomputation cost plus everything its hits saved since it was stored.
     pub value: f64,
-    /// Cost-aware priority `inflation + value / bytes` as of the last store or hit.
+    /// The inflation as of the last store or hit (the priority's base).
+    pub base: f64,
+    /// Cost-aware priority `base + value / bytes` (at least the inflation after a resize).
     pub priority: f64,
 }
 
@@ -192,6 +194,7 @@ impl<K: Copy + Eq + Hash + Ord> EvictionQueue<K> {
         self.policy = policy;
         let inflation = self.inflation;
         for t in self.tracked.values_mut() {
+            t.base = inflation;
             t.priority = inflation + t.value / t.bytes.max(1) as f64;
         }
         self.order = self
@@ -235,6 +238,7 @@ impl<K: Copy + Eq + Hash + Ord> EvictionQueue<K> {
             bytes: facts.bytes.max(1),
             last_used: now,
             value,
+            base: self.inflation,
             priority: self.inflation + value / facts.bytes.max(1) as f64,
         };
         self.store(key, t);
@@ -248,6 +252,7 @@ impl<K: Copy + Eq + Hash + Ord> EvictionQueue<K> {
         };
         t.last_used = now;
         t.value = sanitize(t.value + sanitize(saved));
+        t.base = self.inflation;
         t.priority = self.inflation + t.value / t.bytes as f64;
         self.store(key, t);
     }
@@ -257,10 +262,10 @@ impl<K: Copy + Eq + Hash + Ord> EvictionQueue<K> {
         let Some(mut t) = self.take(&key) else {
             return;
         };
-        let per_byte = t.value / t.bytes as f64;
         t.bytes = bytes.max(1);
-        t.priority += t.value / t.bytes as f64 - per_byte;
-        t.priority = t.priority.max(self.inflation);
+        // From the base, not by adjusting the old priority: `p − old + new` rounds, and a
+        // later hit (base' ≥ base, value' ≥ value) could then land an ulp below it.
+        t.priority = (t.base + t.value / t.bytes as f64).max(self.inflation);
         self.store(key, t);
     }
 
@@ -444,6 +449,21 @@ mod tests {
         q.insert(0, facts(0.0, 1, f64::NAN), 12);
         q.touch(0, 13, -5.0);
         assert_eq!(q.get(&0).unwrap().value, 0.0);
+    }
+
+    /// Proptest's find: re-storing a key, resizing it, then a hit that saves nothing. The hit
+    /// must not lower the priority (a resize used to adjust it by `− old + new`, which rounds).
+    #[test]
+    fn a_resize_then_a_hit_never_lowers_the_priority() {
+        let mut q = EvictionQueue::new(EvictionPolicy::CostAware);
+        q.insert(0usize, facts(0.0, 1, 0.0), 1);
+        q.insert(0, facts(0.0, 2, 1.0), 2);
+        q.resize(0, 34);
+        let before = *q.get(&0).unwrap();
+        q.touch(0, 4, 0.0);
+        let after = *q.get(&0).unwrap();
+        assert!(after.priority >= before.priority, "{after:?} < {before:?}");
+        assert_eq!(after.priority, 1.0 / 34.0);
     }
 
     /// The brute-force definition of each policy's victim over the tracked entries.
