@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -103,24 +104,38 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.model = model
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by __exit__
 
     def __enter__(self) -> Server:
+        if self.proc is None:
+            self.start()
+        return self
+
+    def start(self) -> None:
+        """Starts the server and waits for its health check; RuntimeError (with the end of
+        its output) if it exits or does not come up."""
+        # Its output goes to a file, so a server that fails to start can say why.
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy()
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+                self.log.seek(0)
+                tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}: {' / '.join(tail)}"
+                )
             try:
                 import urllib.request
 
                 with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 time.sleep(0.3)
-        raise RuntimeError(f"{self.name} did not come up")
+        self.__exit__()
+        raise RuntimeError(f"{self.name} did not come up in 300 s")
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
@@ -129,6 +144,7 @@ class Server:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
 
 
 async def one_request(
@@ -302,10 +318,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if isinstance(cmd, str):
             results.append(SystemResult(name, note=cmd))
             continue
-        model = mf.name if name.startswith("amplituhedron") else "model"
-        with Server(name, cmd, _port_of(cmd), model) as srv:
-            if name.startswith("amplituhedron"):
-                srv.model = asyncio.run(_served_model(srv))
+        srv = Server(name, cmd, _port_of(cmd), "model")
+        try:
+            srv.start()
+        except RuntimeError as exc:
+            # A peer that cannot start is reported, not fatal: the others still run.
+            results.append(SystemResult(name, note=str(exc)))
+            print(f"{name}: {exc}", file=sys.stderr)
+            continue
+        with srv:
+            srv.model = asyncio.run(_served_model(srv))  # each server's own id for its model
             asyncio.run(run_level(srv, system, 1, 1, 8))  # warm-up: caches, pages, threads
             res = SystemResult(name)
             for c in levels:
