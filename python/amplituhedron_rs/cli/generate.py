@@ -71,8 +71,6 @@ def prompt_of(a: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
 
 def run(a: argparse.Namespace) -> int:
     params = sampling(a)
-    if a.draft != "off" and (a.mesh or a.stations):
-        raise ValueError("--draft runs in a single process only (not yet over a mesh)")
     if a.mesh or a.stations:
         return _over_mesh(a, params)
     from amplituhedron_rs.runtime import CacheOptions, load_model
@@ -190,6 +188,8 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
                         use_cache=not a.no_cache,
                         stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
                         on_token=on_token,
+                        draft=None if a.draft == "off" else a.draft,
+                        draft_max=a.draft_max,
                     )
                     if a.json:
                         d = g.to_json()
