@@ -129,7 +129,9 @@ class Server:
             try:
                 import urllib.request
 
-                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                # /v1/models: every OpenAI-compatible server has it (llama_cpp.server has
+                # no /health).
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=1) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -195,7 +197,10 @@ async def run_level(
     server: Server, system: str, clients: int, requests: int, max_tokens: int
 ) -> LevelResult:
     timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # A fresh connection per request, for every system alike: llama-server closes a
+    # streamed response's connection, and a reused pooled one then fails to send.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
 
         async def client(k: int) -> list[RequestRecord]:
             out = []
