@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,11 +249,10 @@ def test_eight_concurrent_streams_each_equal_their_solo_run(server: Server) -> N
     wait_idle(server)
 
 
-def test_a_client_that_disconnects_cancels_its_request(server: Server) -> None:
-    m = server.model()
-    before = server.metric("amplituhedron_serve_generation_tokens_total")
+def stream_then_leave(server: Server, while_open: Callable[[], None] | None = None) -> None:
+    """Starts a 3000-token stream, reads three events, runs ``while_open`` and disconnects."""
     body = {
-        "model": m,
+        "model": server.model(),
         "messages": [{"role": "user", "content": "Write a very long story."}],
         "max_tokens": 3000,
         "stream": True,
@@ -267,13 +266,18 @@ def test_a_client_that_disconnects_cancels_its_request(server: Server) -> None:
             headers={"Authorization": f"Bearer {KEY}"},
         ) as r,
     ):
-        lines = r.iter_lines()
         got = 0
-        for line in lines:
-            if line.startswith("data: "):
-                got += 1
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
             if got >= 3:
+                if while_open is not None:
+                    while_open()
                 break
+
+
+def test_a_client_that_disconnects_cancels_its_request(server: Server) -> None:
+    before = server.metric("amplituhedron_serve_generation_tokens_total")
+    stream_then_leave(server)
     wait_idle(server)
     generated = server.metric("amplituhedron_serve_generation_tokens_total") - before
     assert generated < 500, f"{generated} tokens generated after the client left"

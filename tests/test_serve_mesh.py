@@ -20,7 +20,14 @@ import pytest
 
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
-from test_serve import KEY, Server, chat, start_server, streamed_text, wait_idle
+from test_serve import (
+    Server,
+    chat,
+    start_server,
+    stream_then_leave,
+    streamed_text,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
 
@@ -142,27 +149,11 @@ def test_a_client_that_disconnects_frees_its_sessions_on_every_station(
     mesh_server: Server, mesh: MeshSpec
 ) -> None:
     before = mesh_server.metric("amplituhedron_serve_generation_tokens_total")
-    body = {
-        "model": mesh_server.model(),
-        "messages": [{"role": "user", "content": "Write a very long story."}],
-        "max_tokens": 3000,
-        "stream": True,
-    }
-    with (
-        httpx.Client(timeout=30) as h,
-        h.stream(
-            "POST",
-            f"{mesh_server.url}/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {KEY}"},
-        ) as r,
-    ):
-        got = 0
-        for line in r.iter_lines():
-            got += line.startswith("data: ")
-            if got >= 3:
-                assert open_sessions(mesh) == [1, 1]
-                break
+
+    def both_stations_hold_it() -> None:
+        assert open_sessions(mesh) == [1, 1]
+
+    stream_then_leave(mesh_server, both_stations_hold_it)
     wait_idle(mesh_server)
     assert open_sessions(mesh) == [0, 0]
     generated = mesh_server.metric("amplituhedron_serve_generation_tokens_total") - before

@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,28 @@ def free_ports(k: int) -> list[int]:
     return ports
 
 
+def wait_healthy(
+    urls: list[str], timeout: float, *, alive: Callable[[str], None] | None = None
+) -> None:
+    """Blocks until every station at ``urls`` answers ``/healthz``; MeshError after
+    ``timeout`` seconds, or as soon as ``alive(url)`` raises (a station process that died)."""
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending:
+        for url in list(pending):
+            if alive is not None:
+                alive(url)
+            try:
+                get_json(f"{url}/healthz", timeout=2)
+                pending.remove(url)
+            except (OSError, ValueError):
+                pass
+        if pending and time.monotonic() > deadline:
+            raise MeshError(f"stations not healthy after {timeout}s: {pending}")
+        if pending:
+            time.sleep(0.1)
+
+
 class LocalMesh:
     """K station processes on loopback, started together and stopped together. They require
     ``token``, or a fresh random one (``spec.token``); ``insecure=True`` runs them open."""
@@ -232,26 +255,17 @@ class LocalMesh:
         return self.spec
 
     def _wait_healthy(self, infos: list[StationInfo]) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        pending = {s.url: (s, p) for s, p in zip(infos, self.processes, strict=True)}
-        while pending:
-            for url, (info, proc) in list(pending.items()):
-                if proc.poll() is not None:
-                    raise MeshError(
-                        f"station {url} exited with code {proc.returncode} during start-up:\n"
-                        + self.station_log(info)
-                    )
-                try:
-                    get_json(f"{url}/healthz", timeout=2)
-                    del pending[url]
-                except (OSError, ValueError):
-                    pass
-            if pending and time.monotonic() > deadline:
+        processes = {s.url: (s, p) for s, p in zip(infos, self.processes, strict=True)}
+
+        def alive(url: str) -> None:
+            info, proc = processes[url]
+            if proc.poll() is not None:
                 raise MeshError(
-                    f"stations not healthy after {self.startup_timeout}s: {list(pending)}"
+                    f"station {url} exited with code {proc.returncode} during start-up:\n"
+                    + self.station_log(info)
                 )
-            if pending:
-                time.sleep(0.1)
+
+        wait_healthy([s.url for s in infos], self.startup_timeout, alive=alive)
 
     def _log_path(self, port: int | str) -> Path:
         return Path(self._tmp.name) / f"station-{port}.log"

@@ -25,11 +25,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 from amplituhedron_rs._core import MeshError
-from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo, get_json, split_layers
+from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo, split_layers, wait_healthy
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 
 #: How every station actor is placed: restarted forever, spread over the nodes, no CPU
@@ -154,21 +153,7 @@ class RayMesh:
     def wait_healthy(self, infos: list[StationInfo] | None = None) -> None:
         """Blocks until every station answers ``/healthz`` (after start or a restart)."""
         infos = infos or (list(self.spec.stations) if self.spec else [])
-        deadline = time.monotonic() + self.startup_timeout
-        pending = {s.url for s in infos}
-        while pending:
-            for url in list(pending):
-                try:
-                    get_json(f"{url}/healthz", timeout=2)
-                    pending.discard(url)
-                except (OSError, ValueError):
-                    pass
-            if pending and time.monotonic() > deadline:
-                raise MeshError(
-                    f"Ray stations not healthy after {self.startup_timeout}s: {pending}"
-                )
-            if pending:
-                time.sleep(0.2)
+        wait_healthy([s.url for s in infos], self.startup_timeout)
 
     def station_pid(self, index: int) -> int:
         """The station process behind actor ``index`` (failure drills and tests)."""
