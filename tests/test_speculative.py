@@ -8,9 +8,11 @@ statistically in rust/model/sampling/tests.rs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +92,25 @@ def test_cli_draft_prints_the_plain_tokens(model: ar.Model) -> None:
     spec = run("--draft", "prompt-lookup", "--draft-max", "4")
     assert spec["output_ids"] == plain["output_ids"]
     assert isinstance(spec["draft_proposed"], int) and spec["draft_proposed"] > 0
+
+
+def test_bench_spec_reports_every_workload_and_the_peer(tmp_path: Path) -> None:
+    """A tiny ``bench-spec`` run: one row per workload, greedy identical, and the llama.cpp
+    column filled exactly when llama-cpp-python is installed (else it says it skipped)."""
+    report = tmp_path / "spec.json"
+    argv = [sys.executable, "-m", "amplituhedron_rs.cli", "bench-spec", "--rounds", "1"]
+    argv += ["--max-new-tokens", "6", "--precision", "fast", "--json", str(report)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    rows = json.loads(report.read_text())
+    assert [r["workload"] for r in rows] == ["copy-heavy", "summarise", "free chat"]
+    for r in rows:
+        assert r["identical"] is True and r["where"] == "process"
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
+        assert 0.0 <= r["acceptance"] <= 1.0
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert all(r["llamacpp_tok_s"] is None for r in rows)
+        assert "llama.cpp peer skipped" in out.stderr
+    else:
+        assert all(r["llamacpp_tok_s"] > 0 for r in rows)
+        assert all(r["over_llamacpp"] == r["spec_tok_s"] / r["llamacpp_tok_s"] for r in rows)
+    assert "| copy-heavy | fast | process |" in out.stdout

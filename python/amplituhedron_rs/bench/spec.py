@@ -14,6 +14,11 @@ The greedy outputs must be identical token for token; a difference is reported a
 With ``--stations K`` the same prompts also run over a local mesh of K station processes
 (the engine's mesh executor: a verify step carries k+1 rows through each station in one
 hop), in the same run, and their outputs must equal the single process's too.
+
+When llama.cpp (``llama-cpp-python``, the ``peers`` extra) is installed, its plain greedy
+decode of the same prompts (same GGUF, 2 threads) is measured in the same run as the peer:
+each row then also gives speculative tokens/s over llama.cpp's. Its outputs are reported,
+not required to match (its kernels round differently).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import inspect
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,6 +102,13 @@ class Row:
     tokens_per_verify: float
     identical: bool
     samples: list[dict[str, Any]] = field(default_factory=list)
+    #: llama.cpp's plain greedy decode of the same prompts, tok/s (None: not installed).
+    llamacpp_tok_s: float | None = None
+
+    @property
+    def over_llamacpp(self) -> float | None:
+        """Speculative tokens/s over llama.cpp's plain decode."""
+        return self.spec_tok_s / self.llamacpp_tok_s if self.llamacpp_tok_s else None
 
 
 @dataclass
@@ -164,6 +177,8 @@ def measure(a: argparse.Namespace) -> list[Row]:
     from amplituhedron_rs.runtime import CacheOptions, load_model
 
     rows: list[Row] = []
+    #: llama.cpp's plain decode per workload: measured once (it has one precision).
+    peer_rates: dict[str, float | None] | None = None
     for precision in [p for p in a.precision.split(",") if p]:
         # Cache off: every run decodes the same way (no replayed first token).
         model = load_model(
@@ -193,10 +208,50 @@ def measure(a: argparse.Namespace) -> list[Row]:
                     tally.add(plain, spec, references[label])
                 tally.samples.append({"prompt": label, "tokens": len(g0.output_ids)})
             rows.append(tally.row(name, precision, "process", len(prompts)))
+        if peer_rates is None:
+            peer_rates = _llamacpp_rates(a, str(model.file.path), loads, references)
         if a.stations:
             stop_ids = [model.eos_id] if model.eos_id is not None else []
             rows += asyncio.run(_over_a_mesh(a, precision, loads, references, stop_ids))
+    for r in rows:
+        r.llamacpp_tok_s = (peer_rates or {}).get(r.workload)
     return rows
+
+
+def _llamacpp_rates(
+    a: argparse.Namespace,
+    model_path: str,
+    loads: dict[str, list[tuple[str, Ids]]],
+    references: dict[str, Ids],
+) -> dict[str, float | None]:
+    """llama.cpp's plain greedy decode tokens/s per workload (median over prompts and
+    rounds), decoding as many tokens as our plain run emitted; empty if not installed."""
+    from amplituhedron_rs.bench.peers import LlamaCpp
+
+    peer = LlamaCpp.load(model_path, n_ctx=4096, threads=a.threads)
+    if isinstance(peer, str):
+        print(f"llama.cpp peer skipped: {peer}", file=sys.stderr)
+        return {}
+    rates: dict[str, float | None] = {}
+    for name, prompts in loads.items():
+        samples: list[float] = []
+        for label, ids in prompts:
+            n = len(references[label])
+            if n < 2:
+                continue
+            for _ in range(a.rounds):
+                peer.fresh()
+                logits = peer.prefill(ids)
+                t0 = time.perf_counter()
+                peer.greedy(logits, n)
+                samples.append((n - 1) / (time.perf_counter() - t0))
+        rates[name] = statistics.median(samples) if samples else None
+        print(
+            f"llama.cpp {peer.version} · {name:>10}: plain {rates[name] or float('nan'):6.1f} "
+            "tok/s",
+            file=sys.stderr,
+        )
+    return rates
 
 
 async def _over_a_mesh(
@@ -247,16 +302,19 @@ def main(a: argparse.Namespace) -> int:
     rows = measure(a)
     print(
         "\n| workload | precision | where | plain tok/s | speculative tok/s | × | acceptance | "
-        "tokens/verify | greedy identical |"
+        "tokens/verify | greedy identical | llama.cpp plain tok/s | × llama.cpp |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        peer = "—" if r.llamacpp_tok_s is None else f"{r.llamacpp_tok_s:.1f}"
+        over = "—" if r.over_llamacpp is None else f"{r.over_llamacpp:.2f}"
         print(
             f"| {r.workload} | {r.precision} | {r.where} | {r.plain_tok_s:.1f} | "
             f"{r.spec_tok_s:.1f} | "
             f"{r.speedup:.2f} | {r.acceptance:.0%} | {r.tokens_per_verify:.2f} | "
-            f"{'yes' if r.identical else 'NO'} |"
+            f"{'yes' if r.identical else 'NO'} | {peer} | {over} |"
         )
     if a.json:
-        Path(a.json).write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        out = [asdict(r) | {"over_llamacpp": r.over_llamacpp} for r in rows]
+        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0 if all(r.identical for r in rows) else 1

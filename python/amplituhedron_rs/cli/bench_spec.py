@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="also run over a local mesh of K stations (0: single process only)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        metavar="N",
+        help="llama.cpp peer threads, when llama-cpp-python is installed (default 2)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
 
 
