@@ -222,6 +222,7 @@ for i in range(8):
     outcomes.append(cache.capture({fingerprint}, tokens, 0, LAYERS, tail, keys, vals))
 served = [cache.replay({fingerprint}, volume(i, {positions})[0], 0, LAYERS) is not None
           for i in range(8)]
+cache.flush()  # writes run behind the captures: wait for their outcomes
 print(json.dumps({{"outcomes": outcomes, "served": served, "stats": cache.stats()}}))
 """
 
@@ -285,3 +286,21 @@ def test_corrupted_files_are_never_served(tmp_path: Path) -> None:
     assert stats["misses"] == 3
     assert volume_files(directory) == [f for f in files if f.exists()]
     assert len(volume_files(directory)) == 1
+
+
+def test_captures_write_behind_and_flush_waits_for_the_files(tmp_path: Path) -> None:
+    """A capture returns before its file is written (the writer thread does it); ``flush``
+    waits for every queued write, after which the stats and the directory agree."""
+    directory = tmp_path / "volumes"
+    cache = ar.AmplituhedronCache(max_entries=16, max_prefix_len=4096, cache_dir=directory)
+    for i in range(6):
+        capture(cache, i, 64)
+        assert served_intact(cache, i, 64), "served from memory while its file is written"
+    cache.flush()
+    stats = cache.stats()
+    assert stats["disk_writes"] == stats["disk_entries"] == 6
+    assert len(volume_files(directory)) == 6 and leftovers(directory) == []
+    cache.flush()  # nothing queued: returns at once
+    del cache
+    reopened = ar.AmplituhedronCache(max_entries=16, max_prefix_len=4096, cache_dir=directory)
+    assert all(served_intact(reopened, i, 64) for i in range(6))

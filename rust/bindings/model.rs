@@ -632,9 +632,18 @@ impl PyPipeline {
         self.lock().amplituhedron_clear();
     }
 
-    /// Counters: hits, misses, evictions, entries, bytes, …
+    /// Counters: hits, misses, evictions, entries, bytes, … (disk writes that finished are
+    /// counted; call ``amplituhedron_flush`` first to wait for the queued ones).
     fn amplituhedron_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.lock().amplituhedron_stats().as_pairs())
+        let mut p = self.lock();
+        p.amplituhedron_settle();
+        stats_dict(py, &p.amplituhedron_stats().as_pairs())
+    }
+
+    /// Waits until every volume write queued by a capture is on disk (a no-op without a
+    /// cache directory). The GIL is released meanwhile.
+    fn amplituhedron_flush(&self, py: Python<'_>) {
+        py.detach(|| self.lock().amplituhedron_flush());
     }
 
     /// Whether the cache is on.

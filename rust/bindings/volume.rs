@@ -609,9 +609,18 @@ impl PyCache {
         })
     }
 
-    /// Counters and occupancy.
+    /// Counters and occupancy (disk writes that finished are counted; call ``flush`` first
+    /// to wait for the queued ones).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.lock()?.stats().as_pairs())
+        let mut cache = self.lock()?;
+        cache.settle();
+        stats_dict(py, &cache.stats().as_pairs())
+    }
+
+    /// Waits until every volume write queued by a capture is on disk (a no-op without a
+    /// cache directory). The GIL is released meanwhile.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().map(|mut c| c.flush()))
     }
 
     /// Turns the cache on or off (entries are kept).

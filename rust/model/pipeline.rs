@@ -163,6 +163,17 @@ impl NativeLlamaPipeline {
         self.cache.stats()
     }
 
+    /// Applies the outcomes of volume writes that finished (see
+    /// [`AmplituhedronCache::settle`]); before reading stats.
+    pub fn amplituhedron_settle(&mut self) {
+        self.cache.settle();
+    }
+
+    /// Waits until every queued volume write is on disk.
+    pub fn amplituhedron_flush(&mut self) {
+        self.cache.flush();
+    }
+
     /// `amplituhedron_tail`: the tail residual stored under `prefix_hash`, if any.
     pub fn amplituhedron_tail(&self, prefix_hash: u64) -> Option<Vec<f32>> {
         self.cache.tail(prefix_hash)

@@ -35,6 +35,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -280,7 +281,7 @@ pub(super) struct DiskStore {
     /// Held for the store's lifetime: a second cache on the directory fails to open.
     _lock: File,
     /// Temporary file counter.
-    writes: u64,
+    writes: AtomicU64,
 }
 
 impl DiskStore {
@@ -325,22 +326,20 @@ impl DiskStore {
         let store = DiskStore {
             dir: dir.to_path_buf(),
             _lock: lock,
-            writes: 0,
+            writes: AtomicU64::new(0),
         };
         Ok((store, scan))
     }
 
     /// Writes an intact volume atomically; returns its header. On error nothing is left.
-    pub(super) fn write(&mut self, volume: &AmplituhedronVolume) -> io::Result<Header> {
+    pub(super) fn write(&self, volume: &AmplituhedronVolume) -> io::Result<Header> {
         debug_assert!(!volume.is_erased() && volume.tail().is_some());
         let mut header = Header::of(volume);
-        self.writes += 1;
+        let serial = self.writes.fetch_add(1, Ordering::Relaxed) + 1;
         let name = header.file_name();
-        let temp = self.dir.join(format!(
-            "{name}.{}.{}.{TEMP_EXT}",
-            std::process::id(),
-            self.writes
-        ));
+        let temp = self
+            .dir
+            .join(format!("{name}.{}.{serial}.{TEMP_EXT}", std::process::id(),));
         let written = (|| {
             let mut file = OpenOptions::new()
                 .write(true)

@@ -71,6 +71,7 @@ mod key;
 mod slab;
 #[cfg(test)]
 mod tests;
+mod writer;
 
 pub use block::{KvBlock, BLOCK_POSITIONS};
 pub use captured::AmplituhedronVolume;
@@ -83,6 +84,7 @@ use data::entry_bytes;
 use disk::{DiskStore, Header};
 use index::{EntryId, NodeId, PrefixIndex};
 use key::{Namespace, PrefixIdentity};
+use writer::{DiskWriter, Ticket, Written};
 
 // ---------------------------------------------------------------------------------------
 // Configuration
@@ -203,11 +205,18 @@ impl Entry {
     }
 }
 
-/// The cache directory and its eviction queue.
+/// The cache directory: its files' eviction queue, and the writes still under way.
 #[derive(Debug)]
 struct DiskTier {
-    store: DiskStore,
+    store: Arc<DiskStore>,
+    /// Entries whose file is written (the queued writes are not in it yet).
     queue: EvictionQueue<EntryId>,
+    writer: DiskWriter,
+    /// Entries whose write is queued: the serial of that write and its file's header.
+    pending: HashMap<EntryId, (u64, Header)>,
+    /// Bytes of the queued writes, reserved against `max_disk_bytes`.
+    pending_bytes: u64,
+    serial: u64,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -302,7 +311,25 @@ impl AmplituhedronCache {
             queue.insert(e, self.entry(e).facts(bytes as usize), self.tick);
             self.stats.disk_bytes += bytes;
         }
-        self.disk = Some(DiskTier { store, queue });
+        let store = Arc::new(store);
+        let writer = DiskWriter::spawn(Arc::clone(&store)).map_err(|e| VolumeError::CacheDir {
+            path: self
+                .config
+                .cache_dir
+                .clone()
+                .unwrap_or_default()
+                .display()
+                .to_string(),
+            reason: format!("cannot start its writer thread: {e}"),
+        })?;
+        self.disk = Some(DiskTier {
+            store,
+            queue,
+            writer,
+            pending: HashMap::new(),
+            pending_bytes: 0,
+            serial: 0,
+        });
         self.evict_disk_to_fit(0);
         Ok(())
     }
@@ -381,6 +408,35 @@ impl AmplituhedronCache {
         stale.len()
     }
 
+    /// Applies the outcomes of volume writes that finished, without waiting. Captures and
+    /// lookups do it themselves; call it before reading [`stats`](Self::stats) to see them.
+    pub fn settle(&mut self) {
+        let finished = match &mut self.disk {
+            Some(d) if d.writer.in_flight() > 0 => d.writer.finished(),
+            _ => return,
+        };
+        for w in finished {
+            self.apply_written(w);
+        }
+    }
+
+    /// Waits until every queued volume write is on disk (synced and renamed into place) and
+    /// applies the outcomes.
+    pub fn flush(&mut self) {
+        let finished = match &mut self.disk {
+            Some(d) => d.writer.wait_all(),
+            None => return,
+        };
+        for w in finished {
+            self.apply_written(w);
+        }
+    }
+
+    /// Volume writes queued whose outcome is not applied yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.disk.as_ref().map_or(0, |d| d.pending.len())
+    }
+
     /// Counters and occupancy.
     pub fn stats(&self) -> CacheStats {
         CacheStats {
@@ -453,6 +509,7 @@ impl AmplituhedronCache {
         if !self.enabled {
             return Ok(None);
         }
+        self.settle();
         let namespace = Namespace::of(key, &PrefixIdentity::of(key));
         let cap = key.tokens.len() - 1;
         loop {
@@ -661,6 +718,7 @@ impl AmplituhedronCache {
         data: VolumeData<'_>,
     ) -> Result<CaptureOutcome, VolumeError> {
         data.validate_shape(key)?;
+        self.settle();
         let bytes = data.entry_bytes();
 
         // Outcomes that store nothing are decided before copying, but the slabs are still
@@ -713,7 +771,7 @@ impl AmplituhedronCache {
         });
         self.make_resident(e, Arc::clone(&volume));
         self.stats.captures += 1;
-        self.persist(e, &volume);
+        self.persist(e, volume);
         Ok(if cleared == 0 {
             CaptureOutcome::Stored { bytes }
         } else {
@@ -729,6 +787,7 @@ impl AmplituhedronCache {
         if !self.enabled {
             return None;
         }
+        self.settle();
         self.tick += 1;
         let hit = self.find(key, id).and_then(|e| {
             let volume = self.resident_volume(e)?;
@@ -844,21 +903,45 @@ impl AmplituhedronCache {
         self.memory.insert(e, facts, self.tick);
     }
 
-    /// Writes `e`'s volume to the cache directory, if there is one, evicting files down to
-    /// the disk budget first (never `e`'s). A failed write is counted; the entry stays in
-    /// memory.
-    fn persist(&mut self, e: EntryId, volume: &AmplituhedronVolume) {
+    /// Queues the write of `e`'s volume to the cache directory, if there is one, evicting
+    /// files down to the disk budget first (the queued bytes count against it). The write
+    /// happens on the writer thread; until it ends the entry is served from memory. A failed
+    /// write is counted; the entry stays in memory.
+    fn persist(&mut self, e: EntryId, volume: Arc<AmplituhedronVolume>) {
         if self.disk.is_none() {
             return;
         }
-        let file_len = Header::of(volume).file_len();
+        let header = Header::of(&volume);
+        let file_len = header.file_len();
         if self.config.max_disk_bytes.is_some_and(|m| file_len > m) {
             self.stats.disk_skipped_too_large += 1;
             return;
         }
         self.evict_disk_to_fit(file_len);
         let tier = self.disk.as_mut().expect("checked above");
-        match tier.store.write(volume) {
+        tier.serial += 1;
+        let ticket = Ticket {
+            entry: e,
+            serial: tier.serial,
+            reserved: file_len,
+        };
+        tier.pending.insert(e, (ticket.serial, header));
+        tier.pending_bytes += file_len;
+        tier.writer.write(ticket, volume);
+    }
+
+    /// Applies how a queued write ended: the entry gets its file (or, if it is no longer in
+    /// memory either, goes). A write whose entry went meanwhile changes nothing: its file's
+    /// deletion was queued behind it when the entry went.
+    fn apply_written(&mut self, w: Written) {
+        let tier = self.disk.as_mut().expect("writes imply a directory");
+        tier.pending_bytes -= w.ticket.reserved;
+        let e = w.ticket.entry;
+        if tier.pending.get(&e).map(|&(serial, _)| serial) != Some(w.ticket.serial) {
+            return;
+        }
+        tier.pending.remove(&e);
+        match w.result {
             Ok(header) => {
                 self.stats.disk_writes += 1;
                 self.stats.disk_bytes += header.file_len();
@@ -867,7 +950,12 @@ impl AmplituhedronCache {
                     .insert(e, entry.facts(header.file_len() as usize), self.tick);
                 entry.disk = Some(header);
             }
-            Err(_) => self.stats.disk_write_failures += 1,
+            Err(_) => {
+                self.stats.disk_write_failures += 1;
+                if self.entry(e).resident.is_none() {
+                    self.remove_entry(e);
+                }
+            }
         }
     }
 
@@ -928,7 +1016,19 @@ impl AmplituhedronCache {
             };
             self.drop_resident(victim);
             self.stats.evictions += 1;
-            if self.entry(victim).disk.is_none() {
+            if self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.pending.contains_key(&victim))
+            {
+                // Its file is being written: wait for it, so the entry keeps a copy (rare:
+                // the cache is full and the disk slower than the captures).
+                self.flush();
+            }
+            if self.entries[victim as usize]
+                .as_ref()
+                .is_some_and(|entry| entry.disk.is_none())
+            {
                 self.remove_entry(victim);
             }
         }
@@ -940,7 +1040,9 @@ impl AmplituhedronCache {
         let Some(max) = self.config.max_disk_bytes else {
             return;
         };
-        while self.stats.disk_bytes + incoming > max {
+        while self.stats.disk_bytes + self.disk.as_ref().map_or(0, |d| d.pending_bytes) + incoming
+            > max
+        {
             let tick = self.tick;
             let Some(victim) = self.disk.as_mut().and_then(|d| d.queue.pop_victim(tick)) else {
                 return;
@@ -966,12 +1068,23 @@ impl AmplituhedronCache {
         }
     }
 
-    /// Deletes `e`'s file (the entry stays indexed).
+    /// Deletes `e`'s file, or the file its queued write will leave (the entry stays
+    /// indexed). A queued write's file is deleted by the writer, right behind the write. A
+    /// written file is deleted at once: while its entry lives no queued operation touches its
+    /// name (the writer runs in order, so nothing queued before the write is left).
     fn drop_file(&mut self, e: EntryId) {
-        let Some(header) = self.entry_mut(e).disk.take() else {
+        let Some(tier) = self.disk.as_mut() else {
             return;
         };
-        let tier = self.disk.as_mut().expect("a file implies a directory");
+        if let Some((_, header)) = tier.pending.remove(&e) {
+            tier.writer.remove(header);
+        }
+        let Some(header) = self.entries[e as usize]
+            .as_mut()
+            .and_then(|x| x.disk.take())
+        else {
+            return;
+        };
         tier.queue.remove(&e);
         tier.store.remove(&header);
         self.stats.disk_bytes -= header.file_len();

@@ -143,6 +143,8 @@ def _generate_once(
         progress.stop()
     if not a.json:
         out.print()
+    # The prompt's volume is written behind the capture: have it on disk before exiting.
+    model.flush_cache()
     return g
 
 

@@ -257,6 +257,12 @@ class Model:
     def clear_cache(self) -> None:
         self.pipeline.amplituhedron_clear()
 
+    def flush_cache(self) -> None:
+        """Waits until every volume queued for the cache directory is on disk. Captures
+        write their files behind, on a thread of their own; a model that is garbage
+        collected, or a process that exits normally, finishes them too."""
+        self.pipeline.amplituhedron_flush()
+
 
 def load_model(
     path: str | Path | None = None,

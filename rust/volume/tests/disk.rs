@@ -66,6 +66,12 @@ fn samples() -> [Sample; 3] {
     ]
 }
 
+/// Captures `s` and waits for its file (writes are behind the capture, on the writer thread).
+fn written(s: &Sample, cache: &mut AmplituhedronCache) {
+    s.capture(cache).unwrap();
+    cache.flush();
+}
+
 fn file_of(dir: &TempDir, s: &Sample) -> PathBuf {
     let key = s.key();
     let id = PrefixIdentity::of(&key);
@@ -80,7 +86,7 @@ fn a_reopened_directory_serves_every_volume_bit_for_bit() {
     {
         let mut cache = on_disk(&dir, 8, None);
         for s in &all {
-            s.capture(&mut cache).unwrap();
+            written(s, &mut cache);
         }
         let st = cache.stats();
         assert_eq!((st.disk_writes, st.disk_entries), (3, 3));
@@ -146,14 +152,14 @@ fn memory_evictions_keep_the_file_and_disk_evictions_keep_the_resident_copy() {
     // Room on disk for the two largest files, in memory for one entry.
     let budget = one_file(&all[1]) + one_file(&all[2]);
     let mut cache = on_disk(&dir, 1, Some(budget));
-    all[0].capture(&mut cache).unwrap();
-    all[1].capture(&mut cache).unwrap(); // memory: evicts 0 (its file stays)
+    written(&all[0], &mut cache);
+    written(&all[1], &mut cache); // memory: evicts 0 (its file stays)
     assert_eq!((cache.len(), cache.stats().evictions), (1, 1));
     all[0].assert_is(&all[0].replay(&mut cache).unwrap()); // from disk
     assert_eq!(cache.stats().disk_hits, 1);
     // The third file does not fit: the least recently used file goes (1's: not hit since
     // its capture), and with it entry 1, which is not resident either (0 was loaded over it).
-    all[2].capture(&mut cache).unwrap();
+    written(&all[2], &mut cache);
     let st = cache.stats();
     assert_eq!((st.disk_evictions, st.disk_entries), (1, 2));
     assert!(st.disk_bytes <= budget);
@@ -164,7 +170,7 @@ fn memory_evictions_keep_the_file_and_disk_evictions_keep_the_resident_copy() {
     // memory.
     let tiny_dir = TempDir::new("tiny");
     let mut tiny = on_disk(&tiny_dir, 4, Some(16));
-    all[0].capture(&mut tiny).unwrap();
+    written(&all[0], &mut tiny);
     let st = tiny.stats();
     assert_eq!(
         (st.disk_skipped_too_large, st.disk_entries, st.entries),
@@ -191,12 +197,12 @@ fn the_disk_budget_is_evicted_by_the_memory_policy() {
         ..CacheConfig::default()
     })
     .unwrap();
-    s[0].capture(&mut cache).unwrap();
-    s[1].capture(&mut cache).unwrap();
+    written(&s[0], &mut cache);
+    written(&s[1], &mut cache);
     s[0].replay(&mut cache).unwrap();
     s[0].replay(&mut cache).unwrap();
     s[1].replay(&mut cache).unwrap(); // most recent, but hit once
-    s[2].capture(&mut cache).unwrap();
+    written(&s[2], &mut cache);
     assert!(file_of(&dir, &s[0]).exists(), "hit twice: kept");
     assert!(
         !file_of(&dir, &s[1]).exists(),
@@ -210,7 +216,7 @@ fn populate(dir: &TempDir) -> [Sample; 3] {
     let all = samples();
     let mut cache = on_disk(dir, 8, None);
     for s in &all {
-        s.capture(&mut cache).unwrap();
+        written(s, &mut cache);
     }
     all
 }
@@ -432,7 +438,7 @@ proptest! {
         for (op, prompt, len) in ops {
             let s = Sample::with_layout(vec![u32::from(prompt); len], 0, 1, 1, 4);
             match op {
-                0 | 1 => { s.capture(&mut cache).unwrap(); }
+                0 | 1 => { written(&s, &mut cache); }
                 2 => if let Some(v) = s.replay(&mut cache) { s.assert_is(&v) },
                 _ => { let _ = cache.report_damage(&s.key(), len - 1); }
             }
@@ -445,4 +451,58 @@ proptest! {
             prop_assert_eq!(st.bytes, resident_bytes(&cache.resident()));
         }
     }
+}
+
+#[test]
+fn writes_run_behind_the_capture_and_a_dropped_cache_finishes_them() {
+    let dir = TempDir::new("behind");
+    let all: Vec<Sample> = (0..12u32)
+        .map(|i| Sample::new((i * 100..i * 100 + 40).collect()))
+        .collect();
+    {
+        let mut cache = on_disk(&dir, 64, None);
+        for s in &all {
+            s.capture(&mut cache).unwrap();
+            // Served from memory whether or not its file is written yet.
+            s.assert_is(&s.replay(&mut cache).unwrap());
+        }
+        cache.flush();
+        assert_eq!(cache.writes_in_flight(), 0);
+        assert_eq!(cache.stats().disk_writes, all.len() as u64);
+        // Queued and never waited for: dropping the cache finishes them.
+        cache.clear();
+        for s in &all {
+            s.capture(&mut cache).unwrap();
+        }
+    }
+    let mut cache = on_disk(&dir, 64, None);
+    assert_eq!(cache.stats().disk_entries, all.len());
+    for s in &all {
+        s.assert_is(
+            &s.replay(&mut cache)
+                .expect("written before the drop returned"),
+        );
+    }
+}
+
+#[test]
+fn an_entry_gone_before_its_write_ends_leaves_no_file_and_a_recapture_keeps_its_own() {
+    let dir = TempDir::new("gone");
+    let all = samples();
+    let mut cache = on_disk(&dir, 8, None);
+    // Whatever the writer has done by then, the outcome is the same: clear() queues the
+    // deletion of queued writes behind them, and the second capture's write comes last.
+    for s in &all {
+        s.capture(&mut cache).unwrap();
+    }
+    cache.clear();
+    all[0].capture(&mut cache).unwrap();
+    cache.flush();
+    assert_eq!(dir.volume_files(), vec![file_of(&dir, &all[0])]);
+    let st = cache.stats();
+    assert_eq!((st.disk_entries, st.entries), (1, 1));
+    drop(cache);
+    let mut cache = on_disk(&dir, 8, None);
+    all[0].assert_is(&all[0].replay(&mut cache).expect("its file"));
+    assert!(all[1].replay(&mut cache).is_none());
 }

@@ -201,6 +201,8 @@ def create_app(station: Station) -> FastAPI:
             yield
         finally:
             task.cancel()
+            # A graceful stop leaves every accepted volume on disk for the next start.
+            await asyncio.to_thread(station.flush_volumes)
 
     app = FastAPI(
         title="amplituhedron station",

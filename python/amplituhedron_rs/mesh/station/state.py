@@ -244,6 +244,12 @@ class Station:
         with self.pipeline_lock:
             return dict(self.pipeline.amplituhedron_stats())
 
+    def flush_volumes(self) -> None:
+        """Waits until every captured volume queued for the cache directory is on disk
+        (captures write behind, off the step path); called at shutdown."""
+        with self.pipeline_lock:
+            self.pipeline.amplituhedron_flush()
+
     def configure(self, req: ConfigureRequest) -> None:
         with self.pipeline_lock:
             p = self.pipeline
