@@ -95,14 +95,70 @@ impl Proposer for PromptLookup {
     }
 }
 
+/// What a decode step costs as a function of its rows, learned from the steps an engine
+/// runs: `t(rows) ≈ base + per_row · rows`, an exponentially weighted least-squares fit over
+/// recent decode-only steps (prompt chunks have another cost per row and are left out).
+///
+/// It is what makes draft lengths fit the machine and the executor: in one process with the
+/// `refined` kernels extra rows cost much (short drafts pay best), with `fast` kernels they
+/// are nearly free up to a few rows, and over a mesh every hop adds a fixed cost that longer
+/// drafts amortize. Draft lengths never change a token (verification is exact), only speed.
+#[derive(Clone, Debug, Default)]
+pub struct StepCost {
+    weight: f64,
+    sum_r: f64,
+    sum_t: f64,
+    sum_rr: f64,
+    sum_rt: f64,
+    fitted: Option<(f64, f64)>,
+}
+
+impl StepCost {
+    /// Weight kept per observation: about the last 100 steps count.
+    const DECAY: f64 = 0.99;
+
+    /// Records a decode step of `rows` rows that took `seconds`.
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        if !(seconds.is_finite() && seconds > 0.0) || rows == 0 {
+            return;
+        }
+        let r = rows as f64;
+        let d = Self::DECAY;
+        self.weight = d * self.weight + 1.0;
+        self.sum_r = d * self.sum_r + r;
+        self.sum_t = d * self.sum_t + seconds;
+        self.sum_rr = d * self.sum_rr + r * r;
+        self.sum_rt = d * self.sum_rt + r * seconds;
+        let mean_r = self.sum_r / self.weight;
+        let var_r = self.sum_rr / self.weight - mean_r * mean_r;
+        // Refit only while the row counts vary enough to tell base from slope; otherwise the
+        // last fit stands.
+        if self.weight >= 8.0 && var_r >= 0.5 {
+            let mean_t = self.sum_t / self.weight;
+            let cov = self.sum_rt / self.weight - mean_r * mean_t;
+            let per_row = (cov / var_r).max(0.0);
+            let base = (mean_t - per_row * mean_r).max(0.05 * mean_t);
+            self.fitted = Some((base, per_row));
+        }
+    }
+
+    /// `(base, per_row)` seconds, once fitted.
+    pub fn model(&self) -> Option<(f64, f64)> {
+        self.fitted
+    }
+}
+
 /// Per-sequence speculation state: how long the next draft may be, and whether drafting is
 /// paused because recent drafts were mostly rejected.
 ///
-/// Growth and shrinkage follow the last verification (double after a fully accepted draft,
-/// fall back to one more than was accepted otherwise). A running acceptance rate below
-/// [`DraftController::LOW_ACCEPTANCE`] pauses drafting for a number of steps that doubles
-/// each time (up to [`DraftController::MAX_PAUSE`]), so free-form text pays for only the
-/// occasional probe.
+/// With a fitted [`StepCost`] the length maximises the expected tokens per second of the
+/// step: with a per-token acceptance probability `a` (estimated from this sequence's
+/// verifications), a draft of `k` yields `(1 − a^(k+1)) / (1 − a)` tokens in a step of
+/// `k + 1` rows. Before the cost is known, growth and shrinkage follow the last verification
+/// (double after a fully accepted draft, fall back to one more than was accepted otherwise).
+/// A running acceptance rate below [`DraftController::LOW_ACCEPTANCE`] pauses drafting for a
+/// number of steps that doubles each time (up to [`DraftController::MAX_PAUSE`]), so
+/// free-form text pays for only the occasional probe.
 #[derive(Debug)]
 pub struct DraftController {
     proposer: Box<dyn Proposer>,
@@ -112,6 +168,10 @@ pub struct DraftController {
     verifies: usize,
     paused_for: usize,
     pause: usize,
+    /// Decayed counts of accepted draft tokens and of rejections (at most one per verify):
+    /// the per-token acceptance probability is `accepted / (accepted + rejected)`.
+    accepted_tokens: f64,
+    rejections: f64,
 }
 
 impl std::fmt::Debug for dyn Proposer {
@@ -145,21 +205,50 @@ impl DraftController {
             verifies: 0,
             paused_for: 0,
             pause: Self::FIRST_PAUSE,
+            accepted_tokens: 1.0,
+            rejections: 1.0,
         }
     }
 
     /// Drafts for the next step (at most `limit` tokens): empty while paused or when the
-    /// proposer has nothing.
-    pub fn draft(&mut self, context: &[u32], limit: usize, out: &mut Vec<u32>) {
+    /// proposer has nothing. With `cost`, the length is the one the step cost favours.
+    pub fn draft(
+        &mut self,
+        context: &[u32],
+        limit: usize,
+        cost: Option<&StepCost>,
+        out: &mut Vec<u32>,
+    ) {
         out.clear();
         if self.paused_for > 0 {
             self.paused_for -= 1;
             return;
         }
-        let max = self.next_len.min(limit);
+        let len = match cost.and_then(StepCost::model) {
+            Some((base, per_row)) => self.best_len(base, per_row),
+            None => self.next_len,
+        };
+        let max = len.min(limit);
         if max > 0 {
             self.proposer.propose(context, max, out);
         }
+    }
+
+    /// The draft length (1 to `draft_max`) with the most expected tokens per second.
+    fn best_len(&self, base: f64, per_row: f64) -> usize {
+        let a = (self.accepted_tokens / (self.accepted_tokens + self.rejections)).min(0.99);
+        let mut best = (1, 0.0);
+        let mut reach = 1.0; // a^k: the chance that all of the first k drafts are accepted
+        let mut expected = 1.0; // tokens a step with a draft of k yields: Σ_{j≤k} a^j
+        for k in 1..=self.draft_max {
+            reach *= a;
+            expected += reach;
+            let rate = expected / (base + per_row * (k + 1) as f64);
+            if rate > best.1 {
+                best = (k, rate);
+            }
+        }
+        best.0
     }
 
     /// Learns from a verification: `accepted` of `proposed` drafts were accepted.
@@ -168,6 +257,8 @@ impl DraftController {
             return;
         }
         self.verifies += 1;
+        self.accepted_tokens = 0.9 * self.accepted_tokens + accepted as f64;
+        self.rejections = 0.9 * self.rejections + f64::from(u8::from(accepted < proposed));
         let rate = accepted as f64 / proposed as f64;
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate;
         self.next_len = if accepted == proposed {
@@ -214,21 +305,65 @@ mod tests {
         let mut c = DraftController::with_proposer(Box::new(PromptLookup::new(1, 1)), 8);
         let ctx = [1, 2, 3, 4, 5, 6, 1];
         let mut out = Vec::new();
-        c.draft(&ctx, 8, &mut out);
+        c.draft(&ctx, 8, None, &mut out);
         assert_eq!(out, [2, 3, 4, 5], "starts at 4 tokens");
         c.observe(4, 4);
-        c.draft(&ctx, 8, &mut out);
+        c.draft(&ctx, 8, None, &mut out);
         assert_eq!(out.len(), 6, "grown to 8, capped by the context");
-        c.draft(&ctx, 3, &mut out);
+        c.draft(&ctx, 3, None, &mut out);
         assert_eq!(out.len(), 3, "capped by the caller's limit");
         for _ in 0..3 {
             c.observe(4, 0);
         }
-        c.draft(&ctx, 8, &mut out);
+        c.draft(&ctx, 8, None, &mut out);
         assert!(out.is_empty(), "paused after repeated rejections");
         for _ in 0..DraftController::FIRST_PAUSE {
-            c.draft(&ctx, 8, &mut out);
+            c.draft(&ctx, 8, None, &mut out);
         }
         assert_eq!(out.len(), 1, "probes again with a one-token draft");
+    }
+
+    #[test]
+    fn the_step_cost_fit_recovers_base_and_slope_and_sizes_drafts_by_it() {
+        let mut cost = StepCost::default();
+        assert!(cost.model().is_none());
+        for i in 0..40 {
+            let rows = 1 + i % 8;
+            cost.observe(rows, 0.002 + 0.0005 * rows as f64);
+        }
+        let (base, per_row) = cost.model().expect("fitted");
+        assert!((base - 0.002).abs() < 1e-9 && (per_row - 0.0005).abs() < 1e-9);
+        // The same rows every step cannot tell base from slope: no fit.
+        let mut flat = StepCost::default();
+        for _ in 0..200 {
+            flat.observe(4, 0.01);
+        }
+        assert_eq!(flat.model(), None);
+
+        let ctx: Vec<u32> = (0..40).chain(0..40).collect();
+        let mut c = DraftController::with_proposer(Box::new(PromptLookup::new(2, 2)), 8);
+        for _ in 0..20 {
+            c.observe(4, 4); // always accepted: a → 0.99
+        }
+        let mut out = Vec::new();
+        // Rows nearly free (a fixed hop cost dominates): the longest draft.
+        let hop = StepCost {
+            fitted: Some((0.010, 0.0001)),
+            ..StepCost::default()
+        };
+        c.draft(&ctx, 8, Some(&hop), &mut out);
+        assert_eq!(out.len(), 8);
+        // Rows as dear as the step itself, and drafts often rejected: the shortest.
+        for _ in 0..20 {
+            c.observe(4, 0);
+            c.paused_for = 0;
+            c.verifies = 0; // keep drafting for the test
+        }
+        let dear = StepCost {
+            fitted: Some((0.001, 0.001)),
+            ..StepCost::default()
+        };
+        c.draft(&ctx, 8, Some(&dear), &mut out);
+        assert_eq!(out.len(), 1);
     }
 }

@@ -4,7 +4,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::draft::DraftController;
+use super::draft::{DraftController, StepCost};
 use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 use super::request::{Event, FinishReason, Request, SeqId, SeqStats};
 use super::EngineError;
@@ -95,6 +95,10 @@ pub struct Engine {
     released: Vec<SeqId>,
     next_id: SeqId,
     draft_buf: Vec<u32>,
+    /// The cost of decode steps by rows, learned as they run (sizes the drafts).
+    step_cost: StepCost,
+    /// When the batch being run was planned, its rows, and whether it only decodes.
+    planned: Option<(Instant, usize, bool)>,
 }
 
 impl Engine {
@@ -109,6 +113,8 @@ impl Engine {
             released: Vec::new(),
             next_id: 1,
             draft_buf: Vec::new(),
+            step_cost: StepCost::default(),
+            planned: None,
         })
     }
 
@@ -286,7 +292,13 @@ impl Engine {
             let useful = seq.req.max_new_tokens.saturating_sub(seq.emitted() + 1);
             let room = budget.saturating_sub(1 + reserved);
             if let Some(d) = seq.drafter.as_mut() {
-                d.draft(&seq.tokens, useful.min(room), &mut self.draft_buf);
+                let limit = useful.min(room);
+                d.draft(
+                    &seq.tokens,
+                    limit,
+                    Some(&self.step_cost),
+                    &mut self.draft_buf,
+                );
                 tokens.extend_from_slice(&self.draft_buf);
             }
             seq.in_flight_drafts = tokens.len() - 1;
@@ -319,6 +331,9 @@ impl Engine {
                 },
             });
         }
+        let rows = batch.iter().map(|e| e.tokens.len()).sum();
+        let decode_only = batch.iter().all(|e| e.kind == EntryKind::Decode);
+        self.planned = Some((Instant::now(), rows, decode_only));
         batch
     }
 
@@ -331,6 +346,10 @@ impl Engine {
         outcome: Result<Vec<EntryOutcome>, EngineError>,
     ) -> Vec<Event> {
         let mut events = Vec::new();
+        if let (Some((planned, rows, true)), Ok(_)) = (self.planned.take(), &outcome) {
+            self.step_cost
+                .observe(rows, planned.elapsed().as_secs_f64());
+        }
         let outcomes = match outcome {
             Ok(o) if o.len() == batch.len() => o,
             Ok(o) => {
