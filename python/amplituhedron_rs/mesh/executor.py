@@ -16,6 +16,21 @@ The engine (``_core.Engine.external``) plans; this executor carries each plan ou
   own KV (no tensor crosses the wire for it);
 - released sequences (finished, cancelled) have their sessions closed on every station.
 
+Failover (SPEC §13). A range may have several replicas; every sequence runs on the chain of
+the ranges' primaries (:mod:`.replicas`). When a station dies or stops answering (no answer,
+a timeout, a 502/504) during an open, a replay, the cached first token or a step (prefill,
+decode, verify, capture), it is marked down and its range moves to a live replica; a
+station that answers 404 for a session restarted under it. Either way the chain changes, and
+each affected sequence is rebuilt on the new chain before its next step: fresh sessions on
+every range (the old ones closed), the prompt's volume replayed where cached, the rest
+re-prefilled and the emitted tokens re-decoded with nothing emitted (see ``_rebuild``); then
+the failed step runs again. Stations that ran the failed step before the failure hold
+positions the retry does not know of: rebuilding on every range discards them. The engine
+sees only the retried step's tokens, so the continuation is the undisturbed run's; a range
+with no live replica fails the affected sequences with a MeshError naming it, and no token
+is emitted after the failure. Down stations are health-checked in the background and come
+back as spares.
+
 There is no generation loop here: the engine decides what runs, stops and finishes.
 """
 
@@ -24,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +48,9 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
-from amplituhedron_rs.mesh.client import StationClient
+from amplituhedron_rs.mesh.client import StationClient, StationFailed
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+from amplituhedron_rs.mesh.replicas import Chain
 from amplituhedron_rs.mesh.sessions import MeshLink, StationVerdict
 
 
@@ -53,25 +70,108 @@ class SeqTrace:
     stations: list[StationVerdict] = field(default_factory=list)
 
 
-class MeshExecutor:
-    """Runs an external engine's admissions, steps and releases through a mesh. With
-    ``trace``, each sequence's :class:`SeqTrace` is kept in ``traces`` until its reader
-    pops it (a server leaves it off)."""
+@dataclass
+class SeqState:
+    """What the executor keeps of one live sequence: its sessions (one id per station of
+    the chain it was opened on) and what rebuilding it on another chain needs — its tokens
+    (the prompt, then every token emitted: ``tokens[i]`` sits at position ``i``), how it
+    opens, and its cache use."""
 
-    def __init__(self, engine: _core.Engine, link: MeshLink, *, trace: bool = False) -> None:
+    tokens: list[int]
+    prompt_len: int
+    prefix_hash: int
+    opening: wire.OpenSessionRequest
+    salt: str | None
+    use_cache: bool
+    greedy: bool
+    sids: list[str] = field(default_factory=list)
+    #: The chain ``sids`` live on (None: no sessions now).
+    chain: Chain | None = None
+
+    def on(self, chain: Chain) -> bool:
+        """Its sessions are live on ``chain`` (same stations, same lives)."""
+        return self.chain is not None and self.chain.key == chain.key
+
+
+@dataclass
+class FailoverStats:
+    """What failover cost: station failures handled, sequences rebuilt and the time."""
+
+    #: Station failures handled: a station down (marked so, its range moved to a replica)
+    #: or restarted under a session (it answered 404: the sessions were rebuilt).
+    failovers: int = 0
+    rebuilt_sequences: int = 0
+    rebuild_seconds: float = 0.0
+    #: Per failover: seconds from the failure's detection until the work it broke resumed
+    #: (the affected sequences rebuilt on the new chain, or the admission reopened).
+    added: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+
+    def to_json(self) -> dict[str, Any]:
+        added = sorted(self.added)
+        return {
+            "failovers": self.failovers,
+            "rebuilt_sequences": self.rebuilt_sequences,
+            "rebuild_seconds": self.rebuild_seconds,
+            "added_ms_mean": 1e3 * sum(added) / len(added) if added else 0.0,
+            "added_ms_p50": 1e3 * added[len(added) // 2] if added else 0.0,
+            "added_ms_max": 1e3 * added[-1] if added else 0.0,
+        }
+
+
+@dataclass
+class _Piece:
+    """One rebuild entry: positions ``start:start+len(tokens)`` of a sequence."""
+
+    seq: int
+    spec: wire.BatchEntrySpec
+
+
+class MeshExecutor:
+    """Runs an external engine's admissions, steps and releases through a mesh, failing over
+    between replicas (see the module docstring). With ``trace``, each sequence's
+    :class:`SeqTrace` is kept in ``traces`` until its reader pops it (a server leaves it
+    off). ``max_failovers``: station failures one admission or step may survive."""
+
+    def __init__(
+        self,
+        engine: _core.Engine,
+        link: MeshLink,
+        *,
+        trace: bool = False,
+        max_failovers: int | None = None,
+    ) -> None:
         self.engine = engine
         self.link = link
-        #: Each live sequence's session ids (one per station, drawn by it) and cache use.
-        self.sids: dict[int, list[str]] = {}
-        self.use_cache: dict[int, bool] = {}
+        #: Each live sequence's sessions and what rebuilding them needs.
+        self.seqs: dict[int, SeqState] = {}
         self.hops = 0
         self.trace = trace
         self.traces: dict[int, SeqTrace] = {}
+        self.failover = FailoverStats()
+        self.max_failovers = (
+            2 * len(link.mesh.stations) + 2 if max_failovers is None else max_failovers
+        )
+        step_tokens = int(engine.limits[2])
+        #: Rows a rebuild puts in one step (the engine's own budget), and per decode entry
+        #: at most a station's default ``max_logits_rows`` (the exit verifies them).
+        self.rebuild_rows = max(1, step_tokens)
+        self.rebuild_decode_rows = max(1, min(step_tokens, 64))
+        #: Detection times of failures whose work has not resumed yet.
+        self._pending: list[float] = []
 
     @property
     def live(self) -> int:
         """Sequences holding sessions on the stations."""
-        return len(self.sids)
+        return len(self.seqs)
+
+    def stats(self) -> dict[str, Any]:
+        """Failover counters, and the stations marked down now."""
+        r = self.link.replicas
+        return {
+            **self.failover.to_json(),
+            "stations_down": len(self.link.mesh.stations) - len(r.live()),
+            "revivals": r.revivals,
+        }
 
     async def step(self) -> list[_core.EngineEvent]:
         """One engine step through the mesh (the in-process engine's ``step()``, over HTTP)."""
@@ -89,70 +189,171 @@ class MeshExecutor:
                 # Every sequence of the step finishes with the error: no token after it.
                 events.extend(self.engine.complete([], error=str(exc)))
             else:
+                for e, out in zip(batch, emitted, strict=True):
+                    self._emitted(e, out)
                 events.extend(self.engine.complete(emitted))
         await self._release(self.engine.take_released())
         return events
 
     async def close(self) -> None:
         """Closes every session still open (shutdown)."""
-        await self._release(list(self.sids))
+        await self._release(list(self.seqs))
 
+    # --- failures ------------------------------------------------------------------------
+    def _recover(self, exc: StationFailed, chain: Chain) -> str | None:
+        """Handles a station's failure: None if the work may go on (a replica took the
+        range, or the station restarted and is reachable again), else the error that ends
+        it — a failure that is not the station's (4xx), or a range left with no live
+        replica (named, with why its replicas are down)."""
+        station = exc.station
+        if station is None or not (exc.down or exc.lost):
+            return str(exc)
+        replicas = self.link.replicas
+        if exc.down:
+            newly = replicas.fail(station, str(exc))
+            if not replicas.range_alive(station):
+                r = replicas.range_of(station)
+                return (
+                    f"no live replica of layers {station.layer_lo}:{station.layer_hi} "
+                    f"({len(r)} listed): {exc}"
+                )
+        else:
+            # It answers but lost the sessions (it restarted before anyone saw it down):
+            # a new life makes every chain through it stale, so they are rebuilt.
+            newly = replicas.restarted(station, chain)
+        if newly:
+            self.failover.failovers += 1
+            self._pending.append(time.perf_counter())
+        return None
+
+    def _resumed(self) -> None:
+        """The work broken by pending failures goes on: their time added ends here."""
+        now = time.perf_counter()
+        self.failover.added.extend(now - t for t in self._pending)
+        self._pending.clear()
+
+    # --- admissions ------------------------------------------------------------------------
     async def _admit(self, a: _core.EngineAdmission) -> tuple[int, int, int | None, str | None]:
         opening = wire.OpenSessionRequest(prompt_tokens=list(a.prompt), sampling=sampling_of(a))
+        state = SeqState(
+            tokens=list(a.prompt),
+            prompt_len=len(a.prompt),
+            prefix_hash=int(_core.prefix_hash(a.prompt)),
+            opening=opening,
+            salt=a.salt,
+            use_cache=a.use_cache,
+            greedy=a.greedy,
+        )
+        for _ in range(self.max_failovers + 1):
+            try:
+                chain = self.link.chain()
+            except MeshError as exc:
+                return a.seq, 0, None, str(exc)
+            try:
+                result = await self._admit_on(a, state, chain)
+            except StationFailed as exc:
+                error = self._recover(exc, chain)
+                if error is not None:
+                    # The engine finishes the sequence with the error and releases it.
+                    return a.seq, 0, None, error
+                await self._release([a.seq])
+                continue
+            except MeshError as exc:
+                return a.seq, 0, None, str(exc)
+            self._resumed()
+            return result
+        return a.seq, 0, None, f"gave up admitting after {self.max_failovers} station failures"
+
+    async def _admit_on(
+        self, a: _core.EngineAdmission, state: SeqState, chain: Chain
+    ) -> tuple[int, int, int | None, str | None]:
+        """Opens the sequence's sessions on ``chain``, replays, and (all hit) samples the
+        first token from the cached logits."""
         trace = SeqTrace(
-            stations=[StationVerdict(s.url, s.layer_lo, s.layer_hi) for s in self.link.stations]
+            stations=[StationVerdict(s.url, s.layer_lo, s.layer_hi) for s in chain.stations]
         )
         if self.trace:
             self.traces[a.seq] = trace
         started = time.perf_counter()
-        try:
-            sids = await sessions.open_sessions(self.link, opening, tenant=a.salt)
-        except MeshError as exc:
-            return a.seq, 0, None, str(exc)
+        sids = await sessions.open_sessions(
+            self.link, state.opening, tenant=a.salt, stations=chain.stations
+        )
         opened = time.perf_counter()
         trace.open_ms = (opened - started) * 1e3
-        self.sids[a.seq] = sids
-        self.use_cache[a.seq] = a.use_cache
-        try:
-            if not a.use_cache:
-                return a.seq, 0, None, None
-            found = await sessions.replay(
-                self.link, sids, a.prompt, int(_core.prefix_hash(a.prompt))
-            )
-            trace.replay_ms = (time.perf_counter() - opened) * 1e3
-            for v, (status, held) in zip(trace.stations, found.verdicts, strict=True):
-                v.replay, v.replayed_tokens = status, held if found.hit else found.kept
-            if not found.hit:
-                return a.seq, found.kept, None, None
-            first = await sessions.sample_cached(self.link, sids) if a.sample_first else None
-            return a.seq, len(a.prompt), first, None
-        except MeshError as exc:
-            # The engine finishes the sequence with the error and releases it.
-            return a.seq, 0, None, str(exc)
+        state.sids, state.chain = sids, chain
+        self.seqs[a.seq] = state
+        if not a.use_cache:
+            return a.seq, 0, None, None
+        found = await sessions.replay(
+            self.link, sids, a.prompt, state.prefix_hash, stations=chain.stations
+        )
+        trace.replay_ms = (time.perf_counter() - opened) * 1e3
+        for v, (status, held) in zip(trace.stations, found.verdicts, strict=True):
+            v.replay, v.replayed_tokens = status, held if found.hit else found.kept
+        if not found.hit:
+            return a.seq, found.kept, None, None
+        first = None
+        if a.sample_first:
+            first = await sessions.sample_cached(self.link, sids, stations=chain.stations)
+            state.tokens.append(first)
+        return a.seq, len(a.prompt), first, None
 
+    # --- steps -----------------------------------------------------------------------------
     async def _run(self, batch: Sequence[_core.EngineEntry]) -> list[list[int]]:
-        """One step: one request per station, in order; the exit station's emitted tokens.
-        Each station's header names the sessions by its own ids."""
+        """One step: one request per station of the current chain, in order; the exit
+        station's emitted tokens. A station that fails is replaced by a live replica of its
+        range, the step's sequences are rebuilt on the new chain, and the step runs again:
+        nothing of the failed attempt reaches the engine."""
+        for _ in range(self.max_failovers + 1):
+            chain = self.link.chain()  # MeshError: a range has no live replica
+            try:
+                await self._rebuild(batch, chain)
+                self._resumed()
+                return await self._step(batch, chain)
+            except StationFailed as exc:
+                error = self._recover(exc, chain)
+                if error is not None:
+                    raise MeshError(error) from exc
+        raise MeshError(f"gave up the step after {self.max_failovers} station failures")
+
+    def _specs(self, batch: Sequence[_core.EngineEntry]) -> list[wire.BatchEntrySpec]:
         try:
-            sids = [self.sids[e.seq] for e in batch]
-            specs = [
+            return [
                 wire.BatchEntrySpec(
-                    session_id=ids[0],
+                    session_id=self.seqs[e.seq].sids[0],
                     start=e.start,
                     tokens=list(e.tokens),
                     kind=e.kind,
                     last=e.last,
                     emit=e.emit and e.kind == "prefill",
-                    capture=e.last and self.use_cache[e.seq],
+                    capture=e.last and self.seqs[e.seq].use_cache,
                 )
-                for e, ids in zip(batch, sids, strict=True)
+                for e in batch
             ]
-        except KeyError as exc:
+        except (KeyError, IndexError) as exc:
             raise MeshError(f"sequence {exc} has no sessions on the mesh") from exc
+
+    async def _step(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> list[list[int]]:
+        specs = self._specs(batch)
+        phase = "decode step" if all(e.kind == "decode" for e in specs) else "prefill step"
+        reply = await self._hop(chain, phase, [e.seq for e in batch], specs, batch)
+        return [list(r.emitted) for r in reply.entries]
+
+    async def _hop(
+        self,
+        chain: Chain,
+        phase: str,
+        seqs: Sequence[int],
+        specs: Sequence[wire.BatchEntrySpec],
+        batch: Sequence[_core.EngineEntry] | None = None,
+    ) -> wire.BatchStepReply:
+        """Runs one step of ``specs`` through ``chain`` (one request per station, in
+        order); the exit station's answer. Each station's header names the sessions by its
+        own ids."""
+        sids = [self.seqs[seq].sids for seq in seqs]
         payload: bytes | memoryview = b""
         reply = None
-        phase = "decode step" if all(e.kind == "decode" for e in specs) else "prefill step"
-        for i, s in enumerate(self.link.stations):
+        for i, s in enumerate(chain.stations):
             header = wire.BatchStepRequest(
                 entries=[
                     spec.model_copy(update={"session_id": ids[i]})
@@ -177,10 +378,133 @@ class MeshExecutor:
                 raise MeshError(
                     f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
                 )
-            if self.trace:
+            if self.trace and batch is not None:
                 self._note(i, batch, specs, reply)
         assert reply is not None
-        return [list(r.emitted) for r in reply.entries]
+        return reply
+
+    def _emitted(self, e: _core.EngineEntry, out: Sequence[int]) -> None:
+        """Records a step's emitted tokens: they follow the entry's last input row."""
+        state = self.seqs.get(e.seq)
+        if state is None or not out:
+            return
+        at = e.start + len(e.tokens) if e.kind == "prefill" else e.start + 1
+        state.tokens[at:] = out
+
+    # --- rebuilding ------------------------------------------------------------------------
+    async def _rebuild(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> None:
+        """Brings every sequence of the step whose sessions are not on ``chain`` to the
+        positions its entry starts at, on ``chain``: fresh sessions everywhere (the old
+        ones are closed), the prompt's volume replayed where a station has it, then the
+        rest of the prompt re-prefilled and the emitted tokens re-decoded through the
+        chain, nothing emitted or captured. Kernels are batch-invariant (chunked ≡ whole,
+        n rows ≡ n one-row steps) and sampling is a pure function of the position, so the
+        KV is the undisturbed run's bit for bit, and so are the tokens that follow. Under
+        greedy sampling the exit station re-verifies every emitted token on the way: a
+        difference is a MeshError, never a wrong token."""
+        stale = [e for e in batch if not self.seqs[e.seq].on(chain)]
+        if not stale:
+            return
+        started = time.perf_counter()
+        for e in stale:
+            state = self.seqs[e.seq]
+            if e.kind == "decode" and (
+                len(state.tokens) != e.start + 1 or state.tokens[e.start] != e.tokens[0]
+            ):
+                raise MeshError(
+                    f"sequence {e.seq}: the engine resumes at position {e.start} with token "
+                    f"{e.tokens[0]}, the executor holds {len(state.tokens)} tokens; "
+                    "cannot rebuild it"
+                )
+        # Every reopen finishes before a failure is raised: none is left running to touch
+        # a sequence's sessions while the step is retried.
+        reopened = await asyncio.gather(
+            *(self._reopen(self.seqs[e.seq], chain) for e in stale), return_exceptions=True
+        )
+        failed = next((r for r in reopened if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        kept = [r for r in reopened if isinstance(r, int)]
+        queues = [self._pieces(e, k) for e, k in zip(stale, kept, strict=True)]
+        while any(queues):
+            round_: list[_Piece] = []
+            rows = 0
+            for q in queues:
+                if q and (not round_ or rows + len(q[0].spec.tokens) <= self.rebuild_rows):
+                    piece = q.pop(0)
+                    round_.append(piece)
+                    rows += len(piece.spec.tokens)
+            specs = [
+                p.spec.model_copy(update={"session_id": self.seqs[p.seq].sids[0]}) for p in round_
+            ]
+            reply = await self._hop(chain, "rebuild", [p.seq for p in round_], specs)
+            for p, res in zip(round_, reply.entries, strict=True):
+                self._check_replayed(p, res.emitted)
+        self.failover.rebuilt_sequences += len(stale)
+        self.failover.rebuild_seconds += time.perf_counter() - started
+
+    async def _reopen(self, state: SeqState, chain: Chain) -> int:
+        """Closes the sequence's old sessions, opens new ones on ``chain`` and replays its
+        prompt's volume there; the prompt positions every station now holds."""
+        old_sids, old_chain = state.sids, state.chain
+        state.sids, state.chain = [], None
+        if old_chain is not None:
+            await sessions.close_sessions(self.link, old_sids, old_chain.stations)
+        sids = await sessions.open_sessions(
+            self.link, state.opening, tenant=state.salt, stations=chain.stations
+        )
+        state.sids, state.chain = sids, chain
+        if not state.use_cache:
+            return 0
+        prompt = state.tokens[: state.prompt_len]
+        found = await sessions.replay(
+            self.link, sids, prompt, state.prefix_hash, stations=chain.stations
+        )
+        return found.kept
+
+    def _pieces(self, e: _core.EngineEntry, kept: int) -> list[_Piece]:
+        """The rebuild entries that take a sequence from ``kept`` positions to ``e.start``:
+        the prompt's positions as prefill (the last one ``last``, as the engine ran it),
+        then the emitted ones as decode rows — the span types the engine wrote them with,
+        so even the ring's span layout is the undisturbed run's."""
+        state = self.seqs[e.seq]
+        n, target = state.prompt_len, e.start
+        pieces: list[_Piece] = []
+        at = kept
+        while at < min(target, n) or (e.kind == "decode" and at < n):
+            end = min(at + self.rebuild_rows, n if e.kind == "decode" else target)
+            spec = wire.BatchEntrySpec(
+                session_id=state.sids[0],
+                start=at,
+                tokens=state.tokens[at:end],
+                kind="prefill",
+                last=end == n,
+            )
+            pieces.append(_Piece(e.seq, spec))
+            at = end
+        while e.kind == "decode" and at < target:
+            end = min(at + self.rebuild_decode_rows, target)
+            spec = wire.BatchEntrySpec(
+                session_id=state.sids[0], start=at, tokens=state.tokens[at:end], kind="decode"
+            )
+            pieces.append(_Piece(e.seq, spec))
+            at = end
+        return pieces
+
+    def _check_replayed(self, p: _Piece, emitted: Sequence[int]) -> None:
+        """Greedy: a re-decoded piece's verification must emit the very tokens the
+        sequence emitted (its drafts all accepted, then the next one)."""
+        state = self.seqs[p.seq]
+        if p.spec.kind != "decode" or not state.greedy:
+            return
+        start, m = p.spec.start, len(p.spec.tokens)
+        expected = state.tokens[start + 1 : start + 1 + m]
+        if list(emitted) != expected:
+            raise MeshError(
+                f"sequence {p.seq}: rebuilding positions {start}:{start + m} on the new "
+                f"chain emitted {list(emitted)}, the sequence emitted {expected}; "
+                "refusing to continue it"
+            )
 
     def _note(
         self,
@@ -199,13 +523,18 @@ class MeshExecutor:
                 trace.stations[station].captured_bytes = res.captured
 
     async def _release(self, seqs: Sequence[int]) -> None:
-        gone = [(seq, self.sids[seq]) for seq in seqs if seq in self.sids]
+        gone = [(seq, self.seqs[seq]) for seq in seqs if seq in self.seqs]
         if gone:
-            await asyncio.gather(*(sessions.close_sessions(self.link, ids) for _, ids in gone))
+            await asyncio.gather(
+                *(
+                    sessions.close_sessions(self.link, st.sids, st.chain.stations)
+                    for _, st in gone
+                    if st.chain is not None
+                )
+            )
         # Forgotten once closed, so a live count of 0 means the stations hold none.
         for seq, _ in gone:
-            del self.sids[seq]
-            self.use_cache.pop(seq, None)
+            del self.seqs[seq]
 
 
 def mesh_link(
@@ -262,11 +591,16 @@ class MeshStepper:
     def station_requests(self) -> int:
         return self.executor.hops
 
+    def failover_stats(self) -> dict[str, Any]:
+        """The executor's failover counters (read from another thread: plain reads)."""
+        return self.executor.stats()
+
     def close(self) -> None:
         async def go() -> None:
             try:
                 await self.executor.close()
             finally:
+                self.executor.link.replicas.close()
                 await self.executor.link.http.close()
 
         try:
@@ -324,6 +658,7 @@ class MeshEngine:
         try:
             self.health = await sessions.check_mesh(self.executor.link)
         except BaseException:
+            self.executor.link.replicas.close()
             await self.executor.link.http.close()
             raise
         return self
@@ -336,6 +671,7 @@ class MeshEngine:
         try:
             await self.executor.close()
         finally:
+            self.executor.link.replicas.close()
             await self.executor.link.http.close()
 
     async def run(
