@@ -211,12 +211,9 @@ class MeshExecutor:
         replicas = self.link.replicas
         if exc.down:
             newly = replicas.fail(station, str(exc))
-            if not replicas.range_alive(station):
-                r = replicas.range_of(station)
-                return (
-                    f"no live replica of layers {station.layer_lo}:{station.layer_hi} "
-                    f"({len(r)} listed): {exc}"
-                )
+            none_left = replicas.no_replica(station)
+            if none_left is not None:
+                return none_left
         else:
             # It answers but lost the sessions (it restarted before anyone saw it down):
             # a new life makes every chain through it stale, so they are rebuilt.

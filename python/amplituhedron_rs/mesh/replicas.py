@@ -77,14 +77,24 @@ class Replicas:
             for i, replicas in enumerate(self.ranges):
                 pick = self._pick(i)
                 if pick is None:
-                    r = replicas[0]
-                    reasons = "; ".join(self.why.get(s.url, f"{s.url} is down") for s in replicas)
-                    raise MeshError(
-                        f"no live replica of layers {r.layer_lo}:{r.layer_hi} "
-                        f"({len(replicas)} listed): {reasons}"
-                    )
+                    raise MeshError(self._no_replica(replicas))
                 stations.append(pick)
             return Chain(tuple(stations), tuple((s.url, self._life[s.url]) for s in stations))
+
+    def _no_replica(self, replicas: tuple[StationInfo, ...]) -> str:
+        """Why a range has no live replica: the range, then why each replica is down."""
+        r = replicas[0]
+        reasons = "; ".join(self.why.get(s.url, f"station {s.url} is down") for s in replicas)
+        where = f"layers {r.layer_lo}:{r.layer_hi} ({len(replicas)} listed)"
+        return f"no live replica of {where}: {reasons}"
+
+    def no_replica(self, station: StationInfo) -> str | None:
+        """None if ``station``'s range has a live replica, else why not (see ``chain``)."""
+        with self._lock:
+            replicas = self.range_of(station)
+            if any(s.url not in self._down for s in replicas):
+                return None
+            return self._no_replica(replicas)
 
     def _pick(self, i: int) -> StationInfo | None:
         """Range ``i``'s primary, moved to its next live replica if it is down."""
@@ -135,11 +145,6 @@ class Replicas:
                 return False
             self._life[station.url] += 1
             return True
-
-    def range_alive(self, station: StationInfo) -> bool:
-        """Whether ``station``'s range has a live replica."""
-        with self._lock:
-            return any(s.url not in self._down for s in self.range_of(station))
 
     # --- health checks -----------------------------------------------------------------
     def _ensure_thread(self) -> None:
