@@ -158,6 +158,8 @@ class MeshExecutor:
         self.rebuild_decode_rows = max(1, min(step_tokens, 64))
         #: Detection times of failures whose work has not resumed yet.
         self._pending: list[float] = []
+        #: Closes of replaced sessions still under way (awaited at shutdown).
+        self._closing: set[asyncio.Future[None]] = set()
 
     @property
     def live(self) -> int:
@@ -198,9 +200,11 @@ class MeshExecutor:
     async def close(self) -> None:
         """Closes every session still open (shutdown)."""
         await self._release(list(self.seqs))
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
     # --- failures ------------------------------------------------------------------------
-    def _recover(self, exc: StationFailed, chain: Chain) -> str | None:
+    async def _recover(self, exc: StationFailed, chain: Chain) -> str | None:
         """Handles a station's failure: None if the work may go on (a replica took the
         range, or the station restarted and is reachable again), else the error that ends
         it — a failure that is not the station's (4xx), or a range left with no live
@@ -212,7 +216,7 @@ class MeshExecutor:
         if exc.down:
             newly = replicas.fail(station, str(exc))
             none_left = replicas.no_replica(station)
-            if none_left is not None:
+            if none_left is not None and not await asyncio.to_thread(replicas.probe_range, station):
                 return none_left
         else:
             # It answers but lost the sessions (it restarted before anyone saw it down):
@@ -249,7 +253,7 @@ class MeshExecutor:
             try:
                 result = await self._admit_on(a, state, chain)
             except StationFailed as exc:
-                error = self._recover(exc, chain)
+                error = await self._recover(exc, chain)
                 if error is not None:
                     # The engine finishes the sequence with the error and releases it.
                     return a.seq, 0, None, error
@@ -308,7 +312,7 @@ class MeshExecutor:
                 self._resumed()
                 return await self._step(batch, chain)
             except StationFailed as exc:
-                error = self._recover(exc, chain)
+                error = await self._recover(exc, chain)
                 if error is not None:
                     raise MeshError(error) from exc
         raise MeshError(f"gave up the step after {self.max_failovers} station failures")
@@ -446,7 +450,12 @@ class MeshExecutor:
         old_sids, old_chain = state.sids, state.chain
         state.sids, state.chain = [], None
         if old_chain is not None:
-            await sessions.close_sessions(self.link, old_sids, old_chain.stations)
+            # In the background: a stalled old station must not hold up the rebuild.
+            closing = asyncio.ensure_future(
+                sessions.close_sessions(self.link, old_sids, old_chain.stations)
+            )
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         sids = await sessions.open_sessions(
             self.link, state.opening, tenant=state.salt, stations=chain.stations
         )

@@ -172,19 +172,38 @@ class Replicas:
                     if url not in self._down:
                         continue
                     if ok:
-                        del self._down[url]
-                        self.why.pop(url, None)
-                        self.revivals += 1
+                        self._revive(url)
                     else:
                         _, backoff = self._down[url]
                         backoff = min(self.max_backoff, backoff * 2)
                         self._down[url] = (time.monotonic() + backoff, backoff)
 
-    def _probe(self, url: str) -> bool:
+    def probe_range(self, station: StationInfo, timeout: float = 1.0) -> bool:
+        """Probes the down replicas of ``station``'s range now (blocking, ``timeout`` each),
+        reviving those that answer; True if the range has a live replica then. The last
+        resort before failing a range: a replica may have come back since its last
+        probe (or have lost only a pooled connection when it restarted)."""
+        with self._lock:
+            down = [s.url for s in self.range_of(station) if s.url in self._down]
+        answers = {url: self._probe(url, timeout) for url in down}
+        with self._wake:
+            for url, ok in answers.items():
+                if ok and url in self._down:
+                    self._revive(url)
+            self._wake.notify_all()
+            return any(s.url not in self._down for s in self.range_of(station))
+
+    def _revive(self, url: str) -> None:
+        """Under the lock: ``url`` is live again (empty)."""
+        del self._down[url]
+        self.why.pop(url, None)
+        self.revivals += 1
+
+    def _probe(self, url: str, timeout: float | None = None) -> bool:
         """The station answers ``/healthz`` with the mesh's model and its own range."""
         info = next(s for s in self.mesh.stations if s.url == url)
         try:
-            h = get_json(f"{url}/healthz", timeout=self.probe_timeout)
+            h = get_json(f"{url}/healthz", timeout=timeout or self.probe_timeout)
             same_range = (int(h["layer_lo"]), int(h["layer_hi"])) == (info.layer_lo, info.layer_hi)
             same_model = self.fingerprint is None or str(h["fingerprint"]) == self.fingerprint
         except (OSError, ValueError, KeyError, TypeError):

@@ -250,8 +250,8 @@ async def close_sessions(
 ) -> None:
     """Closes the sequence's sessions (None: not opened on that station), each within
     ``close_timeout``, on their chain ``stations`` (default: the current one). Already gone
-    is fine, and a station marked down is skipped; failures are not raised: the station's
-    idle sweep is the backstop."""
+    is fine; failures are not raised: the station's idle sweep is the backstop. A station
+    marked down is asked too: a stalled one handles the close when it resumes."""
     chain = link.stations if stations is None else tuple(stations)
     await asyncio.gather(
         *(
@@ -264,7 +264,7 @@ async def close_sessions(
                 timeout=link.close_timeout,
             )
             for s, sid in zip(chain, sids, strict=True)
-            if sid is not None and not link.replicas.is_down(s.url)
+            if sid is not None
         ),
         return_exceptions=True,
     )
