@@ -61,21 +61,24 @@ def chaos_requests(
 
 
 def reference_outputs(model: Model, requests: Sequence[ChaosRequest]) -> list[list[int]]:
-    """Each request's tokens from the single-process engine (batched, cache off)."""
+    """Each request's tokens from the single-process engine (batched, cache off; submitted
+    in groups the engine's queue holds)."""
     engine = model.engine
+    group = max(1, engine.limits[1])
     outputs: dict[int, list[int]] = {}
     seqs = []
-    for r in requests:
-        kw = SamplingParams(**r.sampling).core_kwargs()
-        seq = engine.submit(list(r.prompt), r.max_new_tokens, **kw, use_cache=False)
-        seqs.append(seq)
-        outputs[seq] = []
-    while engine.has_work:
-        for ev in engine.step():
-            if ev.kind == "token" and ev.token is not None:
-                outputs[ev.seq].append(ev.token)
-            elif ev.kind == "finished" and ev.reason == "error":
-                raise MeshError(f"the reference run failed: {ev.error}")
+    for at in range(0, len(requests), group):
+        for r in requests[at : at + group]:
+            kw = SamplingParams(**r.sampling).core_kwargs()
+            seq = engine.submit(list(r.prompt), r.max_new_tokens, **kw, use_cache=False)
+            seqs.append(seq)
+            outputs[seq] = []
+        while engine.has_work:
+            for ev in engine.step():
+                if ev.kind == "token" and ev.token is not None:
+                    outputs[ev.seq].append(ev.token)
+                elif ev.kind == "finished" and ev.reason == "error":
+                    raise MeshError(f"the reference run failed: {ev.error}")
     return [outputs[s] for s in seqs]
 
 
