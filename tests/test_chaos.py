@@ -5,9 +5,12 @@ coordinator. Every session completes, with exactly the single-process engine's t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from amplituhedron_rs import Model
+from amplituhedron_rs import Model, cli
 from amplituhedron_rs.bench.chaos import chaos_requests, chaos_run, reference_outputs
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
@@ -31,3 +34,16 @@ def test_chaos_zero_wrong_tokens_every_session_completes(model: Model) -> None:
     assert report["identical"] == 24
     assert report["kills"] >= 3, report
     assert report["failovers"] >= 1, report
+
+
+def test_bench_chaos_command_reports_a_tiny_run(tmp_path: Path) -> None:
+    """``amplituhedron bench-chaos`` end to end, tiny: the table's figures land in the JSON."""
+    out = tmp_path / "chaos.json"
+    argv = ["bench-chaos", "--sessions", "4", "--new-tokens", "6", "--concurrency", "2"]
+    argv += ["--every", "0.3", "0.6", "--json", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["sessions"] == report["completed"] == report["identical"] == 4
+    assert report["wrong_tokens"] == 0
+    for key in ("kills", "failovers", "rebuilt_sequences", "added_ms_mean", "added_ms_p50"):
+        assert key in report

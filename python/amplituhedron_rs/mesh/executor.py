@@ -238,6 +238,18 @@ class MeshExecutor:
             self._pending.append(time.perf_counter())
         return None
 
+    async def _chain(self) -> Chain:
+        """The current chain; if a range has no live replica, its down replicas are probed
+        once more first (one may have come back since its last health check)."""
+        replicas = self.link.replicas
+        try:
+            return replicas.chain()
+        except MeshError:
+            for r in replicas.ranges:
+                if replicas.no_replica(r[0]) is not None:
+                    await asyncio.to_thread(replicas.probe_range, r[0])
+            return replicas.chain()
+
     def _resumed(self) -> None:
         """The work broken by pending failures goes on: their time added ends here."""
         now = time.perf_counter()
@@ -258,7 +270,7 @@ class MeshExecutor:
         )
         for _ in range(self.max_failovers + 1):
             try:
-                chain = self.link.chain()
+                chain = await self._chain()
             except MeshError as exc:
                 return a.seq, 0, None, str(exc)
             try:
@@ -317,7 +329,7 @@ class MeshExecutor:
         range, the step's sequences are rebuilt on the new chain, and the step runs again:
         nothing of the failed attempt reaches the engine."""
         for _ in range(self.max_failovers + 1):
-            chain = self.link.chain()  # MeshError: a range has no live replica
+            chain = await self._chain()  # MeshError: a range has no live replica
             try:
                 await self._rebuild(batch, chain)
                 self._resumed()
