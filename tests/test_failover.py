@@ -14,10 +14,14 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 
 from amplituhedron_rs import MeshError, Model, _core
+from amplituhedron_rs.mesh import sessions
 from amplituhedron_rs.mesh.coordinator import Coordinator
+from amplituhedron_rs.mesh.executor import MeshExecutor, mesh_link
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec, StationInfo
 from amplituhedron_rs.mesh.station.drill import DIE_ON_ENV, parse, phase_of
 
@@ -348,5 +352,72 @@ def test_a_mesh_checked_with_a_replica_down_starts_on_the_others(
         assert outputs[0] == references["greedy"]
         assert stats["failovers"] == 0 and stats["stations_down"] == 1
         assert time.monotonic() - started < 30
+    finally:
+        restore(mesh)
+
+
+def test_logits_after_a_failover_equal_the_single_process_ones(
+    mesh: LocalMesh, model: Model, references: dict[str, list[int]]
+) -> None:
+    """Stepping the executor by hand (no concurrency): the exit primary dies mid-decode; once
+    the sequence is rebuilt on the replica, the next row forwarded through its sessions has
+    the single-process logits bit for bit; then generation goes on to the reference tokens
+    (the engine's next step rolls the probed row back on every station)."""
+    assert mesh.spec is not None
+    spec = mesh.spec
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def probe(chain: tuple[StationInfo, ...], sids: list[str], token: int) -> np.ndarray:
+        body = np.asarray([token], dtype="<u4").tobytes()
+        with httpx.Client(timeout=60, headers=auth) as h:
+            for i, (s, sid) in enumerate(zip(chain, sids, strict=True)):
+                last = i == len(chain) - 1
+                r = h.post(
+                    f"{s.url}/sessions/{sid}/forward",
+                    content=body,
+                    params={
+                        "logits": "all" if last else "none",
+                        "hidden": "none" if last else "all",
+                    },
+                    headers={"Content-Type": "application/octet-stream"},
+                )
+                r.raise_for_status()
+                body = r.content
+        return np.frombuffer(body, dtype="<f4")
+
+    async def go() -> None:
+        engine = _core.Engine.external(max_running=4, max_queue=8, step_tokens=64)
+        ex = MeshExecutor(engine, mesh_link(spec, None, 60.0))
+        ex.link.http.open()
+        try:
+            await sessions.check_mesh(ex.link)
+            seq = engine.submit(PROMPT, 12, greedy=True, seed=0, use_cache=False)
+            out: list[int] = []
+            probed = False
+            while engine.has_work:
+                for ev in await ex.step():
+                    if ev.kind == "token" and ev.token is not None:
+                        out.append(ev.token)
+                if len(out) == 4 and mesh.alive(EXIT):
+                    mesh.kill_station(EXIT)
+                if len(out) >= 7 and not probed and seq in ex.seqs:
+                    state = ex.seqs[seq]
+                    assert state.chain is not None
+                    assert state.chain.stations[1] == spec.stations[EXIT_SPARE]  # rebuilt
+                    tokens = list(state.tokens)
+                    got = await asyncio.to_thread(
+                        probe, state.chain.stations, state.sids, tokens[-1]
+                    )
+                    np.testing.assert_array_equal(got, model.logits_all(tokens)[-1])
+                    probed = True
+            assert probed and out == references["greedy"]
+            assert ex.stats()["failovers"] == 1
+        finally:
+            await ex.close()
+            ex.link.replicas.close()
+            await ex.link.http.close()
+
+    try:
+        asyncio.run(go())
     finally:
         restore(mesh)

@@ -178,7 +178,7 @@ class Replicas:
                         backoff = min(self.max_backoff, backoff * 2)
                         self._down[url] = (time.monotonic() + backoff, backoff)
 
-    def probe_range(self, station: StationInfo, timeout: float = 1.0) -> bool:
+    def probe_range(self, station: StationInfo, timeout: float = 0.5) -> bool:
         """Probes the down replicas of ``station``'s range now (blocking, ``timeout`` each),
         reviving those that answer; True if the range has a live replica then. The last
         resort before failing a range: a replica may have come back since its last
