@@ -152,10 +152,14 @@ class MeshExecutor:
             2 * len(link.mesh.stations) + 2 if max_failovers is None else max_failovers
         )
         step_tokens = int(engine.limits[2])
-        #: Rows a rebuild puts in one step (the engine's own budget), and per decode entry
-        #: at most a station's default ``max_logits_rows`` (the exit verifies them).
+        #: Rows per rebuild entry: a prompt piece at most the engine's own step budget (what
+        #: the stations already take), decode rows at most a station's default
+        #: ``max_logits_rows`` (the exit verifies them). A rebuild step packs several
+        #: sequences' pieces, up to 4 budgets: more rows per pass cost less per row
+        #: (measured: 64-row steps ~3.3 ms/row, ~200-row steps ~2 ms/row on 2 cores).
         self.rebuild_rows = max(1, step_tokens)
         self.rebuild_decode_rows = max(1, min(step_tokens, 64))
+        self.rebuild_step_rows = min(1024, 4 * self.rebuild_rows)
         #: Detection times of failures whose work has not resumed yet.
         self._pending: list[float] = []
         #: Closes of replaced sessions still under way (awaited at shutdown).
@@ -454,7 +458,7 @@ class MeshExecutor:
             round_: list[_Piece] = []
             rows = 0
             for q in queues:
-                if q and (not round_ or rows + len(q[0].spec.tokens) <= self.rebuild_rows):
+                if q and (not round_ or rows + len(q[0].spec.tokens) <= self.rebuild_step_rows):
                     piece = q.pop(0)
                     round_.append(piece)
                     rows += len(piece.spec.tokens)
