@@ -21,7 +21,8 @@ import pytest
 from amplituhedron_rs import MeshError, Model, _core
 from amplituhedron_rs.mesh import sessions
 from amplituhedron_rs.mesh.coordinator import Coordinator
-from amplituhedron_rs.mesh.executor import MeshExecutor, mesh_link
+from amplituhedron_rs.mesh.engine import mesh_link
+from amplituhedron_rs.mesh.executor import MeshExecutor
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec, StationInfo
 from amplituhedron_rs.mesh.station.drill import DIE_ON_ENV, parse, phase_of
 

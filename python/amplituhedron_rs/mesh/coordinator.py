@@ -34,7 +34,7 @@ from typing import Any
 
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh import protocol as wire
-from amplituhedron_rs.mesh.executor import MeshEngine
+from amplituhedron_rs.mesh.engine import MeshEngine
 from amplituhedron_rs.mesh.launcher import MeshSpec
 from amplituhedron_rs.mesh.sessions import StationVerdict
 from amplituhedron_rs.runtime.sampling import SamplingParams

@@ -23,7 +23,7 @@ decode, verify, capture), it is marked down and its range moves to a live replic
 station that answers 404 for a session restarted under it. Either way the chain changes, and
 each affected sequence is rebuilt on the new chain before its next step: fresh sessions on
 every range (the old ones closed), the prompt's volume replayed where cached, the rest
-re-prefilled and the emitted tokens re-decoded with nothing emitted (see ``_rebuild``); then
+re-prefilled and the emitted tokens re-decoded with nothing emitted (:mod:`.rebuild`); then
 the failed step runs again. Stations that ran the failed step before the failure hold
 positions the retry does not know of: rebuilding on every range discards them. The engine
 sees only the retried step's tokens, so the continuation is the undisturbed run's; a range
@@ -31,16 +31,15 @@ with no live replica fails the affected sequences with a MeshError naming it, an
 is emitted after the failure. Down stations are health-checked in the background and come
 back as spares.
 
-There is no generation loop here: the engine decides what runs, stops and finishes.
+There is no generation loop here: the engine decides what runs, stops and finishes. The
+callers' drivers (a thread's stepper, an asyncio engine) are in :mod:`.engine`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +47,14 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
-from amplituhedron_rs.mesh.client import StationClient, StationFailed
-from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+from amplituhedron_rs.mesh.client import StationFailed
+from amplituhedron_rs.mesh.rebuild import (
+    FailoverStats,
+    Piece,
+    SeqState,
+    check_replayed,
+    plan_pieces,
+)
 from amplituhedron_rs.mesh.replicas import Chain
 from amplituhedron_rs.mesh.sessions import MeshLink, StationVerdict
 
@@ -68,62 +73,6 @@ class SeqTrace:
     open_ms: float = 0.0
     replay_ms: float = 0.0
     stations: list[StationVerdict] = field(default_factory=list)
-
-
-@dataclass
-class SeqState:
-    """What the executor keeps of one live sequence: its sessions (one id per station of
-    the chain it was opened on) and what rebuilding it on another chain needs — its tokens
-    (the prompt, then every token emitted: ``tokens[i]`` sits at position ``i``), how it
-    opens, and its cache use."""
-
-    tokens: list[int]
-    prompt_len: int
-    prefix_hash: int
-    opening: wire.OpenSessionRequest
-    salt: str | None
-    use_cache: bool
-    greedy: bool
-    sids: list[str] = field(default_factory=list)
-    #: The chain ``sids`` live on (None: no sessions now).
-    chain: Chain | None = None
-
-    def on(self, chain: Chain) -> bool:
-        """Its sessions are live on ``chain`` (same stations, same lives)."""
-        return self.chain is not None and self.chain.key == chain.key
-
-
-@dataclass
-class FailoverStats:
-    """What failover cost: station failures handled, sequences rebuilt and the time."""
-
-    #: Station failures handled: a station down (marked so, its range moved to a replica)
-    #: or restarted under a session (it answered 404: the sessions were rebuilt).
-    failovers: int = 0
-    rebuilt_sequences: int = 0
-    rebuild_seconds: float = 0.0
-    #: Per failover: seconds from the failure's detection until the work it broke resumed
-    #: (the affected sequences rebuilt on the new chain, or the admission reopened).
-    added: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
-
-    def to_json(self) -> dict[str, Any]:
-        added = sorted(self.added)
-        return {
-            "failovers": self.failovers,
-            "rebuilt_sequences": self.rebuilt_sequences,
-            "rebuild_seconds": self.rebuild_seconds,
-            "added_ms_mean": 1e3 * sum(added) / len(added) if added else 0.0,
-            "added_ms_p50": 1e3 * added[len(added) // 2] if added else 0.0,
-            "added_ms_max": 1e3 * added[-1] if added else 0.0,
-        }
-
-
-@dataclass
-class _Piece:
-    """One rebuild entry: positions ``start:start+len(tokens)`` of a sequence."""
-
-    seq: int
-    spec: wire.BatchEntrySpec
 
 
 class MeshExecutor:
@@ -453,9 +402,12 @@ class MeshExecutor:
         if failed is not None:
             raise failed
         kept = [r for r in reopened if isinstance(r, int)]
-        queues = [self._pieces(e, k) for e, k in zip(stale, kept, strict=True)]
+        queues = [
+            plan_pieces(self.seqs[e.seq], e, k, self.rebuild_rows, self.rebuild_decode_rows)
+            for e, k in zip(stale, kept, strict=True)
+        ]
         while any(queues):
-            round_: list[_Piece] = []
+            round_: list[Piece] = []
             rows = 0
             for q in queues:
                 if q and (not round_ or rows + len(q[0].spec.tokens) <= self.rebuild_step_rows):
@@ -467,7 +419,7 @@ class MeshExecutor:
             ]
             reply = await self._hop(chain, "rebuild", [p.seq for p in round_], specs)
             for p, res in zip(round_, reply.entries, strict=True):
-                self._check_replayed(p, res.emitted)
+                check_replayed(self.seqs[p.seq], p, res.emitted)
         self.failover.rebuilt_sequences += len(stale)
         self.failover.rebuild_seconds += time.perf_counter() - started
 
@@ -494,50 +446,6 @@ class MeshExecutor:
             self.link, sids, prompt, state.prefix_hash, stations=chain.stations
         )
         return found.kept
-
-    def _pieces(self, e: _core.EngineEntry, kept: int) -> list[_Piece]:
-        """The rebuild entries that take a sequence from ``kept`` positions to ``e.start``:
-        the prompt's positions as prefill (the last one ``last``, as the engine ran it),
-        then the emitted ones as decode rows — the span types the engine wrote them with,
-        so even the ring's span layout is the undisturbed run's."""
-        state = self.seqs[e.seq]
-        n, target = state.prompt_len, e.start
-        pieces: list[_Piece] = []
-        at = kept
-        while at < min(target, n) or (e.kind == "decode" and at < n):
-            end = min(at + self.rebuild_rows, n if e.kind == "decode" else target)
-            spec = wire.BatchEntrySpec(
-                session_id=state.sids[0],
-                start=at,
-                tokens=state.tokens[at:end],
-                kind="prefill",
-                last=end == n,
-            )
-            pieces.append(_Piece(e.seq, spec))
-            at = end
-        while e.kind == "decode" and at < target:
-            end = min(at + self.rebuild_decode_rows, target)
-            spec = wire.BatchEntrySpec(
-                session_id=state.sids[0], start=at, tokens=state.tokens[at:end], kind="decode"
-            )
-            pieces.append(_Piece(e.seq, spec))
-            at = end
-        return pieces
-
-    def _check_replayed(self, p: _Piece, emitted: Sequence[int]) -> None:
-        """Greedy: a re-decoded piece's verification must emit the very tokens the
-        sequence emitted (its drafts all accepted, then the next one)."""
-        state = self.seqs[p.seq]
-        if p.spec.kind != "decode" or not state.greedy:
-            return
-        start, m = p.spec.start, len(p.spec.tokens)
-        expected = state.tokens[start + 1 : start + 1 + m]
-        if list(emitted) != expected:
-            raise MeshError(
-                f"sequence {p.seq}: rebuilding positions {start}:{start + m} on the new "
-                f"chain emitted {list(emitted)}, the sequence emitted {expected}; "
-                "refusing to continue it"
-            )
 
     def _note(
         self,
@@ -568,207 +476,3 @@ class MeshExecutor:
         # Forgotten once closed, so a live count of 0 means the stations hold none.
         for seq, _ in gone:
             del self.seqs[seq]
-
-
-def mesh_link(
-    mesh: MeshSpec,
-    token: str | None,
-    timeout: float,
-    close_timeout: float = 2.0,
-    open_deadline: float = 10.0,
-) -> MeshLink:
-    """The link to a mesh; ``token`` defaults to the mesh file's."""
-    token = token if token is not None else mesh.token
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return MeshLink(mesh, StationClient(timeout), headers, close_timeout, open_deadline)
-
-
-class MeshStepper:
-    """Steps a :class:`MeshExecutor` from a plain thread (the server's engine thread): it owns
-    an event loop and the connection pool to the stations, and closes both (and every
-    session still open) at the end. ``owned`` is stopped then too (a local mesh it started)."""
-
-    def __init__(
-        self,
-        engine: _core.Engine,
-        mesh: MeshSpec,
-        *,
-        token: str | None = None,
-        timeout: float = 120.0,
-        owned: LocalMesh | None = None,
-    ) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.owned = owned
-        link = mesh_link(mesh, token, timeout)
-        self.executor = MeshExecutor(engine, link)
-        self.health: wire.Health | None = None
-
-    def open(self) -> wire.Health:
-        """Connects and checks the mesh (every station answers, one model, the right layers)."""
-
-        async def go() -> wire.Health:
-            self.executor.link.http.open()
-            return await sessions.check_mesh(self.executor.link)
-
-        self.health = self.loop.run_until_complete(go())
-        return self.health
-
-    def step(self) -> list[_core.EngineEvent]:
-        return self.loop.run_until_complete(self.executor.step())
-
-    @property
-    def live_sequences(self) -> int:
-        return self.executor.live
-
-    @property
-    def station_requests(self) -> int:
-        return self.executor.hops
-
-    def failover_counters(self) -> dict[str, float]:
-        return self.executor.counters()
-
-    def close(self) -> None:
-        async def go() -> None:
-            try:
-                await self.executor.close()
-            finally:
-                self.executor.link.replicas.close()
-                await self.executor.link.http.close()
-
-        try:
-            self.loop.run_until_complete(go())
-        finally:
-            self.loop.close()
-            if self.owned is not None:
-                self.owned.close()
-
-
-@dataclass
-class MeshRun:
-    """One request's run through a mesh: its tokens and the engine's finished event."""
-
-    output_ids: list[int]
-    finished: _core.EngineEvent
-    #: What the mesh did (when the engine traces).
-    trace: SeqTrace | None = None
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return dict(self.finished.stats or {})
-
-
-class MeshEngine:
-    """The engine over a mesh for asyncio callers: ``await run(...)`` submits a request; one
-    driver task steps the engine (through :class:`MeshExecutor`) while anything is waiting
-    or running, so concurrent calls share steps. Use as ``async with``."""
-
-    def __init__(
-        self,
-        mesh: MeshSpec,
-        *,
-        token: str | None = None,
-        timeout: float = 120.0,
-        max_running: int = 8,
-        max_queue: int = 64,
-        step_tokens: int = 64,
-        trace: bool = False,
-        close_timeout: float = 2.0,
-        open_deadline: float = 10.0,
-    ) -> None:
-        self.engine = _core.Engine.external(
-            max_running=max_running, max_queue=max_queue, step_tokens=step_tokens
-        )
-        link = mesh_link(mesh, token, timeout, close_timeout, open_deadline)
-        self.executor = MeshExecutor(self.engine, link, trace=trace)
-        self.health: wire.Health | None = None
-        self._queues: dict[int, asyncio.Queue[_core.EngineEvent]] = {}
-        self._driver: asyncio.Task[None] | None = None
-        self._failure: Exception | None = None
-
-    async def __aenter__(self) -> MeshEngine:
-        self.executor.link.http.open()
-        try:
-            self.health = await sessions.check_mesh(self.executor.link)
-        except BaseException:
-            self.executor.link.replicas.close()
-            await self.executor.link.http.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-        try:
-            await self.executor.close()
-        finally:
-            self.executor.link.replicas.close()
-            await self.executor.link.http.close()
-
-    async def run(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        *,
-        sampling: dict[str, Any] | None = None,
-        stop_ids: Sequence[int] = (),
-        salt: str | None = None,
-        use_cache: bool = True,
-        draft_max: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-    ) -> MeshRun:
-        """Generates through the mesh; a bad request raises InputError before anything
-        runs, a mesh failure MeshError. Cancelling the caller cancels the request. ``salt``
-        is the tenant (sent as the tenant header; the stations key the cache salt by it)."""
-        seq = self.engine.submit(
-            list(prompt),
-            max_new_tokens,
-            **(sampling or {}),
-            stop_ids=list(stop_ids),
-            salt=salt,
-            use_cache=use_cache,
-            draft_max=draft_max,
-        )
-        queue: asyncio.Queue[_core.EngineEvent] = asyncio.Queue()
-        self._queues[seq] = queue
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.ensure_future(self._drive())
-        out: list[int] = []
-        try:
-            while True:
-                ev = await queue.get()
-                if ev.kind == "finished":
-                    break
-                assert ev.token is not None
-                out.append(ev.token)
-                if on_token is not None:
-                    on_token(ev.token)
-        except BaseException:
-            self.engine.cancel(seq)
-            raise
-        finally:
-            self._queues.pop(seq, None)
-            trace = self.executor.traces.pop(seq, None)
-        if ev.reason == "error":
-            raise MeshError(ev.error or "the mesh failed")
-        if ev.reason == "cancelled" and self._failure is not None:
-            raise MeshError(f"the mesh executor failed: {self._failure!r}") from self._failure
-        return MeshRun(out, ev, trace)
-
-    async def _drive(self) -> None:
-        try:
-            while self.engine.has_work:
-                for ev in await self.executor.step():
-                    queue = self._queues.get(ev.seq)
-                    if queue is not None:
-                        queue.put_nowait(ev)
-        except Exception as exc:
-            # Not a station's refusal (those finish the step's sequences): end every waiting
-            # call with it rather than leave them waiting for a step that never comes.
-            self._failure = exc
-            for seq, queue in list(self._queues.items()):
-                cancelled = self.engine.cancel(seq)
-                if cancelled is not None:
-                    queue.put_nowait(cancelled)
-            raise
