@@ -327,7 +327,7 @@ def test_a_station_that_lost_a_session_rebuilds_it_in_place(
                 emitted.append(token)
                 if len(emitted) == 3:
                     (state,) = executor.seqs.values()
-                    url = f"{spec.stations[ENTRY].url}/sessions/{state.sids[0]}"
+                    url = f"{spec.stations[ENTRY].url}/sessions/{state.ids()[0]}"
                     auth = {"Authorization": f"Bearer {TOKEN}"}
                     req = urllib.request.Request(url, method="DELETE", headers=auth)
                     assert urllib.request.urlopen(req, timeout=10).status == 200
@@ -407,7 +407,7 @@ def test_logits_after_a_failover_equal_the_single_process_ones(
                     assert state.chain.stations[1] == spec.stations[EXIT_SPARE]  # rebuilt
                     tokens = list(state.tokens)
                     got = await asyncio.to_thread(
-                        probe, state.chain.stations, state.sids, tokens[-1]
+                        probe, state.chain.stations, state.ids(), tokens[-1]
                     )
                     np.testing.assert_array_equal(got, model.logits_all(tokens)[-1])
                     probed = True
@@ -420,5 +420,39 @@ def test_logits_after_a_failover_equal_the_single_process_ones(
 
     try:
         asyncio.run(go())
+    finally:
+        restore(mesh)
+
+
+def opens(url: str) -> int:
+    """Sessions a station has opened (from its own /metrics)."""
+    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    return sum(
+        int(float(line.split()[-1]))
+        for line in text.splitlines()
+        if line.startswith("amplituhedron_requests_total")
+        and 'endpoint="/sessions"' in line
+        and 'status="201"' in line
+    )
+
+
+def test_an_entry_failover_keeps_the_later_ranges_sessions(
+    mesh: LocalMesh, references: dict[str, list[int]]
+) -> None:
+    """The entry primary dies mid-decode: only range 0 is rebuilt (on its replica); the exit
+    station keeps the three sequences' sessions (no session reopened there) and never
+    recomputes their positions, and the tokens are still the single-process ones."""
+    assert mesh.spec is not None
+    spec = mesh.spec
+    mesh.kill_station(ENTRY)
+    mesh.restart_station(ENTRY, env={DIE_ON_ENV: "decode:5"})
+    before = opens(spec.stations[EXIT].url)
+    try:
+        outputs, stats = asyncio.run(three_requests(spec))
+        assert not mesh.alive(ENTRY)
+        assert outputs == [references["greedy"], references["seeded"], references["greedy-short"]]
+        assert stats["failovers"] == 1 and stats["rebuilt_sequences"] == 3
+        assert opens(spec.stations[EXIT].url) - before == 3  # one per sequence, none again
     finally:
         restore(mesh)

@@ -21,11 +21,12 @@ the ranges' primaries (:mod:`.replicas`). When a station dies or stops answering
 a timeout, a 502/504) during an open, a replay, the cached first token or a step (prefill,
 decode, verify, capture), it is marked down and its range moves to a live replica; a
 station that answers 404 for a session restarted under it. Either way the chain changes, and
-each affected sequence is rebuilt on the new chain before its next step: fresh sessions on
-every range (the old ones closed), the prompt's volume replayed where cached, the rest
-re-prefilled and the emitted tokens re-decoded with nothing emitted (:mod:`.rebuild`); then
-the failed step runs again. Stations that ran the failed step before the failure hold
-positions the retry does not know of: rebuilding on every range discards them. The engine
+each affected sequence is rebuilt on the new chain before its next step: a fresh session on
+the lost range (the old one closed), the prompt's volume replayed where cached, the rest
+re-prefilled and the emitted tokens re-decoded through the ranges up to it with nothing
+emitted (:mod:`.rebuild`); then the failed step runs again. Stations that ran the failed
+step before the failure hold positions the retry does not know of: every entry starts at
+the sequence's position, where a station rolls back what it holds beyond. The engine
 sees only the retried step's tokens, so the continuation is the undisturbed run's; a range
 with no live replica fails the affected sequences with a MeshError naming it, and no token
 is emitted after the failure. Down stations are health-checked in the background and come
@@ -54,6 +55,7 @@ from amplituhedron_rs.mesh.rebuild import (
     SeqState,
     check_replayed,
     plan_pieces,
+    rounds,
 )
 from amplituhedron_rs.mesh.replicas import Chain
 from amplituhedron_rs.mesh.sessions import MeshLink, StationVerdict
@@ -257,7 +259,7 @@ class MeshExecutor:
         )
         opened = time.perf_counter()
         trace.open_ms = (opened - started) * 1e3
-        state.sids, state.chain = sids, chain
+        state.settle(chain, sids)
         self.seqs[a.seq] = state
         if not a.use_cache:
             return a.seq, 0, None, None
@@ -297,7 +299,7 @@ class MeshExecutor:
         try:
             return [
                 wire.BatchEntrySpec(
-                    session_id=self.seqs[e.seq].sids[0],
+                    session_id=self.seqs[e.seq].ids()[0],
                     start=e.start,
                     tokens=list(e.tokens),
                     kind=e.kind,
@@ -307,7 +309,7 @@ class MeshExecutor:
                 )
                 for e in batch
             ]
-        except (KeyError, IndexError) as exc:
+        except KeyError as exc:
             raise MeshError(f"sequence {exc} has no sessions on the mesh") from exc
 
     async def _step(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> list[list[int]]:
@@ -327,7 +329,7 @@ class MeshExecutor:
         """Runs one step of ``specs`` through ``chain`` (one request per station, in
         order); the exit station's answer. Each station's header names the sessions by its
         own ids."""
-        sids = [self.seqs[seq].sids for seq in seqs]
+        sids = [self.seqs[seq].ids() for seq in seqs]
         payload: bytes | memoryview = b""
         reply = None
         for i, s in enumerate(chain.stations):
@@ -370,20 +372,20 @@ class MeshExecutor:
 
     # --- rebuilding ------------------------------------------------------------------------
     async def _rebuild(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> None:
-        """Brings every sequence of the step whose sessions are not on ``chain`` to the
-        positions its entry starts at, on ``chain``: fresh sessions everywhere (the old
-        ones are closed), the prompt's volume replayed where a station has it, then the
-        rest of the prompt re-prefilled and the emitted tokens re-decoded through the
-        chain, nothing emitted or captured. Kernels are batch-invariant (chunked ≡ whole,
-        n rows ≡ n one-row steps) and sampling is a pure function of the position, so the
-        KV is the undisturbed run's bit for bit, and so are the tokens that follow. Under
-        greedy sampling the exit station re-verifies every emitted token on the way: a
+        """Brings every sequence of the step whose sessions are not all on ``chain`` to the
+        positions its entry starts at (:mod:`.rebuild`): the lost ranges get fresh sessions
+        (the old ones are closed), the prompt's volume is replayed there where cached, then
+        the rest of the prompt is re-prefilled and the emitted tokens re-decoded through the
+        ranges up to the deepest lost one, nothing emitted or captured. Kernels are
+        batch-invariant and sampling is a pure function of the position, so the KV is the
+        undisturbed run's bit for bit, and so are the tokens that follow. When the exit range
+        is rebuilt under greedy sampling, it re-verifies every emitted token on the way: a
         difference is a MeshError, never a wrong token."""
-        stale = [e for e in batch if not self.seqs[e.seq].on(chain)]
-        if not stale:
+        work = [(e, stale) for e in batch if (stale := self.seqs[e.seq].stale(chain))]
+        if not work:
             return
         started = time.perf_counter()
-        for e in stale:
+        for e, _ in work:
             state = self.seqs[e.seq]
             if e.kind == "decode" and (
                 len(state.tokens) != e.start + 1 or state.tokens[e.start] != e.tokens[0]
@@ -396,55 +398,73 @@ class MeshExecutor:
         # Every reopen finishes before a failure is raised: none is left running to touch
         # a sequence's sessions while the step is retried.
         reopened = await asyncio.gather(
-            *(self._reopen(self.seqs[e.seq], chain) for e in stale), return_exceptions=True
+            *(self._reopen(self.seqs[e.seq], chain, stale) for e, stale in work),
+            return_exceptions=True,
         )
         failed = next((r for r in reopened if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
         kept = [r for r in reopened if isinstance(r, int)]
-        queues = [
-            plan_pieces(self.seqs[e.seq], e, k, self.rebuild_rows, self.rebuild_decode_rows)
-            for e, k in zip(stale, kept, strict=True)
-        ]
-        while any(queues):
-            round_: list[Piece] = []
-            rows = 0
-            for q in queues:
-                if q and (not round_ or rows + len(q[0].spec.tokens) <= self.rebuild_step_rows):
-                    piece = q.pop(0)
-                    round_.append(piece)
-                    rows += len(piece.spec.tokens)
-            specs = [
-                p.spec.model_copy(update={"session_id": self.seqs[p.seq].sids[0]}) for p in round_
-            ]
-            reply = await self._hop(chain, "rebuild", [p.seq for p in round_], specs)
-            for p, res in zip(round_, reply.entries, strict=True):
-                check_replayed(self.seqs[p.seq], p, res.emitted)
-        self.failover.rebuilt_sequences += len(stale)
+        # Sequences rebuilt through the same ranges share steps.
+        by_depth: dict[int, list[list[Piece]]] = {}
+        for (e, stale), k in zip(work, kept, strict=True):
+            pieces = plan_pieces(
+                self.seqs[e.seq], e, k, self.rebuild_rows, self.rebuild_decode_rows
+            )
+            by_depth.setdefault(max(stale), []).append(pieces)
+        for depth, queues in by_depth.items():
+            await self._run_pieces(
+                Chain(chain.stations[: depth + 1], chain.key[: depth + 1]), queues
+            )
+        for e, _ in work:
+            self.seqs[e.seq].broken.clear()
+        self.failover.rebuilt_sequences += len(work)
         self.failover.rebuild_seconds += time.perf_counter() - started
 
-    async def _reopen(self, state: SeqState, chain: Chain) -> int:
-        """Closes the sequence's old sessions, opens new ones on ``chain`` and replays its
-        prompt's volume there; the prompt positions every station now holds."""
-        old_sids, old_chain = state.sids, state.chain
-        state.sids, state.chain = [], None
-        if old_chain is not None:
+    async def _run_pieces(self, chain: Chain, queues: list[list[Piece]]) -> None:
+        """Runs rebuild pieces through ``chain`` (the ranges up to the deepest rebuilt
+        one), one piece per sequence per step, several sequences per step."""
+        for round_ in rounds(queues, self.rebuild_step_rows):
+            specs = [
+                p.spec.model_copy(update={"session_id": self.seqs[p.seq].ids()[0]}) for p in round_
+            ]
+            reply = await self._hop(chain, "rebuild", [p.seq for p in round_], specs)
+            if len(chain.stations) == len(self.link.mesh.ranges):  # through the exit
+                for p, res in zip(round_, reply.entries, strict=True):
+                    check_replayed(self.seqs[p.seq], p, res.emitted)
+
+    async def _reopen(self, state: SeqState, chain: Chain, stale: list[int]) -> int:
+        """Replaces the sessions of the ``stale`` ranges with fresh ones on ``chain`` (the
+        old ones closed) and replays the prompt's volume there; the prompt positions the
+        fresh sessions hold. Every range up to the deepest stale one is marked broken until
+        the rebuild completes: a failure half-way leaves them short."""
+        depth = max(stale)
+        if len(state.sids) != len(chain.stations):
+            state.sids = [None] * len(chain.stations)
+            state.places = [None] * len(chain.stations)
+        old = [(state.places[i], state.sids[i]) for i in stale]
+        for i in stale:
+            state.sids[i], state.places[i] = None, None
+        state.broken.update(range(depth + 1))
+        gone = [(p[0], sid) for p, sid in old if p is not None and sid is not None]
+        if gone:
             # In the background: a stalled old station must not hold up the rebuild.
             closing = asyncio.ensure_future(
-                sessions.close_sessions(self.link, old_sids, old_chain.stations)
+                sessions.close_sessions(self.link, [g[1] for g in gone], [g[0] for g in gone])
             )
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
+        stations = [chain.stations[i] for i in stale]
         sids = await sessions.open_sessions(
-            self.link, state.opening, tenant=state.salt, stations=chain.stations
+            self.link, state.opening, tenant=state.salt, stations=stations
         )
-        state.sids, state.chain = sids, chain
+        for i, sid in zip(stale, sids, strict=True):
+            state.sids[i] = sid
+            state.places[i] = (chain.stations[i], chain.key[i][1])
         if not state.use_cache:
             return 0
         prompt = state.tokens[: state.prompt_len]
-        found = await sessions.replay(
-            self.link, sids, prompt, state.prefix_hash, stations=chain.stations
-        )
+        found = await sessions.replay(self.link, sids, prompt, state.prefix_hash, stations=stations)
         return found.kept
 
     def _note(
@@ -465,14 +485,14 @@ class MeshExecutor:
 
     async def _release(self, seqs: Sequence[int]) -> None:
         gone = [(seq, self.seqs[seq]) for seq in seqs if seq in self.seqs]
-        if gone:
-            await asyncio.gather(
-                *(
-                    sessions.close_sessions(self.link, st.sids, st.chain.stations)
-                    for _, st in gone
-                    if st.chain is not None
-                )
-            )
+        closes = []
+        for _, st in gone:
+            where = st.opened()
+            if where:
+                stations, sids = [w[0] for w in where], [w[1] for w in where]
+                closes.append(sessions.close_sessions(self.link, sids, stations))
+        if closes:
+            await asyncio.gather(*closes)
         # Forgotten once closed, so a live count of 0 means the stations hold none.
         for seq, _ in gone:
             del self.seqs[seq]
