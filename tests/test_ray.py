@@ -113,3 +113,37 @@ def test_mesh_up_ray_writes_a_mesh_file_of_working_stations(
     # Ctrl-C stopped the stations with their actors.
     with pytest.raises(OSError):
         get_json(f"{spec.stations[0].url}/healthz", timeout=2)
+
+
+def test_ray_replicas_fail_over_while_ray_restarts_the_killed_station(
+    cluster: None, model: ar.Model
+) -> None:
+    """2 ranges × 2 replicas on Ray: the exit primary is SIGKILLed mid-generation and the
+    replica takes over (same tokens); Ray restarts the killed station, the coordinator's
+    health checks take it back, and when the replica dies too the range fails over to it."""
+    ids = model.chat_ids("You are terse.", "Name a river.")
+    plain = model.generate(ids, 12, use_cache=False, stop_at_eos=False).output_ids
+    rm = RayMesh(2, replicas=2, base_port=consecutive_free_ports(4))
+    with rm as mesh:
+        assert [len(r) for r in mesh.ranges] == [2, 2]
+
+        async def go() -> None:
+            async with ar.Coordinator(mesh) as c:
+                for victim in (2, 3):
+                    pid = rm.station_pid(victim)
+                    emitted: list[int] = []
+
+                    def kill(token: int, pid: int = pid, emitted: list[int] = emitted) -> None:
+                        emitted.append(token)
+                        if len(emitted) == 4:
+                            os.kill(pid, signal.SIGKILL)
+
+                    g = await c.generate(ids, 12, use_cache=False, on_token=kill)
+                    assert g.output_ids == plain
+                    url = mesh.stations[victim].url
+                    # Ray restarts the actor, which starts the station again on its port.
+                    back = c._link.replicas.wait_live
+                    assert await asyncio.to_thread(back, url, 120), f"{url} never came back"
+                assert c.failover_stats()["failovers"] == 2
+
+        asyncio.run(go())

@@ -310,3 +310,46 @@ def test_load_over_the_mesh_32_clients_leaves_no_session_open(
     assert len(statuses) == 128 and set(statuses) == {200}
     wait_idle(mesh_server)
     assert open_sessions(mesh) == [0, 0]
+
+
+# --- failover through the server ----------------------------------------------------------------
+@pytest.mark.serve
+def test_the_server_fails_over_to_a_replica_mid_stream(
+    local_server: Server, tmp_path: Path
+) -> None:
+    """``serve --mesh`` over 2 ranges × 2 replicas: the exit primary is SIGKILLed while a
+    greedy and a seeded reply stream; both equal the single-process server's replies, and
+    /metrics counts the failover."""
+    mesh = LocalMesh(2, replicas=2, token=TOKEN)
+    spec = mesh.start()
+    try:
+        path = tmp_path / "mesh.json"
+        spec.write(path)
+        args = ["--mesh", str(path), "--max-batch", "8"]
+        with start_server(*args) as srv:
+            kw: dict[str, Any] = {"max_tokens": 24, "temperature": 0}
+            seeded: dict[str, Any] = {"max_tokens": 24, "temperature": 0.8, "seed": 5}
+            want = [
+                streamed_text(local_server.client(), local_server.model(), COPY, **kw)[0],
+                streamed_text(local_server.client(), local_server.model(), COPY, **seeded)[0],
+            ]
+
+            def stream(params: dict[str, Any]) -> str:
+                c = srv.client()
+                parts: list[str] = []
+                for chunk in chat(c, srv.model(), COPY, stream=True, **params):
+                    for choice in chunk.choices:
+                        parts.append(choice.delta.content or "")
+                        if len(parts) == 6 and mesh.alive(2):
+                            mesh.kill_station(2)  # the exit range's primary
+                return "".join(parts)
+
+            with cf.ThreadPoolExecutor(2) as pool:
+                got = list(pool.map(stream, [kw, seeded]))
+            assert not mesh.alive(2)
+            assert got == want
+            assert srv.metric("amplituhedron_serve_mesh_failovers_total") == 1
+            assert srv.metric("amplituhedron_serve_mesh_rebuilt_sequences_total") >= 1
+            assert srv.metric("amplituhedron_serve_mesh_stations_down") >= 1
+    finally:
+        mesh.close()

@@ -262,7 +262,7 @@ async def _over_a_mesh(
     stop_ids: Ids,
 ) -> list[Row]:
     """The same prompts through a local mesh of ``a.stations`` stations (cache off)."""
-    from amplituhedron_rs.mesh.executor import MeshEngine
+    from amplituhedron_rs.mesh.engine import MeshEngine
     from amplituhedron_rs.mesh.launcher import LocalMesh
 
     where = f"{a.stations}-station mesh"

@@ -6,7 +6,7 @@ server), ``station serve`` (one station), ``mesh up`` (a local mesh of stations)
 (the falsifiability bench), ``bench-eviction`` (the eviction traces alone), ``bench-model``
 (the runtime vs llama.cpp), ``bench-serve`` (streaming clients against the server),
 ``bench-spec`` (speculative decoding against plain), ``bench-mesh`` (what the mesh costs per
-hop).
+hop), ``bench-chaos`` (failover while stations are killed).
 
 Every subcommand module defines its arguments with light imports only and imports what it
 runs inside ``run``, so ``amplituhedron generate`` never loads the mesh's HTTP stacks.
@@ -37,6 +37,7 @@ COMMANDS = {
     "bench-serve": "amplituhedron_rs.cli.bench_serve",
     "bench-spec": "amplituhedron_rs.cli.bench_spec",
     "bench-mesh": "amplituhedron_rs.cli.bench_mesh",
+    "bench-chaos": "amplituhedron_rs.cli.bench_chaos",
 }
 
 

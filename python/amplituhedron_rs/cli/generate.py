@@ -201,7 +201,7 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
                     out.print()
                     verdicts = " ".join(f"{v.layer_lo}:{v.layer_hi}={v.replay}" for v in g.stations)
                     err.print(
-                        f"[dim]{len(mesh.stations)} stations · cache {verdicts} · "
+                        f"[dim]{len(g.stations)} stations · cache {verdicts} · "
                         f"replay {g.replay_ms:.1f} ms · prefill {g.prefill_ms:.1f} ms · "
                         f"decode {g.decode_ms:.1f} ms · latency {g.latency_ms:.1f} ms[/dim]"
                     )

@@ -12,8 +12,15 @@ HELP = "local meshes"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="mesh_command", required=True)
-    up = sub.add_parser("up", help="start K stations on loopback until Ctrl-C")
-    up.add_argument("--stations", type=int, default=3, metavar="K")
+    up = sub.add_parser("up", help="start K stations (× N replicas) on loopback until Ctrl-C")
+    up.add_argument("--stations", type=int, default=3, metavar="K", help="layer ranges")
+    up.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="stations per layer range (default 1); the executor fails over between them",
+    )
     up.add_argument("--port", type=int, default=8100, metavar="BASE")
     up.add_argument("--mesh-file", default="mesh.json", metavar="PATH")
     up.add_argument("--model", metavar="GGUF")
@@ -55,6 +62,7 @@ def run(a: argparse.Namespace) -> int:
     if a.ray is not None:
         mesh = RayMesh(
             a.stations,
+            replicas=a.replicas,
             address=a.ray or None,
             base_port=a.port,
             model_path=a.model,
@@ -65,13 +73,15 @@ def run(a: argparse.Namespace) -> int:
     else:
         mesh = LocalMesh(
             a.stations,
+            replicas=a.replicas,
             base_port=a.port,
             model_path=a.model,
             token=None if a.insecure else a.token,
             insecure=a.insecure,
             station_args=station_args,
         )
-    with err.status(f"starting {a.stations} stations…"):
+    total = a.stations * a.replicas
+    with err.status(f"starting {total} stations ({a.stations} ranges × {a.replicas})…"):
         spec = mesh.start()
     spec.write(a.mesh_file)
     for s in spec.stations:
@@ -85,9 +95,12 @@ def run(a: argparse.Namespace) -> int:
         while not stop.wait(0.5):
             if isinstance(mesh, RayMesh):
                 continue  # Ray restarts a station that dies
-            dead = [p for p in mesh.processes if p.poll() is not None]
-            if dead:
-                err.print(f"[red]a station exited (code {dead[0].returncode}); stopping[/red]")
+            dead = {i for i in range(len(mesh.processes)) if not mesh.alive(i)}
+            # A range keeps serving while one of its replicas runs (failover covers it).
+            down = [r for r in spec.ranges if all(spec.stations.index(s) in dead for s in r)]
+            if down:
+                lo, hi = down[0][0].layer_lo, down[0][0].layer_hi
+                err.print(f"[red]every station of layers {lo}:{hi} exited; stopping[/red]")
                 return 1
     finally:
         mesh.close()

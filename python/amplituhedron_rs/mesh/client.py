@@ -81,11 +81,13 @@ class StationClient:
                 reply = Reply(r.status, CIMultiDict(r.headers), await r.read())
         except TimeoutError as exc:
             raise StationFailed(
-                None, f"station {station.url} did not answer within {limit:g} s during {phase}"
+                None,
+                f"station {station.url} did not answer within {limit:g} s during {phase}",
+                station=station,
             ) from exc
         except aiohttp.ClientError as exc:
             raise StationFailed(
-                None, f"station {station.url} failed during {phase}: {exc!r}"
+                None, f"station {station.url} failed during {phase}: {exc!r}", station=station
             ) from exc
         if reply.status not in ok:
             try:
@@ -96,15 +98,37 @@ class StationClient:
                 reply.status,
                 f"station {station.url} answered {reply.status} during {phase}: {detail}",
                 reply.headers.get("Retry-After"),
+                station=station,
             )
         return reply
 
 
 class StationFailed(MeshError):
-    """A station's refusal or silence, with its HTTP status (None: no answer) and, on a
-    503, its ``Retry-After``."""
+    """A station's refusal or silence, with its HTTP status (None: no answer), on a 503 its
+    ``Retry-After``, and the station."""
 
-    def __init__(self, status: int | None, message: str, retry_after: str | None = None):
+    def __init__(
+        self,
+        status: int | None,
+        message: str,
+        retry_after: str | None = None,
+        *,
+        station: StationInfo | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.station = station
+
+    @property
+    def down(self) -> bool:
+        """The station died or stopped answering (no answer, a 502 or a 504), as opposed to
+        refusing the request (4xx), being full (503, retried by the open), or failing on it
+        (500: a model error, which a replica would repeat): fail over to a replica."""
+        return self.station is not None and self.status in (None, 502, 504)
+
+    @property
+    def lost(self) -> bool:
+        """The station answers but no longer holds the session (404: it restarted, or the
+        session expired): rebuild the session, the station itself is fine."""
+        return self.station is not None and self.status == 404

@@ -15,8 +15,10 @@ through the stations:
    per hop, rejected positions rolled back on every station).
 
 Several ``generate`` calls on one coordinator share steps (continuous batching). A station
-that fails mid-session ends the call with a :class:`MeshError` naming the station and the
-phase; the engine never emits a token after a failure, and the sequence's sessions are
+that fails mid-session is replaced by a live replica of its range and the call goes on,
+bit-identical (:mod:`.executor`); with no live replica the call ends with a
+:class:`MeshError` naming the range, the station and the phase; the engine never emits a
+token after a failure, and the sequence's sessions are
 closed within ``close_timeout`` (a stalled station cannot hold the failure up). A damaged
 replayed volume takes the erasure path on the station (SPEC §2): it answers ``partial`` with
 one position fewer, and prefill resumes at the shortest replayed prefix.
@@ -32,7 +34,7 @@ from typing import Any
 
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh import protocol as wire
-from amplituhedron_rs.mesh.executor import MeshEngine
+from amplituhedron_rs.mesh.engine import MeshEngine
 from amplituhedron_rs.mesh.launcher import MeshSpec
 from amplituhedron_rs.mesh.sessions import StationVerdict
 from amplituhedron_rs.runtime.sampling import SamplingParams
@@ -188,19 +190,24 @@ class Coordinator:
             verify_steps=int(st.get("verify_steps", 0)),
         )
 
+    def failover_stats(self) -> dict[str, Any]:
+        """What failover cost so far: failovers, rebuilt sequences, rebuild seconds, the
+        time added per failover (mean, p50, max), stations down now, revivals."""
+        return self._engine.executor.stats()
+
     async def stats(self) -> list[dict[str, Any]]:
-        """Every station's volume-cache stats."""
+        """Every live station's volume-cache stats (mesh order; down stations left out)."""
         rs = await asyncio.gather(
             *(
                 self._link.call("stats", s, "GET", "/amplituhedron/stats")
-                for s in self.mesh.stations
+                for s in self._link.replicas.live()
             )
         )
         return [r.json() for r in rs]
 
     async def configure(self, **settings: Any) -> None:
-        """``/amplituhedron/configure`` on every station (enabled, max_entries, …): changes
-        the shared stations for every client, unlike ``generate(use_cache=False)``."""
+        """``/amplituhedron/configure`` on every live station (enabled, max_entries, …):
+        changes the shared stations for every client, unlike ``generate(use_cache=False)``."""
         body = wire.ConfigureRequest(**settings).model_dump(exclude_unset=True)
         await asyncio.gather(
             *(
@@ -211,15 +218,15 @@ class Coordinator:
                     "/amplituhedron/configure",
                     json=body,
                 )
-                for s in self.mesh.stations
+                for s in self._link.replicas.live()
             )
         )
 
     async def clear(self) -> None:
-        """``/amplituhedron/clear`` on every station."""
+        """``/amplituhedron/clear`` on every live station."""
         await asyncio.gather(
             *(
                 self._link.call("clear", s, "POST", "/amplituhedron/clear")
-                for s in self.mesh.stations
+                for s in self._link.replicas.live()
             )
         )

@@ -16,15 +16,31 @@ The engine (``_core.Engine.external``) plans; this executor carries each plan ou
   own KV (no tensor crosses the wire for it);
 - released sequences (finished, cancelled) have their sessions closed on every station.
 
-There is no generation loop here: the engine decides what runs, stops and finishes.
+Failover (SPEC §13). A range may have several replicas; every sequence runs on the chain of
+the ranges' primaries (:mod:`.replicas`). When a station dies or stops answering (no answer,
+a timeout, a 502/504) during an open, a replay, the cached first token or a step (prefill,
+decode, verify, capture), it is marked down and its range moves to a live replica; a
+station that answers 404 for a session restarted under it. Either way the chain changes, and
+each affected sequence is rebuilt on the new chain before its next step: a fresh session on
+the lost range (the old one closed), the prompt's volume replayed where cached, the rest
+re-prefilled and the emitted tokens re-decoded through the ranges up to it with nothing
+emitted (:mod:`.rebuild`); then the failed step runs again. Stations that ran the failed
+step before the failure hold positions the retry does not know of: every entry starts at
+the sequence's position, where a station rolls back what it holds beyond. The engine
+sees only the retried step's tokens, so the continuation is the undisturbed run's; a range
+with no live replica fails the affected sequences with a MeshError naming it, and no token
+is emitted after the failure. Down stations are health-checked in the background and come
+back as spares.
+
+There is no generation loop here: the engine decides what runs, stops and finishes. The
+callers' drivers (a thread's stepper, an asyncio engine) are in :mod:`.engine`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +48,16 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
-from amplituhedron_rs.mesh.client import StationClient
-from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+from amplituhedron_rs.mesh.client import StationFailed
+from amplituhedron_rs.mesh.rebuild import (
+    FailoverStats,
+    Piece,
+    SeqState,
+    check_replayed,
+    plan_pieces,
+    rounds,
+)
+from amplituhedron_rs.mesh.replicas import Chain
 from amplituhedron_rs.mesh.sessions import MeshLink, StationVerdict
 
 
@@ -54,24 +78,68 @@ class SeqTrace:
 
 
 class MeshExecutor:
-    """Runs an external engine's admissions, steps and releases through a mesh. With
-    ``trace``, each sequence's :class:`SeqTrace` is kept in ``traces`` until its reader
-    pops it (a server leaves it off)."""
+    """Runs an external engine's admissions, steps and releases through a mesh, failing over
+    between replicas (see the module docstring). With ``trace``, each sequence's
+    :class:`SeqTrace` is kept in ``traces`` until its reader pops it (a server leaves it
+    off). ``max_failovers``: station failures one admission or step may survive."""
 
-    def __init__(self, engine: _core.Engine, link: MeshLink, *, trace: bool = False) -> None:
+    def __init__(
+        self,
+        engine: _core.Engine,
+        link: MeshLink,
+        *,
+        trace: bool = False,
+        max_failovers: int | None = None,
+    ) -> None:
         self.engine = engine
         self.link = link
-        #: Each live sequence's session ids (one per station, drawn by it) and cache use.
-        self.sids: dict[int, list[str]] = {}
-        self.use_cache: dict[int, bool] = {}
+        #: Each live sequence's sessions and what rebuilding them needs.
+        self.seqs: dict[int, SeqState] = {}
         self.hops = 0
         self.trace = trace
         self.traces: dict[int, SeqTrace] = {}
+        self.failover = FailoverStats()
+        self.max_failovers = (
+            2 * len(link.mesh.stations) + 2 if max_failovers is None else max_failovers
+        )
+        step_tokens = int(engine.limits[2])
+        #: Rows per rebuild entry: a prompt piece at most the engine's own step budget (what
+        #: the stations already take), decode rows at most a station's default
+        #: ``max_logits_rows`` (the exit verifies them). A rebuild step packs several
+        #: sequences' pieces, up to 4 budgets: more rows per pass cost less per row
+        #: (measured: 64-row steps ~3.3 ms/row, ~200-row steps ~2 ms/row on 2 cores).
+        self.rebuild_rows = max(1, step_tokens)
+        self.rebuild_decode_rows = max(1, min(step_tokens, 64))
+        self.rebuild_step_rows = min(1024, 4 * self.rebuild_rows)
+        #: Detection times of failures whose work has not resumed yet.
+        self._pending: list[float] = []
+        #: Closes of replaced sessions still under way (awaited at shutdown).
+        self._closing: set[asyncio.Future[None]] = set()
 
     @property
     def live(self) -> int:
         """Sequences holding sessions on the stations."""
-        return len(self.sids)
+        return len(self.seqs)
+
+    def counters(self) -> dict[str, float]:
+        """The failover counters alone (safe to read from another thread: plain values)."""
+        f = self.failover
+        return {
+            "failovers": f.failovers,
+            "rebuilt_sequences": f.rebuilt_sequences,
+            "rebuild_seconds": f.rebuild_seconds,
+            "stations_down": len(self.link.mesh.stations) - len(self.link.replicas.live()),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Failover counters, the time added per failover, and the stations marked down
+        now (from the executor's own thread)."""
+        r = self.link.replicas
+        return {
+            **self.failover.to_json(),
+            "stations_down": len(self.link.mesh.stations) - len(r.live()),
+            "revivals": r.revivals,
+        }
 
     async def step(self) -> list[_core.EngineEvent]:
         """One engine step through the mesh (the in-process engine's ``step()``, over HTTP)."""
@@ -89,70 +157,182 @@ class MeshExecutor:
                 # Every sequence of the step finishes with the error: no token after it.
                 events.extend(self.engine.complete([], error=str(exc)))
             else:
+                for e, out in zip(batch, emitted, strict=True):
+                    self._emitted(e, out)
                 events.extend(self.engine.complete(emitted))
         await self._release(self.engine.take_released())
         return events
 
     async def close(self) -> None:
         """Closes every session still open (shutdown)."""
-        await self._release(list(self.sids))
+        await self._release(list(self.seqs))
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
+    # --- failures ------------------------------------------------------------------------
+    async def _recover(self, exc: StationFailed, chain: Chain) -> str | None:
+        """Handles a station's failure: None if the work may go on (a replica took the
+        range, or the station restarted and is reachable again), else the error that ends
+        it — a failure that is not the station's (4xx), or a range left with no live
+        replica (named, with why its replicas are down)."""
+        station = exc.station
+        if station is None or not (exc.down or exc.lost):
+            return str(exc)
+        replicas = self.link.replicas
+        if exc.down:
+            newly = replicas.fail(station, str(exc))
+            none_left = replicas.no_replica(station)
+            if none_left is not None and not await asyncio.to_thread(replicas.probe_range, station):
+                return none_left
+        else:
+            # It answers but lost the sessions (it restarted before anyone saw it down):
+            # a new life makes every chain through it stale, so they are rebuilt.
+            newly = replicas.restarted(station, chain)
+        if newly:
+            self.failover.failovers += 1
+            self._pending.append(time.perf_counter())
+        return None
+
+    async def _chain(self) -> Chain:
+        """The current chain; if a range has no live replica, its down replicas are probed
+        once more first (one may have come back since its last health check)."""
+        replicas = self.link.replicas
+        try:
+            return replicas.chain()
+        except MeshError:
+            for r in replicas.ranges:
+                if replicas.no_replica(r[0]) is not None:
+                    await asyncio.to_thread(replicas.probe_range, r[0])
+            return replicas.chain()
+
+    def _resumed(self) -> None:
+        """The work broken by pending failures goes on: their time added ends here."""
+        now = time.perf_counter()
+        self.failover.added.extend(now - t for t in self._pending)
+        self._pending.clear()
+
+    # --- admissions ------------------------------------------------------------------------
     async def _admit(self, a: _core.EngineAdmission) -> tuple[int, int, int | None, str | None]:
         opening = wire.OpenSessionRequest(prompt_tokens=list(a.prompt), sampling=sampling_of(a))
+        state = SeqState(
+            tokens=list(a.prompt),
+            prompt_len=len(a.prompt),
+            prefix_hash=int(_core.prefix_hash(a.prompt)),
+            opening=opening,
+            salt=a.salt,
+            use_cache=a.use_cache,
+            greedy=a.greedy,
+        )
+        for _ in range(self.max_failovers + 1):
+            try:
+                chain = await self._chain()
+            except MeshError as exc:
+                return a.seq, 0, None, str(exc)
+            try:
+                result = await self._admit_on(a, state, chain)
+            except StationFailed as exc:
+                error = await self._recover(exc, chain)
+                if error is not None:
+                    # The engine finishes the sequence with the error and releases it.
+                    return a.seq, 0, None, error
+                await self._release([a.seq])
+                continue
+            except MeshError as exc:
+                return a.seq, 0, None, str(exc)
+            self._resumed()
+            return result
+        return a.seq, 0, None, f"gave up admitting after {self.max_failovers} station failures"
+
+    async def _admit_on(
+        self, a: _core.EngineAdmission, state: SeqState, chain: Chain
+    ) -> tuple[int, int, int | None, str | None]:
+        """Opens the sequence's sessions on ``chain``, replays, and (all hit) samples the
+        first token from the cached logits."""
         trace = SeqTrace(
-            stations=[StationVerdict(s.url, s.layer_lo, s.layer_hi) for s in self.link.stations]
+            stations=[StationVerdict(s.url, s.layer_lo, s.layer_hi) for s in chain.stations]
         )
         if self.trace:
             self.traces[a.seq] = trace
         started = time.perf_counter()
-        try:
-            sids = await sessions.open_sessions(self.link, opening, tenant=a.salt)
-        except MeshError as exc:
-            return a.seq, 0, None, str(exc)
+        sids = await sessions.open_sessions(
+            self.link, state.opening, tenant=a.salt, stations=chain.stations
+        )
         opened = time.perf_counter()
         trace.open_ms = (opened - started) * 1e3
-        self.sids[a.seq] = sids
-        self.use_cache[a.seq] = a.use_cache
-        try:
-            if not a.use_cache:
-                return a.seq, 0, None, None
-            found = await sessions.replay(
-                self.link, sids, a.prompt, int(_core.prefix_hash(a.prompt))
-            )
-            trace.replay_ms = (time.perf_counter() - opened) * 1e3
-            for v, (status, held) in zip(trace.stations, found.verdicts, strict=True):
-                v.replay, v.replayed_tokens = status, held if found.hit else found.kept
-            if not found.hit:
-                return a.seq, found.kept, None, None
-            first = await sessions.sample_cached(self.link, sids) if a.sample_first else None
-            return a.seq, len(a.prompt), first, None
-        except MeshError as exc:
-            # The engine finishes the sequence with the error and releases it.
-            return a.seq, 0, None, str(exc)
+        state.settle(chain, sids)
+        self.seqs[a.seq] = state
+        if not a.use_cache:
+            return a.seq, 0, None, None
+        found = await sessions.replay(
+            self.link, sids, a.prompt, state.prefix_hash, stations=chain.stations
+        )
+        trace.replay_ms = (time.perf_counter() - opened) * 1e3
+        for v, (status, held) in zip(trace.stations, found.verdicts, strict=True):
+            v.replay, v.replayed_tokens = status, held if found.hit else found.kept
+        if not found.hit:
+            return a.seq, found.kept, None, None
+        first = None
+        if a.sample_first:
+            first = await sessions.sample_cached(self.link, sids, stations=chain.stations)
+            state.tokens.append(first)
+        return a.seq, len(a.prompt), first, None
 
+    # --- steps -----------------------------------------------------------------------------
     async def _run(self, batch: Sequence[_core.EngineEntry]) -> list[list[int]]:
-        """One step: one request per station, in order; the exit station's emitted tokens.
-        Each station's header names the sessions by its own ids."""
+        """One step: one request per station of the current chain, in order; the exit
+        station's emitted tokens. A station that fails is replaced by a live replica of its
+        range, the step's sequences are rebuilt on the new chain, and the step runs again:
+        nothing of the failed attempt reaches the engine."""
+        for _ in range(self.max_failovers + 1):
+            chain = await self._chain()  # MeshError: a range has no live replica
+            try:
+                await self._rebuild(batch, chain)
+                self._resumed()
+                return await self._step(batch, chain)
+            except StationFailed as exc:
+                error = await self._recover(exc, chain)
+                if error is not None:
+                    raise MeshError(error) from exc
+        raise MeshError(f"gave up the step after {self.max_failovers} station failures")
+
+    def _specs(self, batch: Sequence[_core.EngineEntry]) -> list[wire.BatchEntrySpec]:
         try:
-            sids = [self.sids[e.seq] for e in batch]
-            specs = [
+            return [
                 wire.BatchEntrySpec(
-                    session_id=ids[0],
+                    session_id=self.seqs[e.seq].ids()[0],
                     start=e.start,
                     tokens=list(e.tokens),
                     kind=e.kind,
                     last=e.last,
                     emit=e.emit and e.kind == "prefill",
-                    capture=e.last and self.use_cache[e.seq],
+                    capture=e.last and self.seqs[e.seq].use_cache,
                 )
-                for e, ids in zip(batch, sids, strict=True)
+                for e in batch
             ]
         except KeyError as exc:
             raise MeshError(f"sequence {exc} has no sessions on the mesh") from exc
+
+    async def _step(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> list[list[int]]:
+        specs = self._specs(batch)
+        phase = "decode step" if all(e.kind == "decode" for e in specs) else "prefill step"
+        reply = await self._hop(chain, phase, [e.seq for e in batch], specs, batch)
+        return [list(r.emitted) for r in reply.entries]
+
+    async def _hop(
+        self,
+        chain: Chain,
+        phase: str,
+        seqs: Sequence[int],
+        specs: Sequence[wire.BatchEntrySpec],
+        batch: Sequence[_core.EngineEntry] | None = None,
+    ) -> wire.BatchStepReply:
+        """Runs one step of ``specs`` through ``chain`` (one request per station, in
+        order); the exit station's answer. Each station's header names the sessions by its
+        own ids."""
+        sids = [self.seqs[seq].ids() for seq in seqs]
         payload: bytes | memoryview = b""
         reply = None
-        phase = "decode step" if all(e.kind == "decode" for e in specs) else "prefill step"
-        for i, s in enumerate(self.link.stations):
+        for i, s in enumerate(chain.stations):
             header = wire.BatchStepRequest(
                 entries=[
                     spec.model_copy(update={"session_id": ids[i]})
@@ -177,10 +357,115 @@ class MeshExecutor:
                 raise MeshError(
                     f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
                 )
-            if self.trace:
+            if self.trace and batch is not None:
                 self._note(i, batch, specs, reply)
         assert reply is not None
-        return [list(r.emitted) for r in reply.entries]
+        return reply
+
+    def _emitted(self, e: _core.EngineEntry, out: Sequence[int]) -> None:
+        """Records a step's emitted tokens: they follow the entry's last input row."""
+        state = self.seqs.get(e.seq)
+        if state is None or not out:
+            return
+        at = e.start + len(e.tokens) if e.kind == "prefill" else e.start + 1
+        state.tokens[at:] = out
+
+    # --- rebuilding ------------------------------------------------------------------------
+    async def _rebuild(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> None:
+        """Brings every sequence of the step whose sessions are not all on ``chain`` to the
+        positions its entry starts at (:mod:`.rebuild`): the lost ranges get fresh sessions
+        (the old ones are closed), the prompt's volume is replayed there where cached, then
+        the rest of the prompt is re-prefilled and the emitted tokens re-decoded through the
+        ranges up to the deepest lost one, nothing emitted or captured. Kernels are
+        batch-invariant and sampling is a pure function of the position, so the KV is the
+        undisturbed run's bit for bit, and so are the tokens that follow. When the exit range
+        is rebuilt under greedy sampling, it re-verifies every emitted token on the way: a
+        difference is a MeshError, never a wrong token."""
+        work = [(e, stale) for e in batch if (stale := self.seqs[e.seq].stale(chain))]
+        if not work:
+            return
+        started = time.perf_counter()
+        for e, _ in work:
+            state = self.seqs[e.seq]
+            if e.kind == "decode" and (
+                len(state.tokens) != e.start + 1 or state.tokens[e.start] != e.tokens[0]
+            ):
+                raise MeshError(
+                    f"sequence {e.seq}: the engine resumes at position {e.start} with token "
+                    f"{e.tokens[0]}, the executor holds {len(state.tokens)} tokens; "
+                    "cannot rebuild it"
+                )
+        # Every reopen finishes before a failure is raised: none is left running to touch
+        # a sequence's sessions while the step is retried.
+        reopened = await asyncio.gather(
+            *(self._reopen(self.seqs[e.seq], chain, stale) for e, stale in work),
+            return_exceptions=True,
+        )
+        failed = next((r for r in reopened if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        kept = [r for r in reopened if isinstance(r, int)]
+        # Sequences rebuilt through the same ranges share steps.
+        by_depth: dict[int, list[list[Piece]]] = {}
+        for (e, stale), k in zip(work, kept, strict=True):
+            pieces = plan_pieces(
+                self.seqs[e.seq], e, k, self.rebuild_rows, self.rebuild_decode_rows
+            )
+            by_depth.setdefault(max(stale), []).append(pieces)
+        for depth, queues in by_depth.items():
+            await self._run_pieces(
+                Chain(chain.stations[: depth + 1], chain.key[: depth + 1]), queues
+            )
+        for e, _ in work:
+            self.seqs[e.seq].broken.clear()
+        self.failover.rebuilt_sequences += len(work)
+        self.failover.rebuild_seconds += time.perf_counter() - started
+
+    async def _run_pieces(self, chain: Chain, queues: list[list[Piece]]) -> None:
+        """Runs rebuild pieces through ``chain`` (the ranges up to the deepest rebuilt
+        one), one piece per sequence per step, several sequences per step."""
+        for round_ in rounds(queues, self.rebuild_step_rows):
+            specs = [
+                p.spec.model_copy(update={"session_id": self.seqs[p.seq].ids()[0]}) for p in round_
+            ]
+            reply = await self._hop(chain, "rebuild", [p.seq for p in round_], specs)
+            if len(chain.stations) == len(self.link.mesh.ranges):  # through the exit
+                for p, res in zip(round_, reply.entries, strict=True):
+                    check_replayed(self.seqs[p.seq], p, res.emitted)
+
+    async def _reopen(self, state: SeqState, chain: Chain, stale: list[int]) -> int:
+        """Replaces the sessions of the ``stale`` ranges with fresh ones on ``chain`` (the
+        old ones closed) and replays the prompt's volume there; the prompt positions the
+        fresh sessions hold. Every range up to the deepest stale one is marked broken until
+        the rebuild completes: a failure half-way leaves them short."""
+        depth = max(stale)
+        if len(state.sids) != len(chain.stations):
+            state.sids = [None] * len(chain.stations)
+            state.places = [None] * len(chain.stations)
+        old = [(state.places[i], state.sids[i]) for i in stale]
+        for i in stale:
+            state.sids[i], state.places[i] = None, None
+        state.broken.update(range(depth + 1))
+        gone = [(p[0], sid) for p, sid in old if p is not None and sid is not None]
+        if gone:
+            # In the background: a stalled old station must not hold up the rebuild.
+            closing = asyncio.ensure_future(
+                sessions.close_sessions(self.link, [g[1] for g in gone], [g[0] for g in gone])
+            )
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        stations = [chain.stations[i] for i in stale]
+        sids = await sessions.open_sessions(
+            self.link, state.opening, tenant=state.salt, stations=stations
+        )
+        for i, sid in zip(stale, sids, strict=True):
+            state.sids[i] = sid
+            state.places[i] = (chain.stations[i], chain.key[i][1])
+        if not state.use_cache:
+            return 0
+        prompt = state.tokens[: state.prompt_len]
+        found = await sessions.replay(self.link, sids, prompt, state.prefix_hash, stations=stations)
+        return found.kept
 
     def _note(
         self,
@@ -199,208 +484,15 @@ class MeshExecutor:
                 trace.stations[station].captured_bytes = res.captured
 
     async def _release(self, seqs: Sequence[int]) -> None:
-        gone = [(seq, self.sids[seq]) for seq in seqs if seq in self.sids]
-        if gone:
-            await asyncio.gather(*(sessions.close_sessions(self.link, ids) for _, ids in gone))
+        gone = [(seq, self.seqs[seq]) for seq in seqs if seq in self.seqs]
+        closes = []
+        for _, st in gone:
+            where = st.opened()
+            if where:
+                stations, sids = [w[0] for w in where], [w[1] for w in where]
+                closes.append(sessions.close_sessions(self.link, sids, stations))
+        if closes:
+            await asyncio.gather(*closes)
         # Forgotten once closed, so a live count of 0 means the stations hold none.
         for seq, _ in gone:
-            del self.sids[seq]
-            self.use_cache.pop(seq, None)
-
-
-def mesh_link(
-    mesh: MeshSpec,
-    token: str | None,
-    timeout: float,
-    close_timeout: float = 2.0,
-    open_deadline: float = 10.0,
-) -> MeshLink:
-    """The link to a mesh; ``token`` defaults to the mesh file's."""
-    token = token if token is not None else mesh.token
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return MeshLink(mesh, StationClient(timeout), headers, close_timeout, open_deadline)
-
-
-class MeshStepper:
-    """Steps a :class:`MeshExecutor` from a plain thread (the server's engine thread): it owns
-    an event loop and the connection pool to the stations, and closes both (and every
-    session still open) at the end. ``owned`` is stopped then too (a local mesh it started)."""
-
-    def __init__(
-        self,
-        engine: _core.Engine,
-        mesh: MeshSpec,
-        *,
-        token: str | None = None,
-        timeout: float = 120.0,
-        owned: LocalMesh | None = None,
-    ) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.owned = owned
-        link = mesh_link(mesh, token, timeout)
-        self.executor = MeshExecutor(engine, link)
-        self.health: wire.Health | None = None
-
-    def open(self) -> wire.Health:
-        """Connects and checks the mesh (every station answers, one model, the right layers)."""
-
-        async def go() -> wire.Health:
-            self.executor.link.http.open()
-            return await sessions.check_mesh(self.executor.link)
-
-        self.health = self.loop.run_until_complete(go())
-        return self.health
-
-    def step(self) -> list[_core.EngineEvent]:
-        return self.loop.run_until_complete(self.executor.step())
-
-    @property
-    def live_sequences(self) -> int:
-        return self.executor.live
-
-    @property
-    def station_requests(self) -> int:
-        return self.executor.hops
-
-    def close(self) -> None:
-        async def go() -> None:
-            try:
-                await self.executor.close()
-            finally:
-                await self.executor.link.http.close()
-
-        try:
-            self.loop.run_until_complete(go())
-        finally:
-            self.loop.close()
-            if self.owned is not None:
-                self.owned.close()
-
-
-@dataclass
-class MeshRun:
-    """One request's run through a mesh: its tokens and the engine's finished event."""
-
-    output_ids: list[int]
-    finished: _core.EngineEvent
-    #: What the mesh did (when the engine traces).
-    trace: SeqTrace | None = None
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return dict(self.finished.stats or {})
-
-
-class MeshEngine:
-    """The engine over a mesh for asyncio callers: ``await run(...)`` submits a request; one
-    driver task steps the engine (through :class:`MeshExecutor`) while anything is waiting
-    or running, so concurrent calls share steps. Use as ``async with``."""
-
-    def __init__(
-        self,
-        mesh: MeshSpec,
-        *,
-        token: str | None = None,
-        timeout: float = 120.0,
-        max_running: int = 8,
-        max_queue: int = 64,
-        step_tokens: int = 64,
-        trace: bool = False,
-        close_timeout: float = 2.0,
-        open_deadline: float = 10.0,
-    ) -> None:
-        self.engine = _core.Engine.external(
-            max_running=max_running, max_queue=max_queue, step_tokens=step_tokens
-        )
-        link = mesh_link(mesh, token, timeout, close_timeout, open_deadline)
-        self.executor = MeshExecutor(self.engine, link, trace=trace)
-        self.health: wire.Health | None = None
-        self._queues: dict[int, asyncio.Queue[_core.EngineEvent]] = {}
-        self._driver: asyncio.Task[None] | None = None
-        self._failure: Exception | None = None
-
-    async def __aenter__(self) -> MeshEngine:
-        self.executor.link.http.open()
-        try:
-            self.health = await sessions.check_mesh(self.executor.link)
-        except BaseException:
-            await self.executor.link.http.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-        try:
-            await self.executor.close()
-        finally:
-            await self.executor.link.http.close()
-
-    async def run(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        *,
-        sampling: dict[str, Any] | None = None,
-        stop_ids: Sequence[int] = (),
-        salt: str | None = None,
-        use_cache: bool = True,
-        draft_max: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-    ) -> MeshRun:
-        """Generates through the mesh; a bad request raises InputError before anything
-        runs, a mesh failure MeshError. Cancelling the caller cancels the request. ``salt``
-        is the tenant (sent as the tenant header; the stations key the cache salt by it)."""
-        seq = self.engine.submit(
-            list(prompt),
-            max_new_tokens,
-            **(sampling or {}),
-            stop_ids=list(stop_ids),
-            salt=salt,
-            use_cache=use_cache,
-            draft_max=draft_max,
-        )
-        queue: asyncio.Queue[_core.EngineEvent] = asyncio.Queue()
-        self._queues[seq] = queue
-        if self._driver is None or self._driver.done():
-            self._driver = asyncio.ensure_future(self._drive())
-        out: list[int] = []
-        try:
-            while True:
-                ev = await queue.get()
-                if ev.kind == "finished":
-                    break
-                assert ev.token is not None
-                out.append(ev.token)
-                if on_token is not None:
-                    on_token(ev.token)
-        except BaseException:
-            self.engine.cancel(seq)
-            raise
-        finally:
-            self._queues.pop(seq, None)
-            trace = self.executor.traces.pop(seq, None)
-        if ev.reason == "error":
-            raise MeshError(ev.error or "the mesh failed")
-        if ev.reason == "cancelled" and self._failure is not None:
-            raise MeshError(f"the mesh executor failed: {self._failure!r}") from self._failure
-        return MeshRun(out, ev, trace)
-
-    async def _drive(self) -> None:
-        try:
-            while self.engine.has_work:
-                for ev in await self.executor.step():
-                    queue = self._queues.get(ev.seq)
-                    if queue is not None:
-                        queue.put_nowait(ev)
-        except Exception as exc:
-            # Not a station's refusal (those finish the step's sequences): end every waiting
-            # call with it rather than leave them waiting for a step that never comes.
-            self._failure = exc
-            for seq, queue in list(self._queues.items()):
-                cancelled = self.engine.cancel(seq)
-                if cancelled is not None:
-                    queue.put_nowait(cancelled)
-            raise
+            del self.seqs[seq]

@@ -1,11 +1,12 @@
 """Meshes of stations: the mesh file, layer splits, and a local mesh of station processes.
 
 A mesh file is JSON ``{"stations": [{"url", "layer_lo", "layer_hi"}, …], "token": …}`` whose
-ranges tile ``[0, n_layers)`` in order; stations may live on other hosts. The token is the
-mesh token the stations require (SPEC §14): the file holding it is written mode 0600.
-``LocalMesh`` starts K station processes on loopback (``amplituhedron mesh up``) with a fresh
-random token unless told otherwise, waits until each answers its health check, and stops
-them all on exit.
+ranges tile ``[0, n_layers)``; stations may live on other hosts. Several stations may list
+the same range: they are replicas of it (SPEC §13), and the executor fails over between
+them. The token is the mesh token the stations require (SPEC §14): the file holding it is
+written mode 0600. ``LocalMesh`` starts K×N station processes on loopback (``amplituhedron
+mesh up --stations K --replicas N``) with a fresh random token unless told otherwise, waits
+until each answers its health check, and stops them all on exit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,10 @@ class StationInfo:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """An ordered list of stations whose layer ranges tile the model, and the mesh token
-    they require (None: an ``--insecure`` mesh)."""
+    """Stations whose layer ranges tile the model, and the mesh token they require (None:
+    an ``--insecure`` mesh). Stations listing the same range are its replicas; distinct
+    ranges must tile ``[0, n_layers)`` (replicas of a range share ``layer_lo`` and
+    ``layer_hi``: a station covering part of another's range is refused)."""
 
     stations: tuple[StationInfo, ...]
     token: str | None = field(default=None, repr=False)
@@ -57,18 +60,44 @@ class MeshSpec:
     def __post_init__(self) -> None:
         if not self.stations:
             raise MeshError("a mesh needs at least one station")
+        urls = [s.url for s in self.stations]
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:
+            raise MeshError(f"a station is listed twice in the mesh: {twice}")
         expected = 0
-        for s in self.stations:
+        for replicas in self.ranges:
+            s = replicas[0]
             if s.layer_lo != expected or s.layer_hi <= s.layer_lo:
                 raise MeshError(
                     f"station {s.url} owns layers {s.layer_lo}:{s.layer_hi}; ranges must tile "
-                    f"the model in order (next expected to start at {expected})"
+                    f"the model (next expected to start at {expected}; replicas of a range "
+                    "share its layer_lo and layer_hi)"
                 )
             expected = s.layer_hi
 
     @property
+    def ranges(self) -> tuple[tuple[StationInfo, ...], ...]:
+        """The replicas of each layer range, ranges in layer order, replicas in the order
+        the mesh lists them."""
+        by_range: dict[tuple[int, int], list[StationInfo]] = {}
+        for s in self.stations:
+            by_range.setdefault((s.layer_lo, s.layer_hi), []).append(s)
+        return tuple(tuple(by_range[r]) for r in sorted(by_range))
+
+    @property
+    def chain(self) -> tuple[StationInfo, ...]:
+        """The first replica of every range, in layer order (the whole mesh without
+        replicas)."""
+        return tuple(r[0] for r in self.ranges)
+
+    @property
+    def replicas(self) -> int:
+        """The fewest replicas any range has."""
+        return min(len(r) for r in self.ranges)
+
+    @property
     def n_layers(self) -> int:
-        return self.stations[-1].layer_hi
+        return self.ranges[-1][0].layer_hi
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"stations": [asdict(s) for s in self.stations]}
@@ -174,30 +203,41 @@ def wait_healthy(
 
 
 class LocalMesh:
-    """K station processes on loopback, started together and stopped together. They require
-    ``token``, or a fresh random one (``spec.token``); ``insecure=True`` runs them open."""
+    """K station processes on loopback (``replicas`` of each of K layer ranges: K×N in all),
+    started together and stopped together. They require ``token``, or a fresh random one
+    (``spec.token``); ``insecure=True`` runs them open. ``station_env`` adds environment
+    variables to some stations (by index in ``spec.stations``: failure drills)."""
 
     def __init__(
         self,
         stations: int,
         *,
+        replicas: int = 1,
         base_port: int | None = None,
         model_path: str | None = None,
         token: str | None = None,
         insecure: bool = False,
         station_args: list[str] | None = None,
+        station_env: Mapping[int, Mapping[str, str]] | None = None,
         startup_timeout: float = 120.0,
     ) -> None:
         if insecure and token is not None:
             raise MeshError("an insecure mesh has no token")
+        if replicas < 1:
+            raise MeshError(f"a mesh needs at least one replica of each range, got {replicas}")
         self.k = stations
+        self.replicas = replicas
         self.base_port = base_port
         self.model_path = model_path
         self.token = None if insecure else token or secrets.token_urlsafe(32)
         self.station_args = station_args or []
+        self.station_env = {i: dict(e) for i, e in (station_env or {}).items()}
         self.startup_timeout = startup_timeout
         self.processes: list[subprocess.Popen[bytes]] = []
         self.spec: MeshSpec | None = None
+        #: Each station's command line and environment (a restart reuses them).
+        self._commands: list[list[str]] = []
+        self._env: dict[str, str] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="amplituhedron-mesh-")
 
     def start(self) -> MeshSpec:
@@ -206,14 +246,15 @@ class LocalMesh:
         model_file = read_model_file(self.model_path)
         index = write_model_index(model_file, Path(self._tmp.name) / "model-index.json")
         n_layers = int(model_file.config["n_layers"])
-        ranges = split_layers(n_layers, self.k)
+        # Range-major: the replicas of a range are neighbours in the mesh file.
+        ranges = [r for r in split_layers(n_layers, self.k) for _ in range(self.replicas)]
+        n = len(ranges)
         ports = (
-            [self.base_port + i for i in range(self.k)]
-            if self.base_port is not None
-            else free_ports(self.k)
+            [self.base_port + i for i in range(n)] if self.base_port is not None else free_ports(n)
         )
         env = dict(os.environ)
         env.pop("AMPLITUHEDRON_TOKEN", None)  # the stations take this mesh's token, or none
+        self._env = env
         if self.token is None:
             auth = ["--insecure"]
         else:
@@ -224,7 +265,7 @@ class LocalMesh:
                 f.write(self.token)
             auth = ["--token-file", str(token_file)]
         infos = []
-        for (lo, hi), port in zip(ranges, ports, strict=True):
+        for i, ((lo, hi), port) in enumerate(zip(ranges, ports, strict=True)):
             cmd = [
                 sys.executable,
                 "-m",
@@ -240,12 +281,9 @@ class LocalMesh:
                 *auth,
                 *self.station_args,
             ]
-            # The child keeps its own descriptor of the log; ours closes at once.
-            with open(self._log_path(port), "wb") as log:
-                self.processes.append(
-                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-                )
+            self._commands.append(cmd)
             infos.append(StationInfo(f"http://127.0.0.1:{port}", lo, hi))
+            self.processes.append(self._launch(i, port, self.station_env.get(i, {})))
         try:
             self._wait_healthy(infos)
         except BaseException:
@@ -254,8 +292,41 @@ class LocalMesh:
         self.spec = MeshSpec(tuple(infos), self.token)
         return self.spec
 
-    def _wait_healthy(self, infos: list[StationInfo]) -> None:
-        processes = {s.url: (s, p) for s, p in zip(infos, self.processes, strict=True)}
+    def _launch(
+        self, index: int, port: int | str, extra: Mapping[str, str]
+    ) -> subprocess.Popen[bytes]:
+        """Starts station ``index``'s process (its output appended to its log)."""
+        # The child keeps its own descriptor of the log; ours closes at once.
+        with open(self._log_path(port), "ab") as log:
+            return subprocess.Popen(
+                self._commands[index],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**self._env, **extra},
+            )
+
+    def restart_station(
+        self, index: int, *, env: Mapping[str, str] | None = None, wait: bool = True
+    ) -> None:
+        """Starts station ``index`` again on its port after it died or was killed (empty:
+        its sessions are gone; its volumes too unless it has a ``--cache-dir``); ``env``
+        replaces its extra environment. ``wait``: block until it answers ``/healthz``."""
+        if self.spec is None:
+            raise MeshError("the mesh is not started")
+        old = self.processes[index]
+        if old.poll() is None:
+            raise MeshError(f"station {index} is still running")
+        info = self.spec.stations[index]
+        extra = self.station_env.get(index, {}) if env is None else env
+        self.processes[index] = self._launch(index, info.url.rsplit(":", 1)[1], extra)
+        if wait:
+            self._wait_healthy([info], [self.processes[index]])
+
+    def _wait_healthy(
+        self, infos: list[StationInfo], processes_: list[subprocess.Popen[bytes]] | None = None
+    ) -> None:
+        procs = self.processes if processes_ is None else processes_
+        processes = {s.url: (s, p) for s, p in zip(infos, procs, strict=True)}
 
         def alive(url: str) -> None:
             info, proc = processes[url]
@@ -276,9 +347,13 @@ class LocalMesh:
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
 
     def kill_station(self, index: int) -> None:
-        """Kills one station abruptly (failure drills and tests)."""
+        """Kills one station abruptly, SIGKILL (failure drills and tests)."""
         self.processes[index].kill()
         self.processes[index].wait(timeout=10)
+
+    def alive(self, index: int) -> bool:
+        """Whether station ``index``'s process is running."""
+        return self.processes[index].poll() is None
 
     def stop(self) -> None:
         for p in self.processes:

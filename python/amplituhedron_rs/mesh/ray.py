@@ -90,17 +90,19 @@ def station_actor() -> Any:
 
 
 class RayMesh:
-    """K stations as Ray actors, one layer range each; a context manager like ``LocalMesh``.
+    """K layer ranges × N replicas as Ray actors; a context manager like ``LocalMesh``.
 
     ``address`` is the cluster's (``"auto"`` for the one this host belongs to); ``None``
     connects as ``ray.init()`` does (``RAY_ADDRESS``, or a new local cluster). Station ``i``
-    listens on ``base_port + i`` on its node.
+    (range-major, as in the mesh file) listens on ``base_port + i`` on its node; SPREAD
+    placement puts a range's replicas on different nodes where there are several.
     """
 
     def __init__(
         self,
         stations: int,
         *,
+        replicas: int = 1,
         address: str | None = None,
         base_port: int = 8100,
         model_path: str | None = None,
@@ -111,7 +113,10 @@ class RayMesh:
     ) -> None:
         if insecure:
             raise MeshError("Ray stations listen beyond loopback: they always require a token")
+        if replicas < 1:
+            raise MeshError(f"a mesh needs at least one replica of each range, got {replicas}")
         self.k = stations
+        self.replicas = replicas
         self.address = address
         self.base_port = base_port
         self.model_path = model_path
@@ -136,7 +141,7 @@ class RayMesh:
         env = {"AMPLITUHEDRON_TOKEN": self.token}  # what `station serve` reads
         model = ["--model", self.model_path] if self.model_path else []
         actor = station_actor()
-        ranges = split_layers(n_layers, self.k)
+        ranges = [r for r in split_layers(n_layers, self.k) for _ in range(self.replicas)]
         try:
             for i, (lo, hi) in enumerate(ranges):
                 argv = ["--layers", f"{lo}:{hi}", *model, *self.station_args]

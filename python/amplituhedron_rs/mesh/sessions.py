@@ -3,7 +3,9 @@ executor: the mesh check, opening its sessions, the replay fan-out, the cached f
 closing. Each is one request per station, sent in parallel.
 
 Each station draws its own session id (a capability), so a sequence holds one id per
-station, in the stations' order."""
+station, in the stations' order. With replicas, a sequence's stations are the chain of
+primaries it was opened on (:mod:`.replicas`); each call takes that chain (default: the
+current one)."""
 
 from __future__ import annotations
 
@@ -11,30 +13,40 @@ import asyncio
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh.client import Reply, StationClient, StationFailed
 from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo
+from amplituhedron_rs.mesh.replicas import Chain, Replicas
 
 
 @dataclass
 class MeshLink:
-    """A mesh's stations, in order, the connection pool to them and the mesh token.
-    ``close_timeout``: the cleanup close's limit (a stalled station must not hold up an
-    error); ``open_deadline``: how long an open retries full stations (503)."""
+    """A mesh's stations, which replica of each range serves now (``replicas``), the
+    connection pool to them and the mesh token. ``close_timeout``: the cleanup close's limit
+    (a stalled station must not hold up an error); ``open_deadline``: how long an open
+    retries full stations (503)."""
 
     mesh: MeshSpec
     http: StationClient
     headers: Mapping[str, str]
     close_timeout: float = 2.0
     open_deadline: float = 10.0
+    replicas: Replicas = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replicas = Replicas(self.mesh)
 
     @property
     def stations(self) -> tuple[StationInfo, ...]:
-        return self.mesh.stations
+        """The current chain: one live station per range, in layer order."""
+        return self.replicas.chain().stations
+
+    def chain(self) -> Chain:
+        return self.replicas.chain()
 
     async def call(
         self,
@@ -78,31 +90,48 @@ class Replayed:
 
 
 async def check_mesh(link: MeshLink) -> wire.Health:
-    """Every station answers, runs the same model, and owns the layers the mesh says; returns
-    the exit station's health (hidden width, vocabulary, fingerprint)."""
-    healths = await asyncio.gather(
-        *(link.call("health check", s, "GET", "/healthz") for s in link.stations)
+    """Every live station runs the same model and owns the layers the mesh says, and every
+    range has a live replica; returns the exit station's health (hidden width, vocabulary,
+    fingerprint). A replica that does not answer is marked down (and health-checked until
+    it does); a range left without one fails the check."""
+    everyone = link.mesh.stations
+    answers = await asyncio.gather(
+        *(link.call("health check", s, "GET", "/healthz") for s in everyone),
+        return_exceptions=True,
     )
-    reports = [wire.Health.model_validate_json(h.content) for h in healths]
-    fingerprints = {h.fingerprint for h in reports}
-    if len(fingerprints) != 1:
+    reports: dict[str, wire.Health] = {}
+    for s, a in zip(everyone, answers, strict=True):
+        if isinstance(a, StationFailed) and a.down:
+            link.replicas.fail(s, str(a), failover=False)
+        elif isinstance(a, BaseException):
+            raise a
+        else:
+            reports[s.url] = wire.Health.model_validate_json(a.content)
+    fingerprints = {h.fingerprint for h in reports.values()}
+    if len(fingerprints) > 1:
         raise MeshError(f"the stations run different models (fingerprints {fingerprints})")
-    for s, h in zip(link.stations, reports, strict=True):
-        if (h.layer_lo, h.layer_hi) != (s.layer_lo, s.layer_hi):
+    for s in everyone:
+        h = reports.get(s.url)
+        if h is not None and (h.layer_lo, h.layer_hi) != (s.layer_lo, s.layer_hi):
             raise MeshError(
                 f"station {s.url} owns layers {h.layer_lo}:{h.layer_hi}, "
                 f"the mesh file says {s.layer_lo}:{s.layer_hi}"
             )
-    last = reports[-1]
+    chain = link.chain()  # MeshError if a range has no live replica
+    last = reports[chain.stations[-1].url]
     if last.n_layers != link.mesh.n_layers:
         raise MeshError(
             f"the mesh covers {link.mesh.n_layers} layers, the model has {last.n_layers}"
         )
+    link.replicas.fingerprint = last.fingerprint
     return last
 
 
 async def open_sessions(
-    link: MeshLink, opening: wire.OpenSessionRequest, tenant: str | None = None
+    link: MeshLink,
+    opening: wire.OpenSessionRequest,
+    tenant: str | None = None,
+    stations: Sequence[StationInfo] | None = None,
 ) -> list[str]:
     """Opens the sequence's session on every station (each draws its own id; returned in
     the stations' order), all or nothing: if any open fails, the ones that succeeded are
@@ -110,7 +139,9 @@ async def open_sessions(
     station (503), the whole fan-out is retried with full-jitter exponential backoff until
     ``open_deadline``: holding some stations' sessions while waiting for another's would let
     waiting clients starve each other. ``tenant`` travels in the tenant header (the stations
-    derive the cache salt from it and the mesh token)."""
+    derive the cache salt from it and the mesh token). ``stations``: the chain to open on
+    (default: the current one)."""
+    chain = link.stations if stations is None else tuple(stations)
     body = opening.model_dump(mode="json")
     headers = {wire.TENANT: tenant} if tenant is not None else {}
     deadline = time.monotonic() + link.open_deadline
@@ -120,7 +151,7 @@ async def open_sessions(
             asyncio.ensure_future(
                 link.call("session open", s, "POST", "/sessions", json=body, headers=headers)
             )
-            for s in link.stations
+            for s in chain
         ]
         try:
             await asyncio.wait(calls)
@@ -128,13 +159,13 @@ async def open_sessions(
             for c in calls:
                 c.cancel()
             await asyncio.wait(calls)
-            await close_sessions(link, [_opened(c) for c in calls])
+            await close_sessions(link, [_opened(c) for c in calls], chain)
             raise
         sids = [_opened(c) for c in calls]
         failed = [e for c in calls if (e := c.exception()) is not None]
         if not failed:
             return [sid for sid in sids if sid is not None]
-        await close_sessions(link, sids)
+        await close_sessions(link, sids, chain)
         left = deadline - time.monotonic()
         full = all(isinstance(f, StationFailed) and f.status == 503 for f in failed)
         if not full or left <= 0:
@@ -152,12 +183,17 @@ def _opened(call: asyncio.Future[Reply]) -> str | None:
 
 
 async def replay(
-    link: MeshLink, sids: Sequence[str], prompt: Sequence[int], prefix_hash: int
+    link: MeshLink,
+    sids: Sequence[str],
+    prompt: Sequence[int],
+    prefix_hash: int,
+    stations: Sequence[StationInfo] | None = None,
 ) -> Replayed:
     """Replay fan-out. All hit (with the exit logits): the whole prompt is held. Otherwise
     every station is brought to the shortest replayed prefix; a miss anywhere means a cold
-    prefill everywhere (the seed's global branch)."""
+    prefill everywhere (the seed's global branch). ``stations``: the sessions' chain."""
     n = len(prompt)
+    chain = link.stations if stations is None else tuple(stations)
 
     async def one(s: StationInfo, sid: str) -> Reply:
         body = volume(sid, prefix_hash, n, s).model_dump()
@@ -165,9 +201,7 @@ async def replay(
             "replay", s, "POST", "/amplituhedron/replay", json=body, ok=(200, 204)
         )
 
-    responses = await asyncio.gather(
-        *(one(s, sid) for s, sid in zip(link.stations, sids, strict=True))
-    )
+    responses = await asyncio.gather(*(one(s, sid) for s, sid in zip(chain, sids, strict=True)))
     verdicts = []
     for r in responses:
         if r.status == 204:
@@ -194,24 +228,31 @@ async def replay(
                 f"/sessions/{sid}/rollback",
                 json=wire.RollbackRequest(clock=keep).model_dump(),
             )
-            for s, sid, (_, held) in zip(link.stations, sids, verdicts, strict=True)
+            for s, sid, (_, held) in zip(chain, sids, verdicts, strict=True)
             if held > keep
         )
     )
     return Replayed(False, keep, tuple(verdicts))
 
 
-async def sample_cached(link: MeshLink, sids: Sequence[str]) -> int:
+async def sample_cached(
+    link: MeshLink, sids: Sequence[str], stations: Sequence[StationInfo] | None = None
+) -> int:
     """After an all-hit replay: the exit station samples the first token from the cached
-    logits (no model run)."""
-    r = await link.call("first token", link.stations[-1], "POST", f"/sessions/{sids[-1]}/sample")
+    logits (no model run). ``stations``: the sessions' chain."""
+    exit_station = (link.stations if stations is None else stations)[-1]
+    r = await link.call("first token", exit_station, "POST", f"/sessions/{sids[-1]}/sample")
     return wire.Sampled.model_validate_json(r.content).token
 
 
-async def close_sessions(link: MeshLink, sids: Sequence[str | None]) -> None:
+async def close_sessions(
+    link: MeshLink, sids: Sequence[str | None], stations: Sequence[StationInfo] | None = None
+) -> None:
     """Closes the sequence's sessions (None: not opened on that station), each within
-    ``close_timeout``. Already gone is fine; failures are not raised: the station's idle
-    sweep is the backstop."""
+    ``close_timeout``, on their chain ``stations`` (default: the current one). Already gone
+    is fine; failures are not raised: the station's idle sweep is the backstop. A station
+    marked down is asked too: a stalled one handles the close when it resumes."""
+    chain = link.stations if stations is None else tuple(stations)
     await asyncio.gather(
         *(
             link.call(
@@ -222,7 +263,7 @@ async def close_sessions(link: MeshLink, sids: Sequence[str | None]) -> None:
                 ok=(200, 404),
                 timeout=link.close_timeout,
             )
-            for s, sid in zip(link.stations, sids, strict=True)
+            for s, sid in zip(chain, sids, strict=True)
             if sid is not None
         ),
         return_exceptions=True,

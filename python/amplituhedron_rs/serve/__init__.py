@@ -63,7 +63,7 @@ def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
     """The external engine stepped through a mesh of stations (started here with
     ``stations``), each step one request per station."""
     from amplituhedron_rs import _core
-    from amplituhedron_rs.mesh.executor import MeshStepper
+    from amplituhedron_rs.mesh.engine import MeshStepper
     from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
     from amplituhedron_rs.runtime.gguf_file import read_model_file
     from amplituhedron_rs.runtime.options import SessionOptions

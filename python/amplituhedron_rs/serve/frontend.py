@@ -36,6 +36,11 @@ class Stepper(Protocol):
         """Batched steps sent to stations (a mesh: one per station per step; else 0)."""
         ...
 
+    def failover_counters(self) -> dict[str, float]:
+        """A mesh's failover counters (failovers, rebuilt_sequences, rebuild_seconds,
+        stations_down); empty in process. Read from the metrics thread."""
+        ...
+
     def close(self) -> None:
         """Frees what the executor holds (called once, by the stepping thread, at the end)."""
         ...
@@ -57,6 +62,9 @@ class LocalStepper:
     @property
     def station_requests(self) -> int:
         return 0
+
+    def failover_counters(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass

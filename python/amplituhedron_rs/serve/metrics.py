@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from amplituhedron_rs.serve.frontend import EngineFront
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class FailoverCollector:
+    """A mesh's failover counters, read from the executor at scrape time (none in process)."""
+
+    HELP: ClassVar[dict[str, str]] = {
+        "failovers": "Station failures the mesh executor handled (a replica took over)",
+        "rebuilt_sequences": "Sequences rebuilt on a new chain of stations after a failure",
+        "rebuild_seconds": "Seconds spent rebuilding sequences after failures",
+    }
+
+    def __init__(self, front: EngineFront) -> None:
+        self.front = front
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self.front.stepper.failover_counters()
+        p = "amplituhedron_serve_mesh"
+        for key, help_ in self.HELP.items():
+            if key in counters:
+                c = CounterMetricFamily(f"{p}_{key}", help_)
+                c.add_metric([], counters[key])
+                yield c
+        if "stations_down" in counters:
+            g = GaugeMetricFamily(f"{p}_stations_down", "Stations marked down now")
+            g.add_metric([], counters["stations_down"])
+            yield g
 
 
 class ServeMetrics:
@@ -65,6 +92,7 @@ class ServeMetrics:
             registry=r,
         )
         hops.set_function(lambda: front.stepper.station_requests)
+        r.register(FailoverCollector(front))
 
     def finished(
         self,

@@ -28,6 +28,7 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh.protocol import OCTETS
 from amplituhedron_rs.mesh.station.batch import router as batch_router
+from amplituhedron_rs.mesh.station.drill import DieOn, armed
 from amplituhedron_rs.mesh.station.errors import (
     HANDLED,
     TooLarge,
@@ -252,6 +253,9 @@ def create_app(station: Station) -> FastAPI:
 
     # Each added middleware wraps the ones before: outermost last.
     app.add_middleware(DecodeFastPath, station=station)
+    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
+    if drill is not None:
+        app.add_middleware(DieOn, phase=drill[0], n=drill[1])
     app.add_middleware(BodyLimitMiddleware, limit=s.max_body_bytes, json_limit=s.max_json_bytes)
     open_paths = frozenset({"/healthz", "/metrics"} if s.open_metrics else {"/healthz"})
     app.add_middleware(AuthMiddleware, token=s.token, open_paths=open_paths)
