@@ -690,6 +690,34 @@ fn small_batch_formats(c: &mut Criterion) {
     g.finish();
 }
 
+/// One cache-warm 640×2048 matmul per format over 256 tokens on one thread, both precisions:
+/// the many-row (prefill) kernel throughput in GMAC/s, without memory effects.
+fn prefill_formats(c: &mut Criterion) {
+    let mut rng = Rng(9);
+    let pool = pool(1);
+    let (rows, cols) = BATCH_SHAPE;
+    let n = PREFILL_TOKENS;
+    let mut g = c.benchmark_group("prefill_formats");
+    let x = rng.floats(n * cols);
+    let mut out = vec![0.0f32; n * rows];
+    let mut proj = Projection::default();
+    for dtype in BATCH_FORMATS {
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        for refined in [false, true] {
+            g.throughput(Throughput::Elements((rows * cols * n) as u64));
+            let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+            g.bench_function(&id, |b| {
+                timed(b, &pool, &format!("prefillfmt/{id}"), || {
+                    proj.apply(refined, &x, n, &mut [(w, &mut out[..])]);
+                    black_box(&out);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 fn small_batch(c: &mut Criterion) {
     let mut rng = Rng(5);
     let pool = pool(2);
@@ -914,6 +942,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, prefill_formats, summary
 }
 criterion_main!(benches);
