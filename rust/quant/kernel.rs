@@ -168,10 +168,12 @@ pub(crate) fn matmul_with(
     }
     // Quantized weights need the matching 8-bit blocks, which exist because cols matched
     // and a quantized matrix's cols is a multiple of its block size.
+    // (An input built for other weight types only lacks them: an error, not a panic.)
+    let missing = QuantError::MissingBlocks { dtype: w.dtype() };
     let act = if w.dtype().is_k_quant() {
-        Act::Super(input.super_blocks().expect("cols is a multiple of 256"))
+        Act::Super(input.super_blocks().ok_or(missing)?)
     } else if w.dtype().is_quantized() {
-        Act::Blocks(input.blocks().expect("cols is a multiple of 32"))
+        Act::Blocks(input.blocks().ok_or(missing)?)
     } else {
         Act::Float {
             x: input.f32_rows(),

@@ -165,6 +165,12 @@ pub enum QuantError {
         /// Rows of the matrix.
         rows: usize,
     },
+    /// The input was quantized for other weight types and lacks the blocks this one needs
+    /// (see [`QuantizedInput::quantize_for`]).
+    MissingBlocks {
+        /// The weight type whose activation blocks are missing.
+        dtype: GgmlType,
+    },
     /// The requested kernel needs CPU features this machine lacks.
     KernelUnavailable {
         /// The requested kernel.
@@ -227,6 +233,10 @@ impl std::fmt::Display for QuantError {
             QuantError::RowOutOfRange { row, rows } => {
                 write!(f, "row {row} out of range for a matrix of {rows} rows")
             }
+            QuantError::MissingBlocks { dtype } => write!(
+                f,
+                "the input was quantized without the activation blocks {dtype} weights need"
+            ),
             QuantError::KernelUnavailable { kernel } => {
                 write!(f, "kernel {kernel} needs CPU features this machine lacks")
             }

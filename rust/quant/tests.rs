@@ -1023,3 +1023,44 @@ fn scratch_is_reused_without_reallocation() {
     }
     assert_eq!(ptr, x.as_ptr());
 }
+
+#[test]
+fn quantizing_for_some_types_gives_the_same_products_and_refuses_the_others() {
+    // A 512-column input reused from a wider one (the scratch shrinks without refilling):
+    // the products of an input built for one kind of weights equal those of the full input,
+    // bit for bit, and the other kind is refused, not computed from stale blocks.
+    let mut rng = Rng(77);
+    let (rows, cols, n) = (32, 512, 5);
+    let wide = rng.floats(3 * 1024, 2.0);
+    let x = rng.floats(n * cols, 2.0);
+    for (dtype, other) in [
+        (GgmlType::Q4_1, GgmlType::Q4_K),
+        (GgmlType::Q6_K, GgmlType::Q8_0),
+    ] {
+        let data = random_weights(dtype, rows, cols, &mut rng, false);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        let other_data = random_weights(other, rows, cols, &mut rng, false);
+        let wo = QMatrix::new(other, rows, cols, &other_data).unwrap();
+        for refined in [false, true] {
+            let m = if refined { 2 } else { 1 };
+            let want = if refined {
+                run_refined(Kernel::detect(), &w, &x, n)
+            } else {
+                run(Kernel::detect(), &w, &x, n)
+            };
+            let mut scratch = QuantScratch::new();
+            let mut stacked = Vec::new();
+            QuantizedInput::quantize_refined(&wide, 3, 1024, &mut stacked, &mut scratch).unwrap();
+            let residual = refined.then_some(&mut stacked);
+            let input = QuantizedInput::quantize_for(&x, n, cols, &[dtype], residual, &mut scratch)
+                .unwrap();
+            let mut out = vec![f32::NAN; m * n * rows];
+            matmul(&w, &input, &mut out).unwrap();
+            assert_eq!(bits(&out), bits(&want), "{dtype} refined={refined}");
+            assert_eq!(
+                matmul(&wo, &input, &mut out),
+                Err(QuantError::MissingBlocks { dtype: other })
+            );
+        }
+    }
+}
