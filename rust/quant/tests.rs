@@ -608,9 +608,16 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
             for raw in [false, true] {
                 let data = random_weights(dtype, rows, cols, &mut rng, raw);
                 let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+                // The interleaved layout of the same matrix, where the format has one: every
+                // kernel on it must equal the scalar kernel on the row layout.
+                let il_data = interleave_rows(dtype, rows, cols, &data);
+                let il = il_data
+                    .as_ref()
+                    .map(|d| QMatrix::new_interleaved(dtype, rows, cols, d).unwrap());
                 for n in [1, 2, 3, 5, 6, 7, 8, 13, 17] {
                     let x = rng.floats(n * cols, 4.0);
                     let reference = bits(&run(Kernel::Scalar, &w, &x, n));
+                    let refined_reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
                     for kernel in Kernel::available() {
                         assert_eq!(
                             bits(&run(kernel, &w, &x, n)),
@@ -619,9 +626,21 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
                         );
                         assert_eq!(
                             bits(&run_refined(kernel, &w, &x, n)),
-                            bits(&run_refined(Kernel::Scalar, &w, &x, n)),
+                            refined_reference,
                             "refined {dtype} {kernel} rows={rows} cols={cols} n={n} raw={raw}"
                         );
+                        if let Some(il) = &il {
+                            assert_eq!(
+                                bits(&run(kernel, il, &x, n)),
+                                reference,
+                                "interleaved {dtype} {kernel} rows={rows} cols={cols} n={n}"
+                            );
+                            assert_eq!(
+                                bits(&run_refined(kernel, il, &x, n)),
+                                refined_reference,
+                                "interleaved refined {dtype} {kernel} rows={rows} n={n}"
+                            );
+                        }
                     }
                 }
             }
@@ -1062,5 +1081,42 @@ fn quantizing_for_some_types_gives_the_same_products_and_refuses_the_others() {
                 Err(QuantError::MissingBlocks { dtype: other })
             );
         }
+    }
+}
+
+#[test]
+fn the_interleaved_layout_keeps_every_row_and_size() {
+    let mut rng = Rng(91);
+    for dtype in GgmlType::ALL {
+        let Some(_) = interleave_rows(dtype, 1, 256, &vec![0; dtype.row_bytes(256).unwrap()])
+        else {
+            assert!(!dtype.is_quantized() || dtype.is_k_quant(), "{dtype}");
+            assert!(QMatrix::new_interleaved(
+                dtype,
+                16,
+                256,
+                &vec![0; 16 * dtype.row_bytes(256).unwrap()]
+            )
+            .is_err());
+            continue;
+        };
+        for (rows, cols) in [(16, 64), (37, 96), (5, 32), (48, 576)] {
+            let data = random_weights(dtype, rows, cols, &mut rng, false);
+            let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+            let il_data = interleave_rows(dtype, rows, cols, &data).unwrap();
+            assert_eq!(il_data.len(), data.len());
+            if rows >= 16 {
+                assert_ne!(il_data, data, "{dtype}: a whole group moves bytes");
+            }
+            let il = QMatrix::new_interleaved(dtype, rows, cols, &il_data).unwrap();
+            assert!(il.is_interleaved() && !w.is_interleaved());
+            assert_eq!(bits(&il.dequantize()), bits(&w.dequantize()), "{dtype}");
+            let ids: Vec<u32> = (0..rows as u32).rev().collect();
+            let (mut a, mut b) = (vec![0.0; rows * cols], vec![0.0; rows * cols]);
+            il.embed(&ids, &mut a).unwrap();
+            w.embed(&ids, &mut b).unwrap();
+            assert_eq!(bits(&a), bits(&b), "{dtype}");
+        }
+        assert!(interleave_rows(dtype, 16, 64, &[0; 3]).is_none());
     }
 }
