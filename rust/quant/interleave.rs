@@ -50,28 +50,49 @@ fn for_each_piece(dtype: GgmlType, i: usize, mut f: impl FnMut(usize, usize, usi
 /// The interleaved layout of a `(rows, cols)` matrix of `dtype` in ggml row layout.
 /// `None` if the format has no interleaved layout or `data` is not `rows` whole rows.
 pub fn interleave_rows(dtype: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Vec<u8>> {
-    supports(dtype).then_some(())?;
-    let row_bytes = dtype.row_bytes(cols).ok()?;
-    if data.len() != rows.checked_mul(row_bytes)? {
-        return None;
+    let mut out = vec![0u8; data.len()];
+    interleave_rows_into(dtype, rows, cols, data, &mut out).then_some(out)
+}
+
+/// [`interleave_rows`] into `out` (`data.len()` bytes); `false` (nothing written) if the
+/// format has no interleaved layout or the lengths do not match.
+pub fn interleave_rows_into(
+    dtype: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+    out: &mut [u8],
+) -> bool {
+    use rayon::prelude::*;
+    let Ok(row_bytes) = dtype.row_bytes(cols) else {
+        return false;
+    };
+    if !supports(dtype)
+        || Some(data.len()) != rows.checked_mul(row_bytes)
+        || out.len() != data.len()
+    {
+        return false;
     }
     let bb = dtype.block_bytes();
     let nb = row_bytes / bb;
-    let mut out = data.to_vec();
-    for g in 0..rows / GROUP {
-        let group = g * GROUP * row_bytes;
-        for b in 0..nb {
-            let dst = group + b * GROUP * bb;
-            for i in 0..GROUP {
-                let src = group + i * row_bytes + b * bb;
-                for_each_piece(dtype, i, |from, to, len| {
-                    out[dst + to..dst + to + len]
-                        .copy_from_slice(&data[src + from..src + from + len]);
-                });
+    let group_bytes = GROUP * row_bytes;
+    let whole = rows / GROUP * group_bytes;
+    out[whole..].copy_from_slice(&data[whole..]);
+    out[..whole]
+        .par_chunks_mut(group_bytes)
+        .zip(data[..whole].par_chunks(group_bytes))
+        .for_each(|(dst, src)| {
+            for b in 0..nb {
+                let to = b * GROUP * bb;
+                for i in 0..GROUP {
+                    let from = i * row_bytes + b * bb;
+                    for_each_piece(dtype, i, |f, t, len| {
+                        dst[to + t..to + t + len].copy_from_slice(&src[from + f..from + f + len]);
+                    });
+                }
             }
-        }
-    }
-    Some(out)
+        });
+    true
 }
 
 /// Row `r` of an interleaved matrix back in ggml layout, into `out` (`row_bytes` bytes).

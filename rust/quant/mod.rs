@@ -66,7 +66,7 @@ mod tests;
 
 pub use activation::{fold_refined, QuantScratch, QuantizedInput};
 pub use format::{ggml_type_name, quantize_weights, GgmlType, QK};
-pub use interleave::interleave_rows;
+pub use interleave::{interleave_rows, interleave_rows_into};
 pub use kernel::Kernel;
 pub use kquant::QK_K;
 
@@ -310,13 +310,18 @@ impl<'a> QMatrix<'a> {
         cols: usize,
         data: &'a [u8],
     ) -> Result<Self, QuantError> {
-        if !interleave::supports(dtype) {
+        if !Self::interleavable(dtype) {
             return Err(QuantError::UnsupportedType { id: dtype.id() });
         }
         Ok(Self {
             interleaved: true,
             ..Self::new(dtype, rows, cols, data)?
         })
+    }
+
+    /// Whether `dtype` has an interleaved layout (the 32-element formats).
+    pub fn interleavable(dtype: GgmlType) -> bool {
+        interleave::supports(dtype)
     }
 
     /// Whether the matrix is in the interleaved layout ([`QMatrix::new_interleaved`]).
