@@ -165,13 +165,7 @@ pub fn exp_f32(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     // 1.5·2^23: adding it rounds to an integer (ties to even), kept in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
-    let x = if x < -87.0 {
-        -87.0
-    } else if x > 88.0 {
-        88.0
-    } else {
-        x
-    };
+    let x = x.clamp(-87.0, 88.0);
     let t = x * LOG2E + ROUND;
     let n = t - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;

@@ -264,7 +264,7 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>, const IL: bool>(
     let mut partial = MaybeUninit::<Aligned<{ TOKEN_CHUNK * 64 }>>::uninit();
     let partial = partial.as_mut_ptr() as *mut S::F;
     let simd_end = simd_rows.start + simd_rows.len() / S::LANES * S::LANES;
-    assert!(!IL || (rows.start % GROUP == 0 && S::LANES <= GROUP));
+    assert!(!IL || (rows.start.is_multiple_of(GROUP) && S::LANES <= GROUP));
     for r in (rows.start..simd_end).step_by(S::LANES) {
         // Row layout: row r's blocks, row i at `+ i·row_bytes`. Interleaved: r's group and
         // r's lane in it (passed where the row stride goes).
