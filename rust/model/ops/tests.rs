@@ -132,7 +132,7 @@ fn exp_f32_is_within_2_ulp() {
 #[test]
 fn geglu_is_the_same_in_simd_lanes_and_chunks() {
     // Every vector width and the scalar tail give the same bits, and so does a split.
-    let n = 200_003;
+    let n: usize = 200_003;
     let g: Vec<f32> = (0..n)
         .map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 1000.0)
         .collect();
