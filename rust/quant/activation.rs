@@ -198,6 +198,21 @@ fn quantize_super_rows(
 /// `residual = x − dequant(q, d)` for blocks of `block` elements, with the widest vectors
 /// this CPU has (a product and a difference per element: the same bits on every ISA).
 fn residual_into(residual: &mut [f32], x: &[f32], qs: &[i8], scale: &[f32], block: usize) {
+    // Elementwise per block: large inputs are split over the pool (same bits).
+    if x.len() >= PARALLEL_QUANTIZE_MIN_ELEMENTS && rayon::current_num_threads() > 1 {
+        let chunk = 64 * block;
+        residual
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .zip(qs.par_chunks(chunk).zip(scale.par_chunks(64)))
+            .for_each(|((r, x), (qs, scale))| residual_span(r, x, qs, scale, block));
+    } else {
+        residual_span(residual, x, qs, scale, block);
+    }
+}
+
+/// [`residual_into`] on one span, with the widest vectors this CPU has.
+fn residual_span(residual: &mut [f32], x: &[f32], qs: &[i8], scale: &[f32], block: usize) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512 F (checked above).
@@ -600,24 +615,37 @@ pub fn fold_refined(full: &[f32], out: &mut [f32]) {
         2 * half,
         "a refined product has twice the output rows"
     );
+    let (value, residual) = full.split_at(half);
+    // Elementwise: large outputs are split over the pool (same bits).
+    if half >= PARALLEL_QUANTIZE_MIN_ELEMENTS && rayon::current_num_threads() > 1 {
+        const CHUNK: usize = 1 << 14;
+        out.par_chunks_mut(CHUNK)
+            .zip(value.par_chunks(CHUNK).zip(residual.par_chunks(CHUNK)))
+            .for_each(|(o, (a, b))| fold_span(a, b, o));
+    } else {
+        fold_span(value, residual, out);
+    }
+}
+
+/// `out = a + b` with the widest vectors this CPU has.
+fn fold_span(a: &[f32], b: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512 F (checked above).
-        return unsafe { fold_avx512(full, out) };
+        return unsafe { fold_avx512(a, b, out) };
     }
-    fold_body(full, out)
+    fold_body(a, b, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn fold_avx512(full: &[f32], out: &mut [f32]) {
-    fold_body(full, out)
+unsafe fn fold_avx512(a: &[f32], b: &[f32], out: &mut [f32]) {
+    fold_body(a, b, out)
 }
 
 #[inline(always)]
-fn fold_body(full: &[f32], out: &mut [f32]) {
-    let half = out.len();
-    for ((o, &a), &b) in out.iter_mut().zip(&full[..half]).zip(&full[half..]) {
+fn fold_body(a: &[f32], b: &[f32], out: &mut [f32]) {
+    for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
         *o = a + b;
     }
 }

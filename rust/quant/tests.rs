@@ -1120,3 +1120,36 @@ fn the_interleaved_layout_keeps_every_row_and_size() {
         assert!(interleave_rows(dtype, 16, 64, &[0; 3]).is_none());
     }
 }
+
+#[test]
+fn large_refined_inputs_split_over_the_pool_give_the_same_bits() {
+    // Above the parallel threshold the residual and the fold run in chunks on the pool:
+    // every token's blocks and sums equal those of the token quantized alone.
+    let mut rng = Rng(123);
+    let (n, cols) = (300, 512);
+    let x = rng.floats(n * cols, 3.0);
+    let (mut scratch, mut stacked) = (QuantScratch::new(), Vec::new());
+    let whole = QuantizedInput::quantize_refined(&x, n, cols, &mut stacked, &mut scratch).unwrap();
+    let (blocks, supers) = (
+        whole.dequantized().unwrap(),
+        whole.dequantized_super().unwrap(),
+    );
+    for t in [0, 1, 150, 299] {
+        let (mut s1, mut st1) = (QuantScratch::new(), Vec::new());
+        let xt = &x[t * cols..(t + 1) * cols];
+        let one = QuantizedInput::quantize_refined(xt, 1, cols, &mut st1, &mut s1).unwrap();
+        let (b1, k1) = (one.dequantized().unwrap(), one.dequantized_super().unwrap());
+        for (pass, row) in [(0, t), (1, n + t)] {
+            let r = row * cols..(row + 1) * cols;
+            let r1 = pass * cols..(pass + 1) * cols;
+            assert_eq!(bits(&blocks[r.clone()]), bits(&b1[r1.clone()]), "token {t}");
+            assert_eq!(bits(&supers[r]), bits(&k1[r1]), "token {t}");
+        }
+    }
+    let full: Vec<f32> = rng.floats(2 * 100_000, 5.0);
+    let mut out = vec![0.0; 100_000];
+    fold_refined(&full, &mut out);
+    for (i, &o) in out.iter().enumerate() {
+        assert_eq!(o.to_bits(), (full[i] + full[100_000 + i]).to_bits());
+    }
+}
