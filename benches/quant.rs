@@ -25,7 +25,9 @@ use std::hint::black_box;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use amplituhedron::quant::{fold_refined, matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
+use amplituhedron::quant::{
+    fold_refined, interleave_rows, matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput,
+};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
 
@@ -612,16 +614,27 @@ fn small_batch_kernel(c: &mut Criterion) {
     let mut rng = Rng(6);
     let pool = pool(1);
     let mut g = c.benchmark_group("small_batch_kernel");
-    for dtype in [GgmlType::Q4_1, GgmlType::Q8_0] {
+    for (dtype, il) in [
+        (GgmlType::Q4_1, false),
+        (GgmlType::Q4_1, true),
+        (GgmlType::Q8_0, false),
+        (GgmlType::Q8_0, true),
+    ] {
         let data = random_weights(dtype, FFN, HIDDEN, &mut rng);
-        let w = QMatrix::new(dtype, FFN, HIDDEN, &data).unwrap();
+        let il_data = interleave_rows(dtype, FFN, HIDDEN, &data).unwrap();
+        let w = if il {
+            QMatrix::new_interleaved(dtype, FFN, HIDDEN, &il_data).unwrap()
+        } else {
+            QMatrix::new(dtype, FFN, HIDDEN, &data).unwrap()
+        };
+        let layout = if il { "/interleaved" } else { "" };
         let x = rng.floats(16 * HIDDEN);
         let mut out = vec![0.0f32; 16 * FFN];
         let mut proj = Projection::default();
         for refined in [false, true] {
             for n in SMALL_BATCHES {
                 g.throughput(Throughput::Elements((FFN * HIDDEN * n) as u64));
-                let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+                let id = format!("{dtype}{layout}/{}/n{n}", precision_name(refined));
                 g.bench_function(&id, |b| {
                     timed(b, &pool, &format!("kernel/{id}"), || {
                         proj.apply(
@@ -685,6 +698,34 @@ fn small_batch_formats(c: &mut Criterion) {
                     })
                 });
             }
+        }
+    }
+    g.finish();
+}
+
+/// One cache-warm 640×2048 matmul per format over 256 tokens on one thread, both precisions:
+/// the many-row (prefill) kernel throughput in GMAC/s, without memory effects.
+fn prefill_formats(c: &mut Criterion) {
+    let mut rng = Rng(9);
+    let pool = pool(1);
+    let (rows, cols) = BATCH_SHAPE;
+    let n = PREFILL_TOKENS;
+    let mut g = c.benchmark_group("prefill_formats");
+    let x = rng.floats(n * cols);
+    let mut out = vec![0.0f32; n * rows];
+    let mut proj = Projection::default();
+    for dtype in BATCH_FORMATS {
+        let data = random_weights(dtype, rows, cols, &mut rng);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        for refined in [false, true] {
+            g.throughput(Throughput::Elements((rows * cols * n) as u64));
+            let id = format!("{dtype}/{}/n{n}", precision_name(refined));
+            g.bench_function(&id, |b| {
+                timed(b, &pool, &format!("prefillfmt/{id}"), || {
+                    proj.apply(refined, &x, n, &mut [(w, &mut out[..])]);
+                    black_box(&out);
+                })
+            });
         }
     }
     g.finish();
@@ -914,6 +955,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, prefill_formats, summary
 }
 criterion_main!(benches);

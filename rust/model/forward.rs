@@ -21,7 +21,7 @@ use super::ops::{
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
 use crate::attention::{attend_batch, AttnScratch, PendingChunk};
-use crate::quant::{fold_refined, matmul, QMatrix, QuantScratch, QuantizedInput};
+use crate::quant::{fold_refined, matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
 use crate::ring::SpanType;
 
 /// What a range consumes: token ids at the entry range, hidden states elsewhere.
@@ -406,7 +406,13 @@ impl LayerRange {
                 &mut b.h[..n * hidden],
             );
             {
-                let mut p = Projector::new(&b.h[..n * hidden], n, precision, &mut b.mm)?;
+                let mut p = Projector::new(
+                    &b.h[..n * hidden],
+                    n,
+                    precision,
+                    &mut b.mm,
+                    &[&lw.wq, &lw.wk, &lw.wv],
+                )?;
                 p.apply(&lw.wq, &mut b.q[..n * q_dim])?;
                 p.apply(&lw.wk, &mut b.k[..n * kv_dim])?;
                 p.apply(&lw.wv, &mut b.v[..n * kv_dim])?;
@@ -479,7 +485,7 @@ impl LayerRange {
                 )?;
                 row += p.len;
             }
-            Projector::new(&b.attn[..n * q_dim], n, precision, &mut b.mm)?
+            Projector::new(&b.attn[..n * q_dim], n, precision, &mut b.mm, &[&lw.wo])?
                 .apply(&lw.wo, &mut b.proj[..n * hidden])?;
             if let Some(w) = lw.post_attn_norm {
                 rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
@@ -492,7 +498,13 @@ impl LayerRange {
                 &mut b.h[..n * hidden],
             );
             {
-                let mut p = Projector::new(&b.h[..n * hidden], n, precision, &mut b.mm)?;
+                let mut p = Projector::new(
+                    &b.h[..n * hidden],
+                    n,
+                    precision,
+                    &mut b.mm,
+                    &[&lw.w_gate, &lw.w_up],
+                )?;
                 p.apply(&lw.w_gate, &mut b.gate[..n * ffn])?;
                 p.apply(&lw.w_up, &mut b.up[..n * ffn])?;
             }
@@ -500,7 +512,7 @@ impl LayerRange {
                 Activation::Silu => swiglu(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
                 Activation::GeluTanh => geglu_tanh(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
             }
-            Projector::new(&b.gate[..n * ffn], n, precision, &mut b.mm)?
+            Projector::new(&b.gate[..n * ffn], n, precision, &mut b.mm, &[&lw.w_down])?
                 .apply(&lw.w_down, &mut b.proj[..n * hidden])?;
             if let Some(w) = lw.post_ffn_norm {
                 rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
@@ -550,7 +562,7 @@ impl LayerRange {
         for (i, out) in b.logits.chunks_mut(LOGIT_ROWS * c.vocab).enumerate() {
             let r = out.len() / c.vocab;
             let x = &b.h[i * LOGIT_ROWS * hidden..(i * LOGIT_ROWS + r) * hidden];
-            Projector::new(x, r, weights.precision(), &mut b.mm)?.apply(&head, out)?;
+            Projector::new(x, r, weights.precision(), &mut b.mm, &[&head])?.apply(&head, out)?;
         }
         let mut at = 0;
         for p in round {
@@ -705,12 +717,14 @@ struct Projector<'a> {
 }
 
 impl<'a> Projector<'a> {
-    /// Quantizes `x` (`n` rows) once, at the weights' precision.
+    /// Quantizes `x` (`n` rows) once, at the weights' precision, into the activation blocks
+    /// the matrices `ws` (those it will be applied to) need.
     fn new(
         x: &'a [f32],
         n: usize,
         precision: Precision,
         scratch: &'a mut MatmulScratch,
+        ws: &[&QMatrix<'_>],
     ) -> Result<Self, ModelError> {
         let cols = x.len() / n;
         let refined = precision == Precision::Refined;
@@ -719,12 +733,14 @@ impl<'a> Projector<'a> {
             stacked,
             full,
         } = scratch;
-        let input = if refined {
-            QuantizedInput::quantize_refined(x, n, cols, stacked, quant)
-        } else {
-            QuantizedInput::quantize(x, n, cols, quant)
+        let mut dtypes = [GgmlType::F32; 4];
+        for (d, w) in dtypes.iter_mut().zip(ws) {
+            *d = w.dtype();
         }
-        .map_err(|e| ModelError::Weights(e.to_string()))?;
+        let dtypes = &dtypes[..ws.len().min(4)];
+        let residual = refined.then_some(stacked);
+        let input = QuantizedInput::quantize_for(x, n, cols, dtypes, residual, quant)
+            .map_err(|e| ModelError::Weights(e.to_string()))?;
         Ok(Projector {
             input,
             refined,
@@ -736,9 +752,14 @@ impl<'a> Projector<'a> {
     fn apply(&mut self, w: &QMatrix<'_>, out: &mut [f32]) -> Result<(), ModelError> {
         let err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
         if self.refined {
-            self.full.resize(2 * out.len(), 0.0);
-            matmul(w, &self.input, self.full).map_err(err)?;
-            fold_refined(self.full, out);
+            // Grown (zero-filled) once, then used through a slice: no fill per call.
+            let need = 2 * out.len();
+            if self.full.len() < need {
+                self.full.resize(need, 0.0);
+            }
+            let full = &mut self.full[..need];
+            matmul(w, &self.input, full).map_err(err)?;
+            fold_refined(full, out);
             Ok(())
         } else {
             matmul(w, &self.input, out).map_err(err)

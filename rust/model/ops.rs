@@ -90,14 +90,98 @@ pub fn rope_apply_halves(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32
 }
 
 /// GeGLU with the tanh GELU: `gate = gelu_tanh(gate) * up`, in place.
+///
+/// `0.5·x·(1 + tanh(v))` is computed as `x / (1 + e^(−2v))` (the same function) with
+/// [`exp_f32`]: plain IEEE operations only, so the result is the same on every CPU and
+/// whether the loop runs in SIMD lanes or not; large inputs are split over the rayon pool
+/// (elementwise, so a row's result never depends on the others).
 pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
+    debug_assert_eq!(gate.len(), up.len());
+    elementwise(gate, up, geglu_tanh_span);
+}
+
+/// Elements per parallel task of the elementwise activations.
+const PAR_CHUNK: usize = 16 * 1024;
+
+/// Runs `f` over `gate`/`up`, in chunks on the rayon pool when large.
+fn elementwise(gate: &mut [f32], up: &[f32], f: fn(&mut [f32], &[f32])) {
+    use rayon::prelude::*;
+    if gate.len() >= 4 * PAR_CHUNK && rayon::current_num_threads() > 1 {
+        gate.par_chunks_mut(PAR_CHUNK)
+            .zip(up.par_chunks(PAR_CHUNK))
+            .for_each(|(g, u)| f(g, u));
+    } else {
+        f(gate, up);
+    }
+}
+
+/// [`geglu_tanh`] on one span, with the widest vectors this CPU has (same results).
+fn geglu_tanh_span(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (checked above).
+            return unsafe { geglu_tanh_avx512(gate, up) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { geglu_tanh_avx2(gate, up) };
+        }
+    }
+    geglu_tanh_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn geglu_tanh_avx512(gate: &mut [f32], up: &[f32]) {
+    geglu_tanh_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn geglu_tanh_avx2(gate: &mut [f32], up: &[f32]) {
+    geglu_tanh_body(gate, up)
+}
+
+#[inline(always)]
+fn geglu_tanh_body(gate: &mut [f32], up: &[f32]) {
     // √(2/π)
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     for (g, &u) in gate.iter_mut().zip(up) {
         let x = *g;
         let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+        *g = x / (1.0 + exp_f32(-2.0 * inner)) * u;
     }
+}
+
+/// `e^x` in f32 from plain IEEE operations (no FMA, no libm), within about 2 ulp: the same
+/// bits on every CPU and in SIMD lanes. Inputs are clamped to `[−87, 88]` (results between
+/// ~1.6e−38 and ~1.7e38); NaN stays NaN.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split so that n·LN2_HI is exact for |n| < 2^10.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5·2^23: adding it rounds to an integer (ties to even), kept in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    // e^r on |r| ≤ 0.35: Taylor to degree 7 (truncation below 2e−9).
+    let p = 1.0 / 5040.0;
+    let p = p * r + 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    // 2^n from the integer in t's low mantissa bits (n ∈ [−126, 127]).
+    let bits = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let scale = f32::from_bits((bits.wrapping_add(127) as u32) << 23);
+    p * scale
 }
 
 /// `x *= factor`, elementwise (Gemma's √hidden embedding scale).

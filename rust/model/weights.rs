@@ -2,9 +2,11 @@
 //!
 //! Parsing GGUF metadata is left to ggml-org's own `gguf` Python package (the format's
 //! reference reader, which also hands the tokenizer and chat template to Python); it gives
-//! this module a tensor table (name, ggml type, dims, absolute byte offset). The bytes are
-//! never copied: the file is mapped read-only and every matrix is a borrowed [`QMatrix`], so
-//! the quantized weights are what the kernels run on (no f32 copy of any matrix).
+//! this module a tensor table (name, ggml type, dims, absolute byte offset). The file is
+//! mapped read-only and every matrix is a borrowed [`QMatrix`], so the quantized weights are
+//! what the kernels run on (no f32 copy of any matrix). The matrices of the 32-element
+//! formats are copied once, at load, into the interleaved layout (the same bytes grouped by
+//! 16 rows, so the SIMD kernels skip per-call transposes; the products are bit-identical).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -52,6 +54,8 @@ struct TensorEntry {
     cols: usize,
     start: usize,
     len: usize,
+    /// Start of the interleaved copy in `LlamaWeights::interleaved`, if the matrix has one.
+    interleaved: Option<usize>,
 }
 
 /// Byte ranges of the tensors of one transformer block.
@@ -79,6 +83,9 @@ pub struct LayerTensors {
 pub struct LlamaWeights {
     config: ModelConfig,
     storage: Arc<Storage>,
+    /// The matrices of 32-element formats re-laid out for the SIMD kernels
+    /// ([`crate::quant::interleave_rows`]): 16 rows of a block load without transposes.
+    interleaved: Vec<u8>,
     token_embd: TensorEntry,
     output_norm: TensorEntry,
     /// `None` when the LM head is tied to `token_embd` (SmolLM2).
@@ -240,9 +247,28 @@ impl LlamaWeights {
             });
         }
         let fingerprint = fingerprint(&config, precision, table, storage.bytes());
+        let mut token_embd = token_embd;
+        let mut output = output;
+        let interleaved = interleave_matrices(
+            storage.bytes(),
+            std::iter::once(&mut token_embd)
+                .chain(output.as_mut())
+                .chain(layers.iter_mut().flat_map(|l| {
+                    [
+                        &mut l.wq,
+                        &mut l.wk,
+                        &mut l.wv,
+                        &mut l.wo,
+                        &mut l.w_gate,
+                        &mut l.w_up,
+                        &mut l.w_down,
+                    ]
+                })),
+        );
         let weights = LlamaWeights {
             config,
             storage: Arc::new(storage),
+            interleaved,
             token_embd,
             output_norm,
             output,
@@ -277,9 +303,17 @@ impl LlamaWeights {
     }
 
     fn matrix(&self, e: &TensorEntry) -> Result<QMatrix<'_>, ModelError> {
-        let bytes = &self.storage.bytes()[e.start..e.start + e.len];
-        QMatrix::new(e.dtype, e.rows, e.cols, bytes)
-            .map_err(|err| ModelError::Weights(err.to_string()))
+        match e.interleaved {
+            Some(at) => {
+                let bytes = &self.interleaved[at..at + e.len];
+                QMatrix::new_interleaved(e.dtype, e.rows, e.cols, bytes)
+            }
+            None => {
+                let bytes = &self.storage.bytes()[e.start..e.start + e.len];
+                QMatrix::new(e.dtype, e.rows, e.cols, bytes)
+            }
+        }
+        .map_err(|err| ModelError::Weights(err.to_string()))
     }
 
     fn f32_slice(&self, e: &TensorEntry) -> &[f32] {
@@ -339,6 +373,47 @@ impl LlamaWeights {
     }
 }
 
+/// Copies every matrix of a 32-element format (16 rows or more) into one buffer in the
+/// interleaved layout, recording where in `TensorEntry::interleaved`; a tensor listed twice
+/// (a tied head) is copied once. Only where a SIMD kernel runs: the scalar kernel would have
+/// to undo the layout row by row.
+fn interleave_matrices<'e>(
+    bytes: &[u8],
+    entries: impl Iterator<Item = &'e mut TensorEntry>,
+) -> Vec<u8> {
+    let mut chosen: Vec<&mut TensorEntry> = entries
+        .filter(|e| QMatrix::interleavable(e.dtype) && e.rows >= 16)
+        .collect();
+    if chosen.is_empty() || crate::quant::Kernel::detect() == crate::quant::Kernel::Scalar {
+        return Vec::new();
+    }
+    let mut at: HashMap<usize, usize> = HashMap::new();
+    let mut total = 0;
+    for e in &mut chosen {
+        let start = *at.entry(e.start).or_insert_with(|| {
+            total += e.len;
+            total - e.len
+        });
+        e.interleaved = Some(start);
+    }
+    let mut out = vec![0u8; total];
+    let mut done = std::collections::HashSet::new();
+    for e in chosen {
+        let to = e.interleaved.expect("set above");
+        if done.insert(to) {
+            let ok = crate::quant::interleave_rows_into(
+                e.dtype,
+                e.rows,
+                e.cols,
+                &bytes[e.start..e.start + e.len],
+                &mut out[to..to + e.len],
+            );
+            assert!(ok, "a validated matrix of an interleavable type");
+        }
+    }
+    out
+}
+
 fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
     let bad = |what: String| ModelError::Weights(format!("tensor {}: {what}", info.name));
     let dtype = GgmlType::from_id(info.ggml_type).map_err(|_| {
@@ -378,6 +453,7 @@ fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelE
         cols,
         start,
         len,
+        interleaved: None,
     })
 }
 

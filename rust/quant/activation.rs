@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use super::format::QK;
 use super::kquant::QK_K;
-use super::{Kernel, QuantError};
+use super::{GgmlType, Kernel, QuantError};
 
 /// Reusable buffers behind [`QuantizedInput`]: sized on first use, then never reallocated
 /// for inputs of the same or smaller size.
@@ -195,8 +195,46 @@ fn quantize_super_rows(
     }
 }
 
-/// `residual = x − dequant(q, d)` for blocks of `block` elements.
+/// `residual = x − dequant(q, d)` for blocks of `block` elements, with the widest vectors
+/// this CPU has (a product and a difference per element: the same bits on every ISA).
 fn residual_into(residual: &mut [f32], x: &[f32], qs: &[i8], scale: &[f32], block: usize) {
+    // Elementwise per block: large inputs are split over the pool (same bits).
+    if x.len() >= PARALLEL_QUANTIZE_MIN_ELEMENTS && rayon::current_num_threads() > 1 {
+        let chunk = 64 * block;
+        residual
+            .par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .zip(qs.par_chunks(chunk).zip(scale.par_chunks(64)))
+            .for_each(|((r, x), (qs, scale))| residual_span(r, x, qs, scale, block));
+    } else {
+        residual_span(residual, x, qs, scale, block);
+    }
+}
+
+/// [`residual_into`] on one span, with the widest vectors this CPU has.
+fn residual_span(residual: &mut [f32], x: &[f32], qs: &[i8], scale: &[f32], block: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F (checked above).
+        return unsafe { residual_into_avx512(residual, x, qs, scale, block) };
+    }
+    residual_into_body(residual, x, qs, scale, block)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn residual_into_avx512(
+    residual: &mut [f32],
+    x: &[f32],
+    qs: &[i8],
+    scale: &[f32],
+    block: usize,
+) {
+    residual_into_body(residual, x, qs, scale, block)
+}
+
+#[inline(always)]
+fn residual_into_body(residual: &mut [f32], x: &[f32], qs: &[i8], scale: &[f32], block: usize) {
     for (((r, v), q), d) in residual
         .chunks_exact_mut(block)
         .zip(x.chunks_exact(block))
@@ -243,21 +281,55 @@ impl<'a> QuantizedInput<'a> {
         Self::build(x, n_tokens, cols, Some(stacked), scratch)
     }
 
+    /// [`QuantizedInput::quantize`] (`residual: None`) or
+    /// [`QuantizedInput::quantize_refined`] (`Some(stacked)`) for the given weight types
+    /// only: builds the 32-element blocks only if a 32-element format is among `dtypes` and
+    /// the super-blocks only if a k-quant is (a 1536- or 2048-column input feeding only
+    /// Q4_1, or only k-quants, skips the other half of the work). The blocks it builds are
+    /// bit-identical to those of the full constructors; multiplying by a weight type whose
+    /// blocks were not built is an error ([`QuantError::MissingBlocks`]).
+    pub fn quantize_for(
+        x: &'a [f32],
+        n_tokens: usize,
+        cols: usize,
+        dtypes: &[GgmlType],
+        residual: Option<&'a mut Vec<f32>>,
+        scratch: &'a mut QuantScratch,
+    ) -> Result<Self, QuantError> {
+        let blocks = dtypes.iter().any(|d| d.is_quantized() && !d.is_k_quant());
+        let super_blocks = dtypes.iter().any(|d| d.is_k_quant());
+        Self::build_some(x, n_tokens, cols, residual, scratch, blocks, super_blocks)
+    }
+
     /// Quantizes `x`, and with `residual` scratch also the residual of each format (rows
     /// `n_tokens..2·n_tokens` of the blocks).
     fn build(
         x: &'a [f32],
         n_tokens: usize,
         cols: usize,
+        residual: Option<&mut Vec<f32>>,
+        scratch: &'a mut QuantScratch,
+    ) -> Result<Self, QuantError> {
+        Self::build_some(x, n_tokens, cols, residual, scratch, true, true)
+    }
+
+    /// [`QuantizedInput::build`] of the 32-element blocks (`want_blocks`) and the
+    /// super-blocks (`want_super`) only.
+    fn build_some(
+        x: &'a [f32],
+        n_tokens: usize,
+        cols: usize,
         mut residual: Option<&mut Vec<f32>>,
         scratch: &'a mut QuantScratch,
+        want_blocks: bool,
+        want_super: bool,
     ) -> Result<Self, QuantError> {
         check_input(x, n_tokens, cols)?;
         let refined = residual.is_some();
         let len = x.len();
         let rows_len = if refined { 2 * len } else { len };
-        let has_blocks = cols.is_multiple_of(QK);
-        let has_super = cols.is_multiple_of(QK_K);
+        let has_blocks = want_blocks && cols.is_multiple_of(QK);
+        let has_super = want_super && cols.is_multiple_of(QK_K);
         let QuantScratch {
             qs,
             scale,
@@ -268,18 +340,18 @@ impl<'a> QuantizedInput<'a> {
             k_sums16,
             k_sums32,
         } = scratch;
-        // `resize` sets the exact length and reuses the allocation whenever it is large
-        // enough (shrinking never frees).
+        // The buffers only grow (zero-filled once), and are used through slices of the exact
+        // length: an input narrower than the last one pays no fill.
         let blocks_len = if has_blocks { rows_len } else { 0 };
-        qs.resize(blocks_len, 0);
-        scale.resize(blocks_len / QK, 0.0);
-        scaled_sum.resize(blocks_len / QK, 0.0);
-        qsum.resize(blocks_len / QK, 0);
+        let qs = grown(qs, blocks_len);
+        let scale = grown(scale, blocks_len / QK);
+        let scaled_sum = grown(scaled_sum, blocks_len / QK);
+        let qsum = grown(qsum, blocks_len / QK);
         let super_len = if has_super { rows_len } else { 0 };
-        k_qs.resize(super_len, 0);
-        k_scale.resize(super_len / QK_K, 0.0);
-        k_sums16.resize(super_len / 16, 0);
-        k_sums32.resize(super_len / 32, 0);
+        let k_qs = grown(k_qs, super_len);
+        let k_scale = grown(k_scale, super_len / QK_K);
+        let k_sums16 = grown(k_sums16, super_len / 16);
+        let k_sums32 = grown(k_sums32, super_len / 32);
         if has_blocks {
             let (b0, b1) = (len / QK, rows_len / QK);
             quantize_rows(
@@ -391,8 +463,15 @@ impl<'a> QuantizedInput<'a> {
 
 /// The residual scratch as exactly `len` floats.
 fn resize_residual(r: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    r.resize(len, 0.0);
-    &mut r[..]
+    grown(r, len)
+}
+
+/// The first `len` elements of `v`, growing it (zero-filled) only when it is shorter.
+fn grown<T: Copy + Default>(v: &mut Vec<T>, len: usize) -> &mut [T] {
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+    &mut v[..len]
 }
 
 fn dequantize_codes(qs: &[i8], scale: &[f32], block: usize) -> Vec<f32> {
@@ -536,7 +615,37 @@ pub fn fold_refined(full: &[f32], out: &mut [f32]) {
         2 * half,
         "a refined product has twice the output rows"
     );
-    for ((o, &a), &b) in out.iter_mut().zip(&full[..half]).zip(&full[half..]) {
+    let (value, residual) = full.split_at(half);
+    // Elementwise: large outputs are split over the pool (same bits).
+    if half >= PARALLEL_QUANTIZE_MIN_ELEMENTS && rayon::current_num_threads() > 1 {
+        const CHUNK: usize = 1 << 14;
+        out.par_chunks_mut(CHUNK)
+            .zip(value.par_chunks(CHUNK).zip(residual.par_chunks(CHUNK)))
+            .for_each(|(o, (a, b))| fold_span(a, b, o));
+    } else {
+        fold_span(value, residual, out);
+    }
+}
+
+/// `out = a + b` with the widest vectors this CPU has.
+fn fold_span(a: &[f32], b: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512 F (checked above).
+        return unsafe { fold_avx512(a, b, out) };
+    }
+    fold_body(a, b, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fold_avx512(a: &[f32], b: &[f32], out: &mut [f32]) {
+    fold_body(a, b, out)
+}
+
+#[inline(always)]
+fn fold_body(a: &[f32], b: &[f32], out: &mut [f32]) {
+    for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
         *o = a + b;
     }
 }

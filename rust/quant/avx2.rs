@@ -203,6 +203,16 @@ impl Isa for Avx2 {
     unsafe fn abs8(q: __m256i) -> __m256i {
         _mm256_abs_epi8(q)
     }
+    #[inline(always)]
+    unsafe fn loadu(p: *const u8) -> __m256i {
+        // SAFETY: 32 readable bytes at `p` (caller).
+        unsafe { _mm256_loadu_si256(p as *const __m256i) }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> __m256 {
+        // SAFETY: 16 readable bytes at `p` (caller).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
 
     #[inline(always)]
     unsafe fn fzero() -> __m256 {

@@ -212,6 +212,16 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
     unsafe fn abs8(q: __m512i) -> __m512i {
         _mm512_abs_epi8(q)
     }
+    #[inline(always)]
+    unsafe fn loadu(p: *const u8) -> __m512i {
+        // SAFETY: 64 readable bytes at `p` (caller).
+        unsafe { _mm512_loadu_si512(p as *const __m512i) }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> __m512 {
+        // SAFETY: 32 readable bytes at `p` (caller).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
 
     #[inline(always)]
     unsafe fn fzero() -> __m512 {

@@ -13,7 +13,7 @@ use super::format::{with_small_format, GgmlType};
 use super::kquant::with_k_format;
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
-use super::{scalar, QMatrix, QuantError};
+use super::{interleave, scalar, QMatrix, QuantError};
 
 /// Raw output pointer shared by the tasks of one matmul; each task writes a disjoint
 /// rectangle of `(token, row)` elements of the `(n_tokens, rows)` output.
@@ -39,6 +39,15 @@ impl OutPtr {
     pub(crate) unsafe fn write(self, t: usize, r: usize, v: f32) {
         // SAFETY: forwarded to the caller.
         unsafe { *self.ptr.add(t * self.stride + r) = v };
+    }
+
+    /// The same output with its columns shifted by `r`: column 0 is column `r`.
+    #[inline(always)]
+    pub(crate) fn shifted(self, r: usize) -> OutPtr {
+        OutPtr {
+            ptr: self.ptr.wrapping_add(r),
+            stride: self.stride,
+        }
     }
 
     /// Pointer to `out[t, r]`.
@@ -168,10 +177,12 @@ pub(crate) fn matmul_with(
     }
     // Quantized weights need the matching 8-bit blocks, which exist because cols matched
     // and a quantized matrix's cols is a multiple of its block size.
+    // (An input built for other weight types only lacks them: an error, not a panic.)
+    let missing = QuantError::MissingBlocks { dtype: w.dtype() };
     let act = if w.dtype().is_k_quant() {
-        Act::Super(input.super_blocks().expect("cols is a multiple of 256"))
+        Act::Super(input.super_blocks().ok_or(missing)?)
     } else if w.dtype().is_quantized() {
-        Act::Blocks(input.blocks().expect("cols is a multiple of 32"))
+        Act::Blocks(input.blocks().ok_or(missing)?)
     } else {
         Act::Float {
             x: input.f32_rows(),
@@ -296,6 +307,7 @@ impl Job<'_> {
                     dtype,
                     data,
                     row_bytes,
+                    w.is_interleaved(),
                     &act,
                     rows,
                     tokens,
@@ -359,6 +371,7 @@ unsafe fn quant_rect(
     dtype: GgmlType,
     data: &[u8],
     row_bytes: usize,
+    il: bool,
     act: &ActBlocks<'_>,
     rows: Range<usize>,
     tokens: Range<usize>,
@@ -369,12 +382,22 @@ unsafe fn quant_rect(
         match kernel {
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => {
-                avx512::small_vnni(dtype, data, row_bytes, act, rows, tokens, out)
+                avx512::small_vnni(dtype, data, row_bytes, il, act, rows, tokens, out)
             }
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => avx512::small_bw(dtype, data, row_bytes, act, rows, tokens, out),
+            Kernel::Avx512 => avx512::small_bw(dtype, data, row_bytes, il, act, rows, tokens, out),
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => avx2::small(dtype, data, row_bytes, act, rows, tokens, out),
+            Kernel::Avx2 => avx2::small(dtype, data, row_bytes, il, act, rows, tokens, out),
+            _ if il => {
+                // Each row back in ggml layout, then the canonical row dot.
+                let mut row = vec![0u8; row_bytes];
+                for r in rows {
+                    interleave::row_into(dtype, data, row_bytes, r, &mut row);
+                    with_small_format!(dtype, F => scalar::quant_rect::<F>(
+                        &row, row_bytes, act, 0..1, tokens.clone(), out.shifted(r)
+                    ))
+                }
+            }
             _ => {
                 with_small_format!(dtype, F => scalar::quant_rect::<F>(data, row_bytes, act, rows, tokens, out))
             }

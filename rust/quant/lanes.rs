@@ -17,6 +17,7 @@ use std::ops::Range;
 
 use super::activation::{ActBlocks, SuperActBlocks};
 use super::format::{BlockFormat, QK};
+use super::interleave::GROUP;
 use super::kernel::OutPtr;
 use super::kquant::{SuperBlockFormat, QK_K};
 use super::scalar;
@@ -81,6 +82,10 @@ pub(crate) trait Isa: Copy {
     unsafe fn dot4_signed(acc: Self::I, abs_q: Self::I, q: Self::I, a: *const i8) -> Self::I;
     /// `|q|` per byte.
     unsafe fn abs8(q: Self::I) -> Self::I;
+    /// `LANES` consecutive 32-bit words at `p` (unaligned).
+    unsafe fn loadu(p: *const u8) -> Self::I;
+    /// `LANES` consecutive binary16 values at `p`, as f32 (exact).
+    unsafe fn load_f16(p: *const u8) -> Self::F;
 
     unsafe fn fzero() -> Self::F;
     unsafe fn fsplat(v: f32) -> Self::F;
@@ -106,10 +111,12 @@ macro_rules! lane_entries {
         /// # Safety
         /// The CPU has the features above; otherwise as for `lanes::rect`.
         #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
         pub(crate) unsafe fn $small(
             dtype: $crate::quant::GgmlType,
             data: &[u8],
             row_bytes: usize,
+            interleaved: bool,
             act: &$crate::quant::activation::ActBlocks<'_>,
             rows: std::ops::Range<usize>,
             tokens: std::ops::Range<usize>,
@@ -118,9 +125,11 @@ macro_rules! lane_entries {
             use $crate::quant::lanes::{rect, Small};
             // SAFETY: forwarded to the caller; the kernels' features are enabled here.
             unsafe {
-                $crate::quant::format::with_small_format!(dtype, F => rect::<$isa, Small<F>>(
-                    data, row_bytes, act, rows, tokens, out
-                ))
+                $crate::quant::format::with_small_format!(dtype, F => if interleaved {
+                    rect::<$isa, Small<F>, true>(data, row_bytes, act, rows, tokens, out)
+                } else {
+                    rect::<$isa, Small<F>, false>(data, row_bytes, act, rows, tokens, out)
+                })
             }
         }
 
@@ -141,7 +150,7 @@ macro_rules! lane_entries {
             use $crate::quant::lanes::{rect, Super};
             // SAFETY: forwarded to the caller; the kernels' features are enabled here.
             unsafe {
-                $crate::quant::kquant::with_k_format!(dtype, F => rect::<$isa, Super<F>>(
+                $crate::quant::kquant::with_k_format!(dtype, F => rect::<$isa, Super<F>, false>(
                     data, row_bytes, act, rows, tokens, out
                 ))
             }
@@ -170,13 +179,15 @@ pub(crate) trait LaneFormat<S: Isa> {
     const SLOTS: usize;
 
     /// Unpacks block `blk` (of row 0; row `i` at `blk + i·row_bytes`) into `out[..SLOTS]`.
-    unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I);
+    /// Interleaved (`IL`): `blk` is the group's block and `row_bytes` the first row's lane
+    /// within the group (`interleave`).
+    unsafe fn unpack<const IL: bool>(blk: *const u8, row_bytes: usize, out: *mut S::I);
 
     /// `acc[t] = acc[t] + term_b(t)` for tokens `t0..t0+T` and block `b` at `blk`, unpacked
     /// and consumed at once; by default through `buf` (one block's slots).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn direct_block<const T: usize>(
+    unsafe fn direct_block<const T: usize, const IL: bool>(
         blk: *const u8,
         row_bytes: usize,
         buf: *mut S::I,
@@ -187,7 +198,7 @@ pub(crate) trait LaneFormat<S: Isa> {
     ) {
         // SAFETY: forwarded to the caller.
         unsafe {
-            Self::unpack(blk, row_bytes, buf);
+            Self::unpack::<IL>(blk, row_bytes, buf);
             Self::tile::<T>(buf, b..b + 1, act, t0, acc)
         }
     }
@@ -202,7 +213,8 @@ pub(crate) trait LaneFormat<S: Isa> {
         acc: &mut [S::F; T],
     );
 
-    /// The scalar kernel, for the rows that do not fill a vector.
+    /// The scalar kernel, for the rows that do not fill a vector (in ggml row layout: past
+    /// the last whole interleaved group).
     unsafe fn scalar_rect(
         data: &[u8],
         row_bytes: usize,
@@ -220,7 +232,7 @@ pub(crate) trait LaneFormat<S: Isa> {
 /// `act` holds every token in `tokens`; `out` is valid and exclusively owned for the
 /// rectangle `rows × tokens`.
 #[inline(always)]
-pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
+pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>, const IL: bool>(
     data: &[u8],
     row_bytes: usize,
     act: &F::Act<'_>,
@@ -229,6 +241,20 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
     out: OutPtr,
 ) {
     let nb = row_bytes / F::BLOCK_BYTES;
+    // Interleaved: the SIMD rows end with the last whole group (the rest is in row layout);
+    // a block of a group spans GROUP rows.
+    let simd_rows = if IL {
+        let groups_end = data.len() / row_bytes / GROUP * GROUP;
+        rows.start..rows.end.min(groups_end).max(rows.start)
+    } else {
+        rows.clone()
+    };
+    let block_stride = if IL {
+        GROUP * F::BLOCK_BYTES
+    } else {
+        F::BLOCK_BYTES
+    };
+    let span = if IL { GROUP } else { S::LANES } * F::BLOCK_BYTES;
     let vector_bytes = S::LANES * 4;
     let chunk_blocks = (BUFFER_BYTES / (F::SLOTS * vector_bytes)).clamp(1, nb);
     // Uninitialised: a slot is read only after `unpack` (or a tile) has written it.
@@ -237,13 +263,28 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
     assert!(chunk_blocks * F::SLOTS * vector_bytes <= BUFFER_BYTES);
     let mut partial = MaybeUninit::<Aligned<{ TOKEN_CHUNK * 64 }>>::uninit();
     let partial = partial.as_mut_ptr() as *mut S::F;
-    let simd_end = rows.start + rows.len() / S::LANES * S::LANES;
+    let simd_end = simd_rows.start + simd_rows.len() / S::LANES * S::LANES;
+    assert!(!IL || (rows.start.is_multiple_of(GROUP) && S::LANES <= GROUP));
     for r in (rows.start..simd_end).step_by(S::LANES) {
+        // Row layout: row r's blocks, row i at `+ i·row_bytes`. Interleaved: r's group and
+        // r's lane in it (passed where the row stride goes).
+        let (first_row, lane_arg) = if IL {
+            (r / GROUP * GROUP, r % GROUP)
+        } else {
+            (r, row_bytes)
+        };
         // SAFETY: rows r..r+LANES are inside the caller's rectangle and inside `data`.
-        let w = unsafe { data.as_ptr().add(r * row_bytes) };
+        let w = unsafe { data.as_ptr().add(first_row * row_bytes) };
         // The hardware prefetchers see LANES interleaved row streams too late: while a group
         // unpacks its blocks it prefetches the same blocks of the next group.
-        let next = (r + 2 * S::LANES <= simd_end).then(|| w.wrapping_add(S::LANES * row_bytes));
+        let next = (r + 2 * S::LANES <= simd_end).then(|| {
+            let next_first = if IL {
+                (r + S::LANES) / GROUP * GROUP
+            } else {
+                r + S::LANES
+            };
+            data.as_ptr().wrapping_add(next_first * row_bytes)
+        });
         if tokens.len() <= S::TILE {
             // Few tokens: each block is unpacked and consumed at once (the compiler keeps it in
             // registers), the accumulators stay in registers across all blocks. Every count
@@ -254,16 +295,16 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
             // SAFETY: as below, the pass covering tokens t..tokens.end.
             unsafe {
                 let (o, s) = (out.at(t, r), out.stride);
-                let d = (w, next, row_bytes, nb, buf, act, t, o, s);
+                let d = (w, next, lane_arg, nb, buf, act, t, o, s, block_stride, span);
                 match tokens.len() {
-                    8.. if S::TILE >= 8 => direct::<S, F, 8>(d),
-                    7 if S::TILE >= 8 => direct::<S, F, 7>(d),
-                    6 if S::TILE >= 8 => direct::<S, F, 6>(d),
-                    5 if S::TILE >= 8 => direct::<S, F, 5>(d),
-                    4.. => direct::<S, F, 4>(d),
-                    3 => direct::<S, F, 3>(d),
-                    2 => direct::<S, F, 2>(d),
-                    _ => direct::<S, F, 1>(d),
+                    8.. if S::TILE >= 8 => direct::<S, F, 8, IL>(d),
+                    7 if S::TILE >= 8 => direct::<S, F, 7, IL>(d),
+                    6 if S::TILE >= 8 => direct::<S, F, 6, IL>(d),
+                    5 if S::TILE >= 8 => direct::<S, F, 5, IL>(d),
+                    4.. => direct::<S, F, 4, IL>(d),
+                    3 => direct::<S, F, 3, IL>(d),
+                    2 => direct::<S, F, 2, IL>(d),
+                    _ => direct::<S, F, 1, IL>(d),
                 };
             }
             continue;
@@ -276,11 +317,11 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
                     // SAFETY: block b of the LANES rows is inside `data`; the buffer holds
                     // `chunk_blocks` unpacked blocks (asserted above).
                     unsafe {
-                        let blk = w.add(b * F::BLOCK_BYTES);
+                        let blk = w.add(b * block_stride);
                         if let (Some(next), true) = (next, chunk_start == tokens.start) {
-                            prefetch_slice(next, b, S::LANES * F::BLOCK_BYTES);
+                            prefetch_slice(next, b, span);
                         }
-                        F::unpack(blk, row_bytes, buf.add((b - c0) * F::SLOTS));
+                        F::unpack::<IL>(blk, lane_arg, buf.add((b - c0) * F::SLOTS));
                     }
                 }
                 let (first, last) = (c0 == 0, c1 == nb);
@@ -344,14 +385,17 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>>(
         }
     }
     if simd_end < rows.end {
+        // Interleaved: these rows are past the last whole group, in row layout.
+        debug_assert!(!IL || simd_end >= data.len() / row_bytes / GROUP * GROUP);
         // SAFETY: forwarded to the caller.
         unsafe { F::scalar_rect(data, row_bytes, act, simd_end..rows.end, tokens, out) };
     }
 }
 
-/// The arguments of [`direct`]: the row group `w`, the next one (to prefetch), `row_bytes`,
-/// blocks per row, the one-block buffer, the activations, the first token, the output of
-/// (first token, first row) and the output's token stride.
+/// The arguments of [`direct`]: the row group `w`, the next one (to prefetch), `row_bytes`
+/// (interleaved: the lane in the group), blocks per row, the one-block buffer, the
+/// activations, the first token, the output of (first token, first row), the output's token
+/// stride, the bytes from one block of the group to the next and the prefetch span.
 type DirectArgs<'a, 'b, S, F> = (
     *const u8,
     Option<*const u8>,
@@ -362,6 +406,8 @@ type DirectArgs<'a, 'b, S, F> = (
     usize,
     *mut f32,
     usize,
+    usize,
+    usize,
 );
 
 /// All blocks of one row group for a single tile of `T` tokens: unpack a block, consume it.
@@ -370,17 +416,19 @@ type DirectArgs<'a, 'b, S, F> = (
 /// As for [`rect`]: `w` is the row group, `buf` holds one unpacked block, tokens
 /// `t0..t0 + T` exist, `out` is owned for LANES floats at T token strides.
 #[inline(always)]
-unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize>(args: DirectArgs<'_, '_, S, F>) {
-    let (w, next, row_bytes, nb, buf, act, t0, out, out_stride) = args;
+unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize, const IL: bool>(
+    args: DirectArgs<'_, '_, S, F>,
+) {
+    let (w, next, row_bytes, nb, buf, act, t0, out, out_stride, block_stride, span) = args;
     // SAFETY: forwarded to the caller.
     unsafe {
         let mut acc = [S::fzero(); T];
         for b in 0..nb {
             if let Some(next) = next {
-                prefetch_slice(next, b, S::LANES * F::BLOCK_BYTES);
+                prefetch_slice(next, b, span);
             }
-            F::direct_block::<T>(
-                w.add(b * F::BLOCK_BYTES),
+            F::direct_block::<T, IL>(
+                w.add(b * block_stride),
                 row_bytes,
                 buf,
                 b,
@@ -582,6 +630,63 @@ unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize)
     }
 }
 
+/// Unpacks a 32-element block of `LANES` rows from an interleaved group block `g`
+/// (`interleave`), the rows starting at lane `lane` of the group: plain vector loads, then
+/// the same code arithmetic as [`unpack_small`].
+#[inline(always)]
+unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
+    g: *const u8,
+    lane: usize,
+) -> SmallBlock<S> {
+    const G: usize = GROUP;
+    let m_at = 2 * G;
+    let qh_at = m_at + if F::HAS_MIN { 2 * G } else { 0 };
+    let qs_at = qh_at + if F::QH_OFFSET.is_some() { 4 * G } else { 0 };
+    // SAFETY: the group block holds every field of GROUP rows, and lane + LANES ≤ GROUP
+    // (caller).
+    unsafe {
+        let mut out = SmallBlock {
+            codes: [S::zero(); 8],
+            signed: [S::zero(); 8],
+            dw: S::load_f16(g.add(2 * lane)),
+            m: if F::HAS_MIN {
+                S::load_f16(g.add(m_at + 2 * lane))
+            } else {
+                S::fzero()
+            },
+        };
+        let word = |k: usize| S::loadu(g.add(qs_at + 4 * (G * k + lane)));
+        if !F::NIBBLES {
+            for v in 0..8 {
+                let qv = word(v);
+                if signed_path::<S, F>() {
+                    out.codes[v] = S::abs8(qv);
+                    out.signed[v] = qv;
+                } else {
+                    out.codes[v] = S::sub8(qv, S::splat(0x8080_8080u32 as i32));
+                }
+            }
+            return out;
+        }
+        let qh = if F::QH_OFFSET.is_some() {
+            S::loadu(g.add(qh_at + 4 * lane))
+        } else {
+            S::zero()
+        };
+        for j in 0..4 {
+            let (mut low, mut high) = nibbles::<S>(word(j));
+            if F::QH_OFFSET.is_some() {
+                let mask = S::splat((0x0804_0201u32 << (4 * (j as u32 % 2))) as i32);
+                low = S::or(low, fifth_bits::<S>(qh, j as u32 / 2, mask));
+                high = S::or(high, fifth_bits::<S>(qh, 2 + j as u32 / 2, mask));
+            }
+            out.codes[j] = low;
+            out.codes[4 + j] = high;
+        }
+        out
+    }
+}
+
 /// `0x10` in byte `k` of every lane where byte `byte` of `qh` has bit `mask_k` set.
 #[inline(always)]
 unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
@@ -690,14 +795,20 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
     const SLOTS: usize = small_slots::<S, F>();
 
     #[inline(always)]
-    unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
+    unsafe fn unpack<const IL: bool>(blk: *const u8, row_bytes: usize, out: *mut S::I) {
         // SAFETY: forwarded to the caller.
-        unsafe { unpack_small::<S, F>(blk, row_bytes).store::<F>(out) }
+        unsafe {
+            if IL {
+                unpack_small_interleaved::<S, F>(blk, row_bytes).store::<F>(out)
+            } else {
+                unpack_small::<S, F>(blk, row_bytes).store::<F>(out)
+            }
+        }
     }
 
     /// In registers: a 32-element block is 10 vectors.
     #[inline(always)]
-    unsafe fn direct_block<const T: usize>(
+    unsafe fn direct_block<const T: usize, const IL: bool>(
         blk: *const u8,
         row_bytes: usize,
         _buf: *mut S::I,
@@ -708,7 +819,11 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
     ) {
         // SAFETY: forwarded to the caller; the block stays in registers.
         unsafe {
-            let unpacked = unpack_small::<S, F>(blk, row_bytes);
+            let unpacked = if IL {
+                unpack_small_interleaved::<S, F>(blk, row_bytes)
+            } else {
+                unpack_small::<S, F>(blk, row_bytes)
+            };
             small_terms::<S, F, T>(&unpacked, b, act, t0, acc)
         }
     }
@@ -1032,8 +1147,10 @@ impl<S: Isa, F: SuperBlockFormat> LaneFormat<S> for Super<F> {
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
     const SLOTS: usize = super_slots::<F>();
 
+    /// k-quants have no interleaved layout (`IL` is always false).
     #[inline(always)]
-    unsafe fn unpack(blk: *const u8, row_bytes: usize, out: *mut S::I) {
+    unsafe fn unpack<const IL: bool>(blk: *const u8, row_bytes: usize, out: *mut S::I) {
+        debug_assert!(!IL);
         // SAFETY: forwarded to the caller.
         unsafe { unpack_super::<S, F>(blk, row_bytes, out) }
     }

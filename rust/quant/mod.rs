@@ -55,6 +55,7 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod format;
+mod interleave;
 mod kernel;
 mod kquant;
 #[cfg(target_arch = "x86_64")]
@@ -65,6 +66,7 @@ mod tests;
 
 pub use activation::{fold_refined, QuantScratch, QuantizedInput};
 pub use format::{ggml_type_name, quantize_weights, GgmlType, QK};
+pub use interleave::{interleave_rows, interleave_rows_into};
 pub use kernel::Kernel;
 pub use kquant::QK_K;
 
@@ -165,6 +167,12 @@ pub enum QuantError {
         /// Rows of the matrix.
         rows: usize,
     },
+    /// The input was quantized for other weight types and lacks the blocks this one needs
+    /// (see [`QuantizedInput::quantize_for`]).
+    MissingBlocks {
+        /// The weight type whose activation blocks are missing.
+        dtype: GgmlType,
+    },
     /// The requested kernel needs CPU features this machine lacks.
     KernelUnavailable {
         /// The requested kernel.
@@ -227,6 +235,10 @@ impl std::fmt::Display for QuantError {
             QuantError::RowOutOfRange { row, rows } => {
                 write!(f, "row {row} out of range for a matrix of {rows} rows")
             }
+            QuantError::MissingBlocks { dtype } => write!(
+                f,
+                "the input was quantized without the activation blocks {dtype} weights need"
+            ),
             QuantError::KernelUnavailable { kernel } => {
                 write!(f, "kernel {kernel} needs CPU features this machine lacks")
             }
@@ -245,6 +257,8 @@ pub struct QMatrix<'a> {
     cols: usize,
     row_bytes: usize,
     data: &'a [u8],
+    /// Whole groups of 16 rows are in the interleaved layout (`interleave`).
+    interleaved: bool,
 }
 
 impl<'a> QMatrix<'a> {
@@ -280,7 +294,50 @@ impl<'a> QMatrix<'a> {
             cols,
             row_bytes,
             data,
+            interleaved: false,
         })
+    }
+
+    /// Views `data`, made by [`interleave_rows`], as a `(rows, cols)` matrix of `dtype` in the
+    /// interleaved layout (the SIMD kernels load 16 rows of a block without transposing).
+    /// Every product and dequantization equals that of the ggml-layout matrix, bit for bit.
+    ///
+    /// Errors as [`QMatrix::new`], and for a type without an interleaved layout (the
+    /// 32-element formats have one).
+    pub fn new_interleaved(
+        dtype: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, QuantError> {
+        if !Self::interleavable(dtype) {
+            return Err(QuantError::UnsupportedType { id: dtype.id() });
+        }
+        Ok(Self {
+            interleaved: true,
+            ..Self::new(dtype, rows, cols, data)?
+        })
+    }
+
+    /// Whether `dtype` has an interleaved layout (the 32-element formats).
+    pub fn interleavable(dtype: GgmlType) -> bool {
+        interleave::supports(dtype)
+    }
+
+    /// Whether the matrix is in the interleaved layout ([`QMatrix::new_interleaved`]).
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    /// `f` of row `r`'s bytes in ggml layout (copied out of an interleaved group).
+    fn with_row<R>(&self, r: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        let plain = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
+        if !self.interleaved {
+            return f(plain);
+        }
+        let mut row = vec![0u8; self.row_bytes];
+        interleave::row_into(self.dtype, self.data, self.row_bytes, r, &mut row);
+        f(&row)
     }
 
     /// Views a GGUF tensor: ggml type id `type_id`, dims `[cols, rows, ...]` (ggml's `ne`,
@@ -337,20 +394,17 @@ impl<'a> QMatrix<'a> {
                 actual: out.len(),
             });
         }
-        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
-        format::dequantize_row_into(self.dtype, bytes, out);
+        self.with_row(row, |bytes| {
+            format::dequantize_row_into(self.dtype, bytes, out)
+        });
         Ok(())
     }
 
     /// The whole matrix as row-major f32 (for tests and references; a model never needs it).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.rows * self.cols];
-        for (bytes, o) in self
-            .data
-            .chunks_exact(self.row_bytes)
-            .zip(out.chunks_exact_mut(self.cols))
-        {
-            format::dequantize_row_into(self.dtype, bytes, o);
+        for (r, o) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.with_row(r, |bytes| format::dequantize_row_into(self.dtype, bytes, o));
         }
         out
     }
@@ -376,12 +430,9 @@ impl<'a> QMatrix<'a> {
             });
         }
         for (&id, o) in ids.iter().zip(out.chunks_exact_mut(self.cols)) {
-            let r = id as usize;
-            format::dequantize_row_into(
-                self.dtype,
-                &self.data[r * self.row_bytes..(r + 1) * self.row_bytes],
-                o,
-            );
+            self.with_row(id as usize, |bytes| {
+                format::dequantize_row_into(self.dtype, bytes, o)
+            });
         }
         Ok(())
     }

@@ -608,9 +608,16 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
             for raw in [false, true] {
                 let data = random_weights(dtype, rows, cols, &mut rng, raw);
                 let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+                // The interleaved layout of the same matrix, where the format has one: every
+                // kernel on it must equal the scalar kernel on the row layout.
+                let il_data = interleave_rows(dtype, rows, cols, &data);
+                let il = il_data
+                    .as_ref()
+                    .map(|d| QMatrix::new_interleaved(dtype, rows, cols, d).unwrap());
                 for n in [1, 2, 3, 5, 6, 7, 8, 13, 17] {
                     let x = rng.floats(n * cols, 4.0);
                     let reference = bits(&run(Kernel::Scalar, &w, &x, n));
+                    let refined_reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
                     for kernel in Kernel::available() {
                         assert_eq!(
                             bits(&run(kernel, &w, &x, n)),
@@ -619,9 +626,21 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
                         );
                         assert_eq!(
                             bits(&run_refined(kernel, &w, &x, n)),
-                            bits(&run_refined(Kernel::Scalar, &w, &x, n)),
+                            refined_reference,
                             "refined {dtype} {kernel} rows={rows} cols={cols} n={n} raw={raw}"
                         );
+                        if let Some(il) = &il {
+                            assert_eq!(
+                                bits(&run(kernel, il, &x, n)),
+                                reference,
+                                "interleaved {dtype} {kernel} rows={rows} cols={cols} n={n}"
+                            );
+                            assert_eq!(
+                                bits(&run_refined(kernel, il, &x, n)),
+                                refined_reference,
+                                "interleaved refined {dtype} {kernel} rows={rows} n={n}"
+                            );
+                        }
                     }
                 }
             }
@@ -1022,4 +1041,115 @@ fn scratch_is_reused_without_reallocation() {
         assert_eq!((scratch.qs.as_ptr(), scratch.k_qs.as_ptr()), before);
     }
     assert_eq!(ptr, x.as_ptr());
+}
+
+#[test]
+fn quantizing_for_some_types_gives_the_same_products_and_refuses_the_others() {
+    // A 512-column input reused from a wider one (the scratch shrinks without refilling):
+    // the products of an input built for one kind of weights equal those of the full input,
+    // bit for bit, and the other kind is refused, not computed from stale blocks.
+    let mut rng = Rng(77);
+    let (rows, cols, n) = (32, 512, 5);
+    let wide = rng.floats(3 * 1024, 2.0);
+    let x = rng.floats(n * cols, 2.0);
+    for (dtype, other) in [
+        (GgmlType::Q4_1, GgmlType::Q4_K),
+        (GgmlType::Q6_K, GgmlType::Q8_0),
+    ] {
+        let data = random_weights(dtype, rows, cols, &mut rng, false);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        let other_data = random_weights(other, rows, cols, &mut rng, false);
+        let wo = QMatrix::new(other, rows, cols, &other_data).unwrap();
+        for refined in [false, true] {
+            let m = if refined { 2 } else { 1 };
+            let want = if refined {
+                run_refined(Kernel::detect(), &w, &x, n)
+            } else {
+                run(Kernel::detect(), &w, &x, n)
+            };
+            let mut scratch = QuantScratch::new();
+            let mut stacked = Vec::new();
+            QuantizedInput::quantize_refined(&wide, 3, 1024, &mut stacked, &mut scratch).unwrap();
+            let residual = refined.then_some(&mut stacked);
+            let input = QuantizedInput::quantize_for(&x, n, cols, &[dtype], residual, &mut scratch)
+                .unwrap();
+            let mut out = vec![f32::NAN; m * n * rows];
+            matmul(&w, &input, &mut out).unwrap();
+            assert_eq!(bits(&out), bits(&want), "{dtype} refined={refined}");
+            assert_eq!(
+                matmul(&wo, &input, &mut out),
+                Err(QuantError::MissingBlocks { dtype: other })
+            );
+        }
+    }
+}
+
+#[test]
+fn the_interleaved_layout_keeps_every_row_and_size() {
+    let mut rng = Rng(91);
+    for dtype in GgmlType::ALL {
+        let Some(_) = interleave_rows(dtype, 1, 256, &vec![0; dtype.row_bytes(256).unwrap()])
+        else {
+            assert!(!dtype.is_quantized() || dtype.is_k_quant(), "{dtype}");
+            assert!(QMatrix::new_interleaved(
+                dtype,
+                16,
+                256,
+                &vec![0; 16 * dtype.row_bytes(256).unwrap()]
+            )
+            .is_err());
+            continue;
+        };
+        for (rows, cols) in [(16, 64), (37, 96), (5, 32), (48, 576)] {
+            let data = random_weights(dtype, rows, cols, &mut rng, false);
+            let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+            let il_data = interleave_rows(dtype, rows, cols, &data).unwrap();
+            assert_eq!(il_data.len(), data.len());
+            if rows >= 16 {
+                assert_ne!(il_data, data, "{dtype}: a whole group moves bytes");
+            }
+            let il = QMatrix::new_interleaved(dtype, rows, cols, &il_data).unwrap();
+            assert!(il.is_interleaved() && !w.is_interleaved());
+            assert_eq!(bits(&il.dequantize()), bits(&w.dequantize()), "{dtype}");
+            let ids: Vec<u32> = (0..rows as u32).rev().collect();
+            let (mut a, mut b) = (vec![0.0; rows * cols], vec![0.0; rows * cols]);
+            il.embed(&ids, &mut a).unwrap();
+            w.embed(&ids, &mut b).unwrap();
+            assert_eq!(bits(&a), bits(&b), "{dtype}");
+        }
+        assert!(interleave_rows(dtype, 16, 64, &[0; 3]).is_none());
+    }
+}
+
+#[test]
+fn large_refined_inputs_split_over_the_pool_give_the_same_bits() {
+    // Above the parallel threshold the residual and the fold run in chunks on the pool:
+    // every token's blocks and sums equal those of the token quantized alone.
+    let mut rng = Rng(123);
+    let (n, cols) = (300, 512);
+    let x = rng.floats(n * cols, 3.0);
+    let (mut scratch, mut stacked) = (QuantScratch::new(), Vec::new());
+    let whole = QuantizedInput::quantize_refined(&x, n, cols, &mut stacked, &mut scratch).unwrap();
+    let (blocks, supers) = (
+        whole.dequantized().unwrap(),
+        whole.dequantized_super().unwrap(),
+    );
+    for t in [0, 1, 150, 299] {
+        let (mut s1, mut st1) = (QuantScratch::new(), Vec::new());
+        let xt = &x[t * cols..(t + 1) * cols];
+        let one = QuantizedInput::quantize_refined(xt, 1, cols, &mut st1, &mut s1).unwrap();
+        let (b1, k1) = (one.dequantized().unwrap(), one.dequantized_super().unwrap());
+        for (pass, row) in [(0, t), (1, n + t)] {
+            let r = row * cols..(row + 1) * cols;
+            let r1 = pass * cols..(pass + 1) * cols;
+            assert_eq!(bits(&blocks[r.clone()]), bits(&b1[r1.clone()]), "token {t}");
+            assert_eq!(bits(&supers[r]), bits(&k1[r1]), "token {t}");
+        }
+    }
+    let full: Vec<f32> = rng.floats(2 * 100_000, 5.0);
+    let mut out = vec![0.0; 100_000];
+    fold_refined(&full, &mut out);
+    for (i, &o) in out.iter().enumerate() {
+        assert_eq!(o.to_bits(), (full[i] + full[100_000 + i]).to_bits());
+    }
 }

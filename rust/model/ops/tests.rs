@@ -111,3 +111,39 @@ fn swiglu_matches_definition() {
     let silu = |x: f32| x / (1.0 + (-x).exp());
     assert_eq!(g, vec![silu(-2.0), 0.0, silu(1.5) * -3.0]);
 }
+
+#[test]
+fn exp_f32_is_within_2_ulp() {
+    let mut x = -87.0f32;
+    while x <= 88.0 {
+        let got = exp_f32(x) as f64;
+        let want = (x as f64).exp();
+        let ulp = (want as f32).abs() * f32::EPSILON;
+        assert!(
+            (got - want).abs() <= 2.0 * ulp as f64,
+            "exp({x}) = {got}, want {want}"
+        );
+        x += 0.0137;
+    }
+    assert!(exp_f32(f32::NAN).is_nan());
+    assert!(exp_f32(-1000.0) > 0.0 && exp_f32(1000.0).is_finite());
+}
+
+#[test]
+fn geglu_is_the_same_in_simd_lanes_and_chunks() {
+    // Every vector width and the scalar tail give the same bits, and so does a split.
+    let n: usize = 200_003;
+    let g: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 1000.0)
+        .collect();
+    let up: Vec<f32> = (0..n)
+        .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
+        .collect();
+    let mut whole = g.clone();
+    geglu_tanh(&mut whole, &up);
+    for (i, (&x, &u)) in g.iter().zip(&up).enumerate() {
+        let mut one = [x];
+        geglu_tanh(&mut one, &[u]);
+        assert_eq!(one[0].to_bits(), whole[i].to_bits(), "element {i}");
+    }
+}
