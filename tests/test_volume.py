@@ -504,6 +504,7 @@ def test_a_cache_directory_keeps_volumes_across_instances(tmp_path: Path) -> Non
     vols = [Vol([*SYSTEM, i]) for i in range(3)]
     for v in vols:
         v.capture(cache)
+    cache.flush()  # files are written behind the captures
     assert cache.stats()["disk_writes"] == 3
     with pytest.raises(ValueError, match="in use"):
         ar.AmplituhedronCache(cache_dir=where)
