@@ -2,8 +2,9 @@
 //! 3 KV heads, head_dim 64, one query row), 256 / 1024 / 4096 active slots of a 4096-slot ring.
 //!
 //! Variants: a shuffled indirection table, an in-order table, contiguous rows (no table), a
-//! naive scalar loop (per-key dot + libm exp), and a memcpy of the same KV bytes as the
-//! bandwidth reference. Throughput is the KV bytes read: 2 × active × kv_heads × head_dim × 4.
+//! shuffled table over an f16 ring (the runtime's default storage: half the bytes), a naive
+//! scalar loop (per-key dot + libm exp), and a memcpy of the same KV bytes as the bandwidth
+//! reference. Throughput is the f32 KV bytes: 2 × active × kv_heads × head_dim × 4.
 //! After criterion, a same-run table prints the ratios (indirection overhead, kernel read rate
 //! / memcpy): the variants run in interleaved rounds of ~1 ms batches (each after one untimed
 //! warm-up call), so the machine's noise hits them alike; the table shows each variant's best
@@ -14,6 +15,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use amplituhedron::attention::{attend, attend_with, scratch_len, AttnDims, AttnInputs, Isa};
+use amplituhedron::ring::KvSlice;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 const SLOTS: usize = 4096;
@@ -28,6 +30,8 @@ struct Fixture {
     q: Vec<f32>,
     ring_k: Vec<f32>,
     ring_v: Vec<f32>,
+    ring_k16: Vec<u16>,
+    ring_v16: Vec<u16>,
     shuffled: Vec<u32>,
     in_order: Vec<u32>,
     scratch: Vec<f32>,
@@ -59,8 +63,15 @@ impl Fixture {
         for i in (1..perm.len()).rev() {
             perm.swap(i, (lcg(&mut st) % (i as u64 + 1)) as usize);
         }
+        let f16 = |xs: &[f32]| -> Vec<u16> {
+            xs.iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect()
+        };
         Fixture {
             q,
+            ring_k16: f16(&ring_k),
+            ring_v16: f16(&ring_v),
             ring_k,
             ring_v,
             shuffled: perm[..active].to_vec(),
@@ -75,7 +86,7 @@ impl Fixture {
         let active = self.in_order.len();
         let row = DIMS.kv_row();
         let (table, local_k, local_v): (&[u32], &[f32], &[f32]) = match slots {
-            Slots::Shuffled => (&self.shuffled, &[], &[]),
+            Slots::Shuffled | Slots::ShuffledF16 => (&self.shuffled, &[], &[]),
             Slots::InOrder => (&self.in_order, &[], &[]),
             Slots::Contiguous => (
                 &[],
@@ -83,11 +94,15 @@ impl Fixture {
                 &self.ring_v[..active * row],
             ),
         };
+        let (ring_k, ring_v) = match slots {
+            Slots::ShuffledF16 => (KvSlice::F16(&self.ring_k16), KvSlice::F16(&self.ring_v16)),
+            _ => (KvSlice::F32(&self.ring_k), KvSlice::F32(&self.ring_v)),
+        };
         let inputs = AttnInputs {
             q_fixed: &self.q,
             q_window: &self.q,
-            ring_k: &self.ring_k,
-            ring_v: &self.ring_v,
+            ring_k,
+            ring_v,
             fixed_slots: &[],
             window_slots: table,
             local_k,
@@ -143,6 +158,7 @@ enum Slots {
     Shuffled,
     InOrder,
     Contiguous,
+    ShuffledF16,
 }
 
 fn kv_bytes(active: usize) -> u64 {
@@ -158,7 +174,12 @@ fn bench_decode(c: &mut Criterion) {
     for active in ACTIVE {
         let mut f = Fixture::new(active);
         group.throughput(Throughput::Bytes(kv_bytes(active)));
-        for slots in [Slots::Shuffled, Slots::InOrder, Slots::Contiguous] {
+        for slots in [
+            Slots::Shuffled,
+            Slots::InOrder,
+            Slots::Contiguous,
+            Slots::ShuffledF16,
+        ] {
             let name = format!("{slots:?}").to_lowercase();
             group.bench_function(BenchmarkId::new(name, active), |b| {
                 b.iter(|| f.kernel(black_box(slots)))
@@ -226,7 +247,7 @@ fn print_ratios() {
         Isa::best()
     );
     println!(
-        "{:>7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>9} {:>14} {:>14} {:>11}",
+        "{:>7} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12} {:>9} {:>14} {:>14} {:>11} {:>13}",
         "active",
         "shuffled",
         "in-order",
@@ -237,23 +258,25 @@ fn print_ratios() {
         "(median)",
         "in-ord/contig",
         "kernel/memcpy",
-        "naive/shuf"
+        "naive/shuf",
+        "f32/f16 shuf"
     );
     for active in ACTIVE {
         let mut f = Fixture::new(active);
         let bytes = kv_bytes(active) as f64;
-        let (best, median) = interleaved_times(4, |v| match v {
+        let (best, median) = interleaved_times(5, |v| match v {
             0 => f.kernel(Slots::Contiguous),
             1 => f.kernel(Slots::Shuffled),
             2 => f.kernel(Slots::InOrder),
-            _ => f.memcpy(),
+            3 => f.memcpy(),
+            _ => f.kernel(Slots::ShuffledF16),
         });
         let [contiguous, shuffled, in_order, memcpy] = [best[0], best[1], best[2], best[3]];
         let (naive, _) = interleaved_times(1, |_| f.naive());
         let gbs = |t: f64| bytes / t / 1e9;
         println!(
             "{active:>7} {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s {:>9.2}GB/s \
-             {:>11.1}% {:>8.1}% {:>13.1}% {:>14.2} {:>10.1}x",
+             {:>11.1}% {:>8.1}% {:>13.1}% {:>14.2} {:>10.1}x {:>12.2}x",
             gbs(shuffled),
             gbs(in_order),
             gbs(contiguous),
@@ -264,6 +287,7 @@ fn print_ratios() {
             (in_order / contiguous - 1.0) * 100.0,
             memcpy / shuffled,
             naive[0] / shuffled,
+            median[1] / median[4],
         );
     }
     // Cross-ISA speed, for the record (all ISAs give identical bits). The SIMD paths are
@@ -274,8 +298,8 @@ fn print_ratios() {
         let inputs = AttnInputs {
             q_fixed: &f.q,
             q_window: &f.q,
-            ring_k: &f.ring_k,
-            ring_v: &f.ring_v,
+            ring_k: KvSlice::F32(&f.ring_k),
+            ring_v: KvSlice::F32(&f.ring_v),
             fixed_slots: &[],
             window_slots: &f.shuffled,
             local_k: &[],

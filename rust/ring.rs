@@ -4,9 +4,10 @@
 //!
 //! # Geometry
 //!
-//! Per layer there are `slots` physical rows; a row holds `kv_heads × head_dim` f32 for K and
-//! the same for V (layout `[slot][kv_head][head_dim]`). Everything is allocated once, zeroed,
-//! at creation (`vec![0.0; n]` lets the OS hand out lazy zero pages) and never resized.
+//! Per layer there are `slots` physical rows; a row holds `kv_heads × head_dim` values for K
+//! and the same for V (layout `[slot][kv_head][head_dim]`), stored as f16 (the default) or
+//! f32 ([`KvDtype`]); values cross the API as f32. Everything is allocated once, zeroed, at
+//! creation (a zeroed `vec!` lets the OS hand out lazy zero pages) and never resized.
 //!
 //! - Tier 1, anchors `[0, n_sys)`: written only by the first `n_sys` positions (the system
 //!   prompt), by prefill or by [`DynamicRingBuffer::splice`]; never evicted.
@@ -108,6 +109,11 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+mod store;
+
+use store::KvStore;
+pub use store::{KvDtype, KvSlice};
+
 /// What a run of positions is, semantically. Pruning evicts whole spans.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -183,6 +189,8 @@ pub struct RingConfig {
     pub undo_capacity: usize,
     /// The model's trained context, if the ring should check `slots ≤ max_positions`.
     pub max_positions: Option<usize>,
+    /// How K and V are stored (default f16).
+    pub kv_dtype: KvDtype,
 }
 
 impl RingConfig {
@@ -199,6 +207,7 @@ impl RingConfig {
             max_chunk: 512,
             undo_capacity: 64,
             max_positions: None,
+            kv_dtype: KvDtype::default(),
         }
     }
 
@@ -496,8 +505,8 @@ pub struct DynamicRingBuffer {
     row: usize,
     window_end: usize,
     window_len: usize,
-    keys: Vec<f32>,
-    vals: Vec<f32>,
+    keys: KvStore,
+    vals: KvStore,
     clock: u64,
     /// Active slots: recall, anchors, window (clock order); `table_len` used.
     table: Vec<u32>,
@@ -506,8 +515,8 @@ pub struct DynamicRingBuffer {
     /// Anchor spans first (`n_anchor_spans` of them), then visible window spans.
     spans: VecDeque<SemanticSpan>,
     n_anchor_spans: usize,
-    journal_keys: Vec<f32>,
-    journal_vals: Vec<f32>,
+    journal_keys: KvStore,
+    journal_vals: KvStore,
     journal_meta: Vec<JournalEntry>,
     journal_head: usize,
     journal_len: usize,
@@ -530,8 +539,8 @@ impl DynamicRingBuffer {
             row,
             window_end,
             window_len,
-            keys: vec![0.0; kv_len],
-            vals: vec![0.0; kv_len],
+            keys: KvStore::zeros(cfg.kv_dtype, kv_len),
+            vals: KvStore::zeros(cfg.kv_dtype, kv_len),
             clock: 0,
             table: vec![0; cfg.slots],
             table_len: 0,
@@ -540,8 +549,8 @@ impl DynamicRingBuffer {
             // commit pushes before the next eviction.
             spans: VecDeque::with_capacity(cfg.n_sys + window_len + 1),
             n_anchor_spans: 0,
-            journal_keys: vec![0.0; journal_len],
-            journal_vals: vec![0.0; journal_len],
+            journal_keys: KvStore::zeros(cfg.kv_dtype, journal_len),
+            journal_vals: KvStore::zeros(cfg.kv_dtype, journal_len),
             journal_meta: vec![JournalEntry { evicted: None }; journal_rows],
             journal_head: 0,
             journal_len: 0,
@@ -658,9 +667,9 @@ impl DynamicRingBuffer {
     ///
     /// # Panics
     /// If `layer ≥ n_layers`.
-    pub fn layer_kv(&self, layer: usize) -> (&[f32], &[f32]) {
+    pub fn layer_kv(&self, layer: usize) -> (KvSlice<'_>, KvSlice<'_>) {
         let range = self.layer_range(layer);
-        (&self.keys[range.clone()], &self.vals[range])
+        (self.keys.slice(range.clone()), self.vals.slice(range))
     }
 
     fn layer_range(&self, layer: usize) -> std::ops::Range<usize> {
@@ -1043,13 +1052,13 @@ impl DynamicRingBuffer {
                 let entry =
                     (self.journal_head + i - self.plan.first_overwrite) % self.journal_rows();
                 let j = self.journal_offset(entry, layer);
-                self.journal_keys[j..j + row].copy_from_slice(&self.keys[dst..dst + row]);
-                self.journal_vals[j..j + row].copy_from_slice(&self.vals[dst..dst + row]);
+                self.keys.copy_to(dst, &mut self.journal_keys, j, row);
+                self.vals.copy_to(dst, &mut self.journal_vals, j, row);
             }
             match source {
                 RowSource::RowMajor { keys, vals } => {
-                    self.keys[dst..dst + row].copy_from_slice(&keys[i * row..(i + 1) * row]);
-                    self.vals[dst..dst + row].copy_from_slice(&vals[i * row..(i + 1) * row]);
+                    self.keys.put(dst, &keys[i * row..(i + 1) * row]);
+                    self.vals.put(dst, &vals[i * row..(i + 1) * row]);
                 }
                 RowSource::Slab {
                     keys,
@@ -1062,8 +1071,8 @@ impl DynamicRingBuffer {
                         let src =
                             ((slab_layer * self.cfg.kv_heads + h) * total + offset + i) * head_dim;
                         let d = dst + h * head_dim;
-                        self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
-                        self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
+                        self.keys.put(d, &keys[src..src + head_dim]);
+                        self.vals.put(d, &vals[src..src + head_dim]);
                     }
                 }
                 RowSource::Blocks {
@@ -1080,8 +1089,8 @@ impl DynamicRingBuffer {
                         let src = ((slab_layer * self.cfg.kv_heads + h) * positions + p % block)
                             * head_dim;
                         let d = dst + h * head_dim;
-                        self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
-                        self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
+                        self.keys.put(d, &keys[src..src + head_dim]);
+                        self.vals.put(d, &vals[src..src + head_dim]);
                     }
                 }
             }
@@ -1167,12 +1176,12 @@ impl DynamicRingBuffer {
         match journal_entry {
             Some(entry) => {
                 let j = self.journal_offset(entry, layer);
-                self.keys[dst..dst + row].copy_from_slice(&self.journal_keys[j..j + row]);
-                self.vals[dst..dst + row].copy_from_slice(&self.journal_vals[j..j + row]);
+                self.journal_keys.copy_to(j, &mut self.keys, dst, row);
+                self.journal_vals.copy_to(j, &mut self.vals, dst, row);
             }
             None => {
-                self.keys[dst..dst + row].fill(0.0);
-                self.vals[dst..dst + row].fill(0.0);
+                self.keys.zero(dst..dst + row);
+                self.vals.zero(dst..dst + row);
             }
         }
     }
@@ -1289,8 +1298,8 @@ impl DynamicRingBuffer {
                 for h in 0..self.cfg.kv_heads {
                     let dst = (((layer - layer_lo) * self.cfg.kv_heads + h) * n + p) * head_dim;
                     let s = src + h * head_dim;
-                    keys[dst..dst + head_dim].copy_from_slice(&self.keys[s..s + head_dim]);
-                    vals[dst..dst + head_dim].copy_from_slice(&self.vals[s..s + head_dim]);
+                    self.keys.get(s, &mut keys[dst..dst + head_dim]);
+                    self.vals.get(s, &mut vals[dst..dst + head_dim]);
                 }
             }
         }
@@ -1403,8 +1412,8 @@ impl DynamicRingBuffer {
                 for h in 0..self.cfg.kv_heads {
                     let src = ((layer * self.cfg.kv_heads + h) * n + r) * head_dim;
                     let d = dst + h * head_dim;
-                    self.keys[d..d + head_dim].copy_from_slice(&keys[src..src + head_dim]);
-                    self.vals[d..d + head_dim].copy_from_slice(&vals[src..src + head_dim]);
+                    self.keys.put(d, &keys[src..src + head_dim]);
+                    self.vals.put(d, &vals[src..src + head_dim]);
                 }
             }
         }

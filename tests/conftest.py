@@ -38,6 +38,18 @@ def model(model_path: Path) -> Model:
 
 
 @pytest.fixture(scope="session")
+def model_f32(model_path: Path) -> Model:
+    """The bundled model with f32 KV storage (the default is f16)."""
+    return load_model(model_path, kv_dtype="f32")
+
+
+@pytest.fixture(scope="session", params=["f16", "f32"])
+def any_kv_model(request: pytest.FixtureRequest, model: Model, model_f32: Model) -> Model:
+    """The bundled model with each KV storage type, for invariants that must hold for both."""
+    return model if request.param == "f16" else model_f32
+
+
+@pytest.fixture(scope="session")
 def reference() -> dict[str, Any]:
     data: dict[str, Any] = json.loads((REFDATA / "smollm2_reference.json").read_text())
     return data

@@ -93,7 +93,8 @@ def test_greedy_continuation_matches_until_the_first_near_tie(
 # --- bit-exact invariants ----------------------------------------------------------------
 
 
-def test_cache_on_equals_cache_off(model: Model, prompts: dict[str, Any]) -> None:
+def test_cache_on_equals_cache_off(any_kv_model: Model, prompts: dict[str, Any]) -> None:
+    model = any_kv_model
     ids = prompts["chat"]["token_ids"]
     model.clear_cache()
     cold = model.generate(ids, 12, use_cache=False, stop_at_eos=False)
@@ -118,8 +119,9 @@ def test_cache_on_equals_cache_off(model: Model, prompts: dict[str, Any]) -> Non
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_equals_whole_prompt(
-    model: Model, prompts: dict[str, Any], chunk: int
+    any_kv_model: Model, prompts: dict[str, Any], chunk: int
 ) -> None:
+    model = any_kv_model
     ids = prompts["chat"]["token_ids"]
     whole = model.new_session(0, model.n_layers, SessionOptions(max_chunk=256))
     chunked = model.new_session(0, model.n_layers, SessionOptions(max_chunk=chunk))
@@ -127,6 +129,20 @@ def test_chunked_prefill_equals_whole_prompt(
     _, b = chunked.forward_tokens(ids, logits="all")
     assert a is not None and b is not None
     np.testing.assert_array_equal(a, b)
+
+
+def test_kv_storage_types_are_told_apart_and_agree_closely(
+    model: Model, model_f32: Model, prompts: dict[str, Any]
+) -> None:
+    assert (model.weights.kv_dtype, model_f32.weights.kv_dtype) == ("f16", "f32")
+    # The storage type changes every later position's attention, so it is part of the
+    # fingerprint: volumes (and cache directories) of one never serve the other.
+    assert model.fingerprint != model_f32.fingerprint
+    ids = prompts["long"]["token_ids"]
+    half, full = model.logits(ids), model_f32.logits(ids)
+    assert not np.array_equal(half, full), "the f16 model did not round its KV"
+    assert float(np.abs(half - full).max()) < 0.25
+    assert int(np.argmax(half)) == int(np.argmax(full))
 
 
 def test_probe_then_rollback_gives_identical_next_logits(

@@ -242,6 +242,17 @@ def test_options_and_constructors_take_the_core_defaults() -> None:
         d.min_prefix_reuse,
     )
     assert (d.max_entries, d.max_prefix_len, d.slots) == (4, 512, 4096)  # SPEC §2, §3
+    # One default for the KV storage type: the core's, read by the runtime and every CLI.
+    assert d.kv_dtype == "f16" and ar.RingBuffer(1, 1, 8).kv_dtype == d.kv_dtype
+    for argv in (
+        ["station", "serve", "--layers", "0:1"],
+        ["serve"],
+        ["generate", "--prompt", "x"],
+        ["bench-serve"],
+        ["bench-model"],
+    ):
+        assert build_parser().parse_args(argv).kv_dtype == d.kv_dtype, argv
+    assert build_parser().parse_args(["serve", "--kv-dtype", "f32"]).kv_dtype == "f32"
 
 
 def test_cli_help_names_the_claims_not_the_design_notes() -> None:

@@ -4,6 +4,7 @@ volume round trips, and bad input (ValueError, state unchanged)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -18,11 +19,12 @@ Snapshot = tuple[int, bytes, list[ar.SemanticSpan], list[bytes]]
 
 
 def slab(n: int, seed: int) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    """Random K and V, exact in f16 (so round trips are exact whatever the ring stores)."""
     rng = np.random.default_rng(seed)
     shape = (LAYERS, KV_HEADS, n, HEAD_DIM)
     return (
-        rng.standard_normal(shape, dtype=np.float32),
-        rng.standard_normal(shape, dtype=np.float32),
+        rng.standard_normal(shape, dtype=np.float32).astype(np.float16).astype(np.float32),
+        rng.standard_normal(shape, dtype=np.float32).astype(np.float16).astype(np.float32),
     )
 
 
@@ -31,10 +33,10 @@ def snapshot(ring: ar.RingBuffer) -> Snapshot:
     return ring.clock, ring.active_slots().tobytes(), ring.spans(), layers
 
 
-def make(**kw: int) -> ar.RingBuffer:
+def make(kv_dtype: Literal["f16", "f32"] = "f16", **kw: int) -> ar.RingBuffer:
     defaults = {"slots": 64, "recall": 4, "n_sys": 4, "undo_capacity": 16}
     defaults.update(kw)
-    return ar.RingBuffer(LAYERS, KV_HEADS, HEAD_DIM, **defaults)
+    return ar.RingBuffer(LAYERS, KV_HEADS, HEAD_DIM, **defaults, kv_dtype=kv_dtype)
 
 
 def attention(ring: ar.RingBuffer, layer: int, seed: int) -> bytes:
@@ -143,6 +145,35 @@ def test_read_logical_and_splice_round_trip() -> None:
     assert snapshot(fresh)[3] == snapshot(ring)[3]
     sub_k, _ = ring.read_logical(10, layer_lo=1, layer_hi=2)
     np.testing.assert_array_equal(sub_k, keys[1:2, :, :10])
+
+
+def test_f16_rings_round_once_saturate_and_read_back_exactly() -> None:
+    rng = np.random.default_rng(5)
+    shape = (LAYERS, KV_HEADS, 6, HEAD_DIM)
+    keys = rng.standard_normal(shape, dtype=np.float32) * 3
+    vals = rng.standard_normal(shape, dtype=np.float32)
+    keys[0, 0, 0, :2] = [1e6, -1e6]  # beyond f16: saturated, never infinite
+    half, full = make(), make("f32")
+    half.splice(keys, vals)
+    full.splice(keys, vals)
+    k32, v32 = full.read_logical(6)
+    np.testing.assert_array_equal(k32, keys)
+    np.testing.assert_array_equal(v32, vals)
+    k16, v16 = half.read_logical(6)
+    assert k16[0, 0, 0, :2].tolist() == [65504.0, -65504.0]
+    as_f16 = np.clip(keys, -65504, 65504).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(k16, as_f16)
+    np.testing.assert_array_equal(v16, vals.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(half.layer_keys(0)[:6], as_f16[0].transpose(1, 0, 2))
+    # Stored values are fixed points: writing them back changes no bit.
+    again = make()
+    again.splice(k16, v16)
+    assert snapshot(again)[3] == snapshot(half)[3]
+
+
+def test_an_unknown_kv_dtype_is_an_input_error() -> None:
+    with pytest.raises(ar.InputError, match=r"kv_dtype must be 'f16' or 'f32', got \"bf16\""):
+        ar.RingBuffer(LAYERS, KV_HEADS, HEAD_DIM, kv_dtype="bf16")  # type: ignore[arg-type]
 
 
 def test_splice_reports_first_non_finite_position_and_changes_nothing() -> None:

@@ -67,6 +67,8 @@ class Defaults:
     def n_sys(self) -> int: ...
     @property
     def max_chunk(self) -> int: ...
+    @property
+    def kv_dtype(self) -> Literal["f16", "f32"]: ...
 
 DEFAULTS: Defaults
 
@@ -297,8 +299,10 @@ class RingBuffer:
     """Fixed-size KV ring: anchors, a wrapping FIFO window, recall slots, spans, rollback.
 
     Slabs (``append``, ``splice``, ``inject_recall``, ``read_logical``) use the volume layout
-    ``(n_layers, kv_heads, n, head_dim)`` float32. Bad arguments raise InputError (a
-    ValueError), operations the ring's state refuses RingError; either changes nothing.
+    ``(n_layers, kv_heads, n, head_dim)`` float32; an f16 ring (the default) rounds values on
+    the way in (saturating at ±65504) and widens them exactly on the way out. Bad arguments
+    raise InputError (a ValueError), operations the ring's state refuses RingError; either
+    changes nothing.
     """
 
     def __new__(
@@ -311,7 +315,10 @@ class RingBuffer:
         n_sys: int = ...,
         max_chunk: int | None = None,
         undo_capacity: int = ...,
+        kv_dtype: Literal["f16", "f32"] = ...,
     ) -> RingBuffer: ...
+    @property
+    def kv_dtype(self) -> Literal["f16", "f32"]: ...
     @property
     def clock(self) -> int: ...
     @property
@@ -392,11 +399,14 @@ class ModelWeights:
         config: dict[str, Any],
         tensors: Sequence[tuple[str, int, Sequence[int], int]],
         precision: Literal["refined", "fast"] = "refined",
+        kv_dtype: Literal["f16", "f32"] = ...,
     ) -> ModelWeights: ...
     @property
     def fingerprint(self) -> int: ...
     @property
     def precision(self) -> Literal["refined", "fast"]: ...
+    @property
+    def kv_dtype(self) -> Literal["f16", "f32"]: ...
     @property
     def n_layers(self) -> int: ...
     @property

@@ -51,6 +51,13 @@ impl Lanes for Avx2Lanes {
         Avx2Lanes(_mm256_loadu_ps(ptr), _mm256_loadu_ps(ptr.add(8)))
     }
     #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        Avx2Lanes(
+            _mm256_cvtph_ps(_mm_loadu_si128(ptr as *const __m128i)),
+            _mm256_cvtph_ps(_mm_loadu_si128(ptr.add(8) as *const __m128i)),
+        )
+    }
+    #[inline(always)]
     unsafe fn load_partial(ptr: *const f32, n: usize) -> Self {
         let (lo, hi) = lane_masks(n);
         // Masked-off lanes are never read (no fault), so the high half may point past
@@ -179,8 +186,8 @@ impl Lanes for Avx2Lanes {
 /// The kernel compiled for AVX2 + FMA.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; inputs must be validated.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must support AVX2, FMA and F16C; inputs must be validated.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn attend_avx2(
     inputs: &AttnInputs<'_>,
     dims: AttnDims,
@@ -193,14 +200,14 @@ pub(super) unsafe fn attend_avx2(
 
 /// `exp` of 16 values on AVX2 (for the cross-ISA exp test).
 #[cfg(test)]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn exp_avx2(x: *const f32, out: *mut f32) {
     Avx2Lanes::exp_nonpositive(Avx2Lanes::load(x)).store(out)
 }
 
 /// [`super::kernel::probe_lanes`] on AVX2 + FMA.
 #[cfg(test)]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn probe_avx2(probe: &mut super::kernel::LanesProbe) {
     super::kernel::probe_lanes::<Avx2Lanes>(probe)
 }

@@ -34,6 +34,10 @@ impl Lanes for Avx512Lanes {
         Avx512Lanes(_mm512_loadu_ps(ptr))
     }
     #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        Avx512Lanes(_mm512_cvtph_ps(_mm256_loadu_si256(ptr as *const __m256i)))
+    }
+    #[inline(always)]
     unsafe fn load_partial(ptr: *const f32, n: usize) -> Self {
         Avx512Lanes(_mm512_maskz_loadu_ps(((1u32 << n) - 1) as __mmask16, ptr))
     }

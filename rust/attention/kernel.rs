@@ -1,6 +1,8 @@
 //! The one generic kernel: every pass of the attention arithmetic, written once over a
 //! 16-lane vector type ([`Lanes`]) that each ISA implements (`scalar`, `avx2`, `avx512`).
 
+use crate::ring::KvSlice;
+
 use super::{n_keys, score_stride, AttnDims, AttnInputs};
 
 /// Lanes per vector of the canonical reduction order.
@@ -22,6 +24,8 @@ pub(super) trait Lanes: Copy {
 
     unsafe fn splat(x: f32) -> Self;
     unsafe fn load(ptr: *const f32) -> Self;
+    /// 16 f16 bit patterns widened to f32 (exact).
+    unsafe fn load_f16(ptr: *const u16) -> Self;
     unsafe fn store(self, ptr: *mut f32);
     /// `a · b + c`, rounded once.
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
@@ -71,6 +75,16 @@ pub(super) trait Lanes: Copy {
         Self::load(buf.as_ptr())
     }
 
+    /// [`Lanes::load_f16`] of `n ≤ 16` values then zeros; reads only the `n` values.
+    #[inline(always)]
+    unsafe fn load_f16_partial(ptr: *const u16, n: usize) -> Self {
+        let mut buf = [0u16; LANES];
+        for (i, b) in buf.iter_mut().enumerate().take(n) {
+            *b = *ptr.add(i);
+        }
+        Self::load_f16(buf.as_ptr())
+    }
+
     /// Stores the first `n ≤ 16` lanes; writes nothing else.
     #[inline(always)]
     unsafe fn store_partial(self, ptr: *mut f32, n: usize) {
@@ -102,14 +116,44 @@ pub(super) trait Lanes: Copy {
     }
 }
 
-/// One K or V row source of the key sequence, in order.
-#[derive(Clone, Copy)]
-enum Segment<'a> {
-    Slots { base: *const f32, slots: &'a [u32] },
-    Rows { base: *const f32, count: usize },
+/// How the kernel reads one stored K/V value type: f32, or f16 bit patterns (`u16`).
+pub(super) trait KvElem: Copy {
+    /// 16 values at `ptr` as lanes.
+    unsafe fn lanes<V: Lanes>(ptr: *const Self) -> V;
+    /// `n ≤ 16` values at `ptr`, then zeros.
+    unsafe fn lanes_partial<V: Lanes>(ptr: *const Self, n: usize) -> V;
 }
 
-impl Segment<'_> {
+impl KvElem for f32 {
+    #[inline(always)]
+    unsafe fn lanes<V: Lanes>(ptr: *const f32) -> V {
+        V::load(ptr)
+    }
+    #[inline(always)]
+    unsafe fn lanes_partial<V: Lanes>(ptr: *const f32, n: usize) -> V {
+        V::load_partial(ptr, n)
+    }
+}
+
+impl KvElem for u16 {
+    #[inline(always)]
+    unsafe fn lanes<V: Lanes>(ptr: *const u16) -> V {
+        V::load_f16(ptr)
+    }
+    #[inline(always)]
+    unsafe fn lanes_partial<V: Lanes>(ptr: *const u16, n: usize) -> V {
+        V::load_f16_partial(ptr, n)
+    }
+}
+
+/// One K or V row source of the key sequence, in order.
+#[derive(Clone, Copy)]
+enum Segment<'a, E> {
+    Slots { base: *const E, slots: &'a [u32] },
+    Rows { base: *const E, count: usize },
+}
+
+impl<E: KvElem> Segment<'_, E> {
     fn len(&self) -> usize {
         match self {
             Segment::Slots { slots, .. } => slots.len(),
@@ -117,21 +161,22 @@ impl Segment<'_> {
         }
     }
 
-    /// Prefetches key `i + PREFETCH_AHEAD`'s f32 `[offset, offset + len)` of its row, for a
-    /// slot table only: sequential rows are the hardware prefetcher's job, and there the
+    /// Prefetches key `i + PREFETCH_AHEAD`'s values `[offset, offset + len)` of its row, for
+    /// a slot table only: sequential rows are the hardware prefetcher's job, and there the
     /// hints would be pure overhead.
     #[inline(always)]
     unsafe fn prefetch_ahead(&self, i: usize, kv_row: usize, offset: usize, len: usize) {
         if let Segment::Slots { base, slots } = self {
             if let Some(&slot) = slots.get(i + PREFETCH_AHEAD) {
-                prefetch(base.add(slot as usize * kv_row + offset), len);
+                let at = base.add(slot as usize * kv_row + offset);
+                prefetch(at.cast(), len * std::mem::size_of::<E>());
             }
         }
     }
 
-    /// Start of key `i`'s row (`kv_row` f32).
+    /// Start of key `i`'s row (`kv_row` values).
     #[inline(always)]
-    unsafe fn row(&self, i: usize, kv_row: usize) -> *const f32 {
+    unsafe fn row(&self, i: usize, kv_row: usize) -> *const E {
         match self {
             Segment::Slots { base, slots } => base.add(*slots.get_unchecked(i) as usize * kv_row),
             Segment::Rows { base, .. } => base.add(i * kv_row),
@@ -145,14 +190,13 @@ impl Segment<'_> {
 /// only slowed it down.)
 const PREFETCH_AHEAD: usize = 12;
 
-/// Hints every cache line of `[ptr, ptr + len)` f32 into L1: one hint per 64 bytes from
+/// Hints every cache line of `[ptr, ptr + bytes)` into L1: one hint per 64 bytes from
 /// `ptr`, plus one at the last byte (the line a misaligned range ends in). Straight-line code
-/// when `len` is a constant. Never changes a result.
+/// when `bytes` is a constant. Never changes a result.
 #[inline(always)]
-fn prefetch(ptr: *const f32, len: usize) {
+fn prefetch(ptr: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        let bytes = len * 4;
         let at = |offset: usize| {
             // SAFETY: prefetch is a hint; it never faults, even on an invalid address, and the
             // pointer is not dereferenced (`wrapping_add` keeps the arithmetic defined).
@@ -169,44 +213,43 @@ fn prefetch(ptr: *const f32, len: usize) {
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (ptr, len);
+    let _ = (ptr, bytes);
 }
 
-/// The row's key sequence (fixed, window, local) for K or V, with the query of each segment.
+/// The row's key sequence for K or V: the fixed and window segments in the ring's storage
+/// type `E`, then the local rows (f32, already rounded as the ring would store them).
+struct KeySequence<'a, E> {
+    fixed: Segment<'a, E>,
+    window: Segment<'a, E>,
+    local: Segment<'a, f32>,
+}
+
 #[inline(always)]
-fn segments<'a>(
+fn key_sequence<'a, E>(
     inputs: &AttnInputs<'a>,
+    ring: &'a [E],
     dims: AttnDims,
     values: bool,
-) -> [(Segment<'a>, &'a [f32]); 3] {
-    let (ring, local) = if values {
-        (inputs.ring_v, inputs.local_v)
+) -> KeySequence<'a, E> {
+    let local = if values {
+        inputs.local_v
     } else {
-        (inputs.ring_k, inputs.local_k)
+        inputs.local_k
     };
-    [
-        (
-            Segment::Slots {
-                base: ring.as_ptr(),
-                slots: inputs.fixed_slots,
-            },
-            inputs.q_fixed,
-        ),
-        (
-            Segment::Slots {
-                base: ring.as_ptr(),
-                slots: inputs.window_slots,
-            },
-            inputs.q_window,
-        ),
-        (
-            Segment::Rows {
-                base: local.as_ptr(),
-                count: local.len() / dims.kv_row(),
-            },
-            inputs.q_window,
-        ),
-    ]
+    KeySequence {
+        fixed: Segment::Slots {
+            base: ring.as_ptr(),
+            slots: inputs.fixed_slots,
+        },
+        window: Segment::Slots {
+            base: ring.as_ptr(),
+            slots: inputs.window_slots,
+        },
+        local: Segment::Rows {
+            base: local.as_ptr(),
+            count: local.len() / dims.kv_row(),
+        },
+    }
 }
 
 /// Scores of 8 keys (`rows`, all valid pointers) for the `NH` query heads at `q` (consecutive
@@ -219,9 +262,9 @@ fn segments<'a>(
 /// registers; then each head's 8 horizontal sums run together in one transposing reduction
 /// ([`Lanes::hsum8`], the same tree per key as [`Lanes::hsum`]).
 #[inline(always)]
-unsafe fn score_block<V: Lanes, const NH: usize, const KG: usize>(
+unsafe fn score_block<V: Lanes, E: KvElem, const NH: usize, const KG: usize>(
     q: *const f32,
-    rows: &[*const f32; BLOCK_KEYS],
+    rows: &[*const E; BLOCK_KEYS],
     offset: usize,
     head_dim: usize,
     scale: f32,
@@ -231,7 +274,7 @@ unsafe fn score_block<V: Lanes, const NH: usize, const KG: usize>(
     // (Loops, not closures: a closure would not inherit the caller's target features.)
     let mut sums = [[V::splat(0.0); BLOCK_KEYS]; NH];
     for first in (0..BLOCK_KEYS).step_by(KG) {
-        let group: &[*const f32; KG] = &*rows.as_ptr().add(first).cast();
+        let group: &[*const E; KG] = &*rows.as_ptr().add(first).cast();
         let mut acc = [[V::splat(0.0); KG]; NH];
         for b in 0..full {
             let mut qb = [V::splat(0.0); NH];
@@ -240,7 +283,7 @@ unsafe fn score_block<V: Lanes, const NH: usize, const KG: usize>(
             }
             let at = offset + b * LANES;
             for (n, row) in group.iter().enumerate() {
-                let k = V::load(row.add(at));
+                let k = E::lanes::<V>(row.add(at));
                 for hh in 0..NH {
                     acc[hh][n] = V::fma(qb[hh], k, acc[hh][n]);
                 }
@@ -253,7 +296,7 @@ unsafe fn score_block<V: Lanes, const NH: usize, const KG: usize>(
             }
             let at = offset + full * LANES;
             for (n, row) in group.iter().enumerate() {
-                let k = V::load_partial(row.add(at), tail);
+                let k = E::lanes_partial::<V>(row.add(at), tail);
                 for hh in 0..NH {
                     acc[hh][n] = V::fma(qb[hh], k, acc[hh][n]);
                 }
@@ -274,9 +317,9 @@ unsafe fn score_block<V: Lanes, const NH: usize, const KG: usize>(
 /// scores go to column 0 of `dst` (row stride `stride`); `count ≤ 8` of the keys are real.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn store_scores<V: Lanes, const NH: usize>(
+unsafe fn store_scores<V: Lanes, E: KvElem, const NH: usize>(
     q: &[f32],
-    rows: &[*const f32; BLOCK_KEYS],
+    rows: &[*const E; BLOCK_KEYS],
     dims: AttnDims,
     g: usize,
     h0: usize,
@@ -289,8 +332,8 @@ unsafe fn store_scores<V: Lanes, const NH: usize>(
     let (q, offset) = (q.as_ptr().add(h0 * head_dim), g * head_dim);
     // (A constant per `V`: the match compiles to a single arm.)
     let s = match V::KEY_GROUP {
-        4 => score_block::<V, NH, 4>(q, rows, offset, head_dim, scale),
-        _ => score_block::<V, NH, 8>(q, rows, offset, head_dim, scale),
+        4 => score_block::<V, E, NH, 4>(q, rows, offset, head_dim, scale),
+        _ => score_block::<V, E, NH, 8>(q, rows, offset, head_dim, scale),
     };
     for (hh, s) in s.into_iter().enumerate() {
         let dst = dst.add((h0 + hh) * stride);
@@ -302,10 +345,73 @@ unsafe fn store_scores<V: Lanes, const NH: usize>(
     }
 }
 
-/// The whole row: scores, softmax, weighted value sum. Inputs must be validated.
+/// The whole row: scores, softmax, weighted value sum. Inputs must be validated (the ring's
+/// K and V share one storage type).
 #[inline(always)]
 pub(super) unsafe fn kernel<V: Lanes>(
     inputs: &AttnInputs<'_>,
+    dims: AttnDims,
+    scale: f32,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    match (inputs.ring_k, inputs.ring_v) {
+        (KvSlice::F16(k), KvSlice::F16(v)) => {
+            kernel_for::<V, u16>(inputs, k, v, dims, scale, scratch, out)
+        }
+        (KvSlice::F32(k), KvSlice::F32(v)) => {
+            kernel_for::<V, f32>(inputs, k, v, dims, scale, scratch, out)
+        }
+        _ => unreachable!("validated: K and V share one storage type"),
+    }
+}
+
+/// Pass 1 over one segment of the key sequence, whose first key is key `j` of the row.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn score_segment<V: Lanes, E: KvElem>(
+    segment: Segment<'_, E>,
+    q: &[f32],
+    j: usize,
+    dims: AttnDims,
+    scale: f32,
+    scores: *mut f32,
+    stride: usize,
+) {
+    let (n_q_heads, n_kv_heads) = (dims.n_q_heads, dims.n_kv_heads);
+    let kv_row = dims.kv_row();
+    let group = n_q_heads / n_kv_heads;
+    let n = segment.len();
+    let mut i = 0;
+    while i < n {
+        let count = (n - i).min(BLOCK_KEYS);
+        let mut rows = [std::ptr::null(); BLOCK_KEYS];
+        for (r, row) in rows.iter_mut().enumerate() {
+            *row = segment.row(i + r.min(count - 1), kv_row);
+        }
+        for g in 0..n_kv_heads {
+            let mut h0 = g * group;
+            while h0 < (g + 1) * group {
+                let heads = ((g + 1) * group - h0).min(V::SCORE_HEADS);
+                let dst = scores.add(j + i);
+                match heads {
+                    1 => store_scores::<V, E, 1>(q, &rows, dims, g, h0, scale, dst, stride, count),
+                    2 => store_scores::<V, E, 2>(q, &rows, dims, g, h0, scale, dst, stride, count),
+                    _ => store_scores::<V, E, 3>(q, &rows, dims, g, h0, scale, dst, stride, count),
+                }
+                h0 += heads;
+            }
+        }
+        i += count;
+    }
+}
+
+/// [`kernel`] for a ring stored as `E`.
+#[inline(always)]
+unsafe fn kernel_for<V: Lanes, E: KvElem>(
+    inputs: &AttnInputs<'_>,
+    ring_k: &[E],
+    ring_v: &[E],
     dims: AttnDims,
     scale: f32,
     scratch: &mut [f32],
@@ -316,7 +422,6 @@ pub(super) unsafe fn kernel<V: Lanes>(
         n_kv_heads,
         head_dim,
     } = dims;
-    let kv_row = dims.kv_row();
     let group = n_q_heads / n_kv_heads;
     let total = n_keys(inputs, dims);
     let stride = score_stride(total);
@@ -326,33 +431,27 @@ pub(super) unsafe fn kernel<V: Lanes>(
     // Pass 1: scores, 8 keys of a segment at a time (a short last block repeats its last
     // row and stores only its own lanes); each loaded key block feeds every query head of its
     // KV head (up to `V::SCORE_HEADS` at once).
-    let mut j = 0;
-    for (segment, q) in segments(inputs, dims, false) {
-        let n = segment.len();
-        let mut i = 0;
-        while i < n {
-            let count = (n - i).min(BLOCK_KEYS);
-            let mut rows = [std::ptr::null(); BLOCK_KEYS];
-            for (r, row) in rows.iter_mut().enumerate() {
-                *row = segment.row(i + r.min(count - 1), kv_row);
-            }
-            for g in 0..n_kv_heads {
-                let mut h0 = g * group;
-                while h0 < (g + 1) * group {
-                    let heads = ((g + 1) * group - h0).min(V::SCORE_HEADS);
-                    let dst = scores.add(j + i);
-                    match heads {
-                        1 => store_scores::<V, 1>(q, &rows, dims, g, h0, scale, dst, stride, count),
-                        2 => store_scores::<V, 2>(q, &rows, dims, g, h0, scale, dst, stride, count),
-                        _ => store_scores::<V, 3>(q, &rows, dims, g, h0, scale, dst, stride, count),
-                    }
-                    h0 += heads;
-                }
-            }
-            i += count;
-        }
-        j += n;
-    }
+    let keys = key_sequence(inputs, ring_k, dims, false);
+    let (fixed, window) = (keys.fixed.len(), keys.window.len());
+    score_segment::<V, E>(keys.fixed, inputs.q_fixed, 0, dims, scale, scores, stride);
+    score_segment::<V, E>(
+        keys.window,
+        inputs.q_window,
+        fixed,
+        dims,
+        scale,
+        scores,
+        stride,
+    );
+    score_segment::<V, f32>(
+        keys.local,
+        inputs.q_window,
+        fixed + window,
+        dims,
+        scale,
+        scores,
+        stride,
+    );
 
     // Pass 2: numerically stable softmax weights, per query head.
     for (h, inv_h) in inv.iter_mut().enumerate().take(n_q_heads) {
@@ -375,6 +474,7 @@ pub(super) unsafe fn kernel<V: Lanes>(
     }
 
     // Pass 3: weighted sum of values; blocks of ≤ 4 heads × 64 dims stay in registers.
+    let values = key_sequence(inputs, ring_v, dims, true);
     for g in 0..n_kv_heads {
         let mut h0 = g * group;
         while h0 < (g + 1) * group {
@@ -385,12 +485,12 @@ pub(super) unsafe fn kernel<V: Lanes>(
                 macro_rules! block {
                     ($nh:literal) => {
                         if width == 4 * LANES {
-                            value_block::<V, $nh, true>(
-                                inputs, dims, g, h0, d0, width, scores, stride, inv, out,
+                            value_block::<V, E, $nh, true>(
+                                &values, dims, g, h0, d0, width, scores, stride, inv, out,
                             )
                         } else {
-                            value_block::<V, $nh, false>(
-                                inputs, dims, g, h0, d0, width, scores, stride, inv, out,
+                            value_block::<V, E, $nh, false>(
+                                &values, dims, g, h0, d0, width, scores, stride, inv, out,
                             )
                         }
                     };
@@ -408,11 +508,53 @@ pub(super) unsafe fn kernel<V: Lanes>(
     }
 }
 
+/// Accumulates one segment's values into `acc` (keys in sequence order; the segment's first
+/// key is key `j` of the row).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn value_segment<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
+    segment: Segment<'_, E>,
+    acc: &mut [[V; 4]; NH],
+    j: usize,
+    dims: AttnDims,
+    g: usize,
+    h0: usize,
+    d0: usize,
+    width: usize,
+    scores: *const f32,
+    stride: usize,
+) {
+    let kv_row = dims.kv_row();
+    let head_dim = dims.head_dim;
+    for i in 0..segment.len() {
+        let prefetch_len = if FULL { 4 * LANES } else { width };
+        segment.prefetch_ahead(i, kv_row, g * head_dim + d0, prefetch_len);
+        let v = segment.row(i, kv_row).add(g * head_dim + d0);
+        let mut vv = [V::splat(0.0); 4];
+        for (c, lane) in vv.iter_mut().enumerate() {
+            if FULL {
+                *lane = E::lanes::<V>(v.add(c * LANES));
+            } else {
+                let start = c * LANES;
+                if start < width {
+                    *lane = E::lanes_partial::<V>(v.add(start), (width - start).min(LANES));
+                }
+            }
+        }
+        for (hh, acc_h) in acc.iter_mut().enumerate() {
+            let p = V::splat(*scores.add((h0 + hh) * stride + j + i));
+            for c in 0..4 {
+                acc_h[c] = V::fma(p, vv[c], acc_h[c]);
+            }
+        }
+    }
+}
+
 /// `out[h0..h0+NH][d0..d0+width] = inv · Σ_j p[h][j] · v_j[g][d0..]` (keys in sequence order).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn value_block<V: Lanes, const NH: usize, const FULL: bool>(
-    inputs: &AttnInputs<'_>,
+unsafe fn value_block<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
+    values: &KeySequence<'_, E>,
     dims: AttnDims,
     g: usize,
     h0: usize,
@@ -423,35 +565,45 @@ unsafe fn value_block<V: Lanes, const NH: usize, const FULL: bool>(
     inv: &[f32],
     out: &mut [f32],
 ) {
-    let kv_row = dims.kv_row();
     let head_dim = dims.head_dim;
     let mut acc = [[V::splat(0.0); 4]; NH];
-    let mut j = 0;
-    for (segment, _) in segments(inputs, dims, true) {
-        for i in 0..segment.len() {
-            let prefetch_len = if FULL { 4 * LANES } else { width };
-            segment.prefetch_ahead(i, kv_row, g * head_dim + d0, prefetch_len);
-            let v = segment.row(i, kv_row).add(g * head_dim + d0);
-            let mut vv = [V::splat(0.0); 4];
-            for (c, lane) in vv.iter_mut().enumerate() {
-                if FULL {
-                    *lane = V::load(v.add(c * LANES));
-                } else {
-                    let start = c * LANES;
-                    if start < width {
-                        *lane = V::load_partial(v.add(start), (width - start).min(LANES));
-                    }
-                }
-            }
-            for (hh, acc_h) in acc.iter_mut().enumerate() {
-                let p = V::splat(*scores.add((h0 + hh) * stride + j));
-                for c in 0..4 {
-                    acc_h[c] = V::fma(p, vv[c], acc_h[c]);
-                }
-            }
-            j += 1;
-        }
-    }
+    let (fixed, window) = (values.fixed.len(), values.window.len());
+    value_segment::<V, E, NH, FULL>(
+        values.fixed,
+        &mut acc,
+        0,
+        dims,
+        g,
+        h0,
+        d0,
+        width,
+        scores,
+        stride,
+    );
+    value_segment::<V, E, NH, FULL>(
+        values.window,
+        &mut acc,
+        fixed,
+        dims,
+        g,
+        h0,
+        d0,
+        width,
+        scores,
+        stride,
+    );
+    value_segment::<V, f32, NH, FULL>(
+        values.local,
+        &mut acc,
+        fixed + window,
+        dims,
+        g,
+        h0,
+        d0,
+        width,
+        scores,
+        stride,
+    );
     for (hh, acc_h) in acc.iter().enumerate() {
         let h = h0 + hh;
         let scale = V::splat(inv[h]);

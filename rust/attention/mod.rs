@@ -53,7 +53,7 @@ mod tests;
 use std::fmt;
 use std::sync::OnceLock;
 
-use crate::ring::DynamicRingBuffer;
+use crate::ring::{DynamicRingBuffer, KvSlice};
 use kernel::{kernel, LANES};
 #[cfg(test)]
 use kernel::{probe_lanes, Lanes, LanesProbe, BLOCK_KEYS};
@@ -100,10 +100,10 @@ pub struct AttnInputs<'a> {
     pub q_fixed: &'a [f32],
     /// Query rotated at its clock, `(n_q_heads, head_dim)`: scores window and local rows.
     pub q_window: &'a [f32],
-    /// Ring keys of the layer, `(slots, n_kv_heads, head_dim)`.
-    pub ring_k: &'a [f32],
-    /// Ring values of the layer, same layout.
-    pub ring_v: &'a [f32],
+    /// Ring keys of the layer, `(slots, n_kv_heads, head_dim)`, as the ring stores them.
+    pub ring_k: KvSlice<'a>,
+    /// Ring values of the layer, same layout and storage type.
+    pub ring_v: KvSlice<'a>,
     /// Fixed segment: physical slots (recall then anchors).
     pub fixed_slots: &'a [u32],
     /// Window segment: physical slots in clock order.
@@ -155,6 +155,8 @@ pub enum AttnError {
         /// Layers the ring holds.
         n_layers: usize,
     },
+    /// Ring keys and values stored as different types.
+    MixedKvDtypes,
     /// A sliding window of zero keys, or over a ring holding anchor or recall rows.
     BadWindow {
         /// The window asked for.
@@ -182,6 +184,9 @@ impl fmt::Display for AttnError {
                 write!(f, "slot {slot} out of range: the ring has {slots} slots")
             }
             AttnError::NoKeys => write!(f, "no keys to attend to"),
+            AttnError::MixedKvDtypes => {
+                write!(f, "ring keys and values must be stored as the same type")
+            }
             AttnError::ScratchTooSmall { need, got } => {
                 write!(f, "scratch too small: need {need} f32, got {got}")
             }
@@ -209,7 +214,7 @@ impl std::error::Error for AttnError {}
 pub enum Isa {
     /// Portable `[f32; 16]` lanes with `f32::mul_add`.
     Scalar,
-    /// Two `__m256` per 16 lanes (x86-64 AVX2 + FMA).
+    /// Two `__m256` per 16 lanes (x86-64 AVX2 + FMA, F16C for f16 rings).
     Avx2Fma,
     /// One `__m512` (x86-64 AVX-512F).
     Avx512,
@@ -227,6 +232,7 @@ impl Isa {
             Isa::Avx2Fma => {
                 std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
@@ -317,6 +323,9 @@ fn validate(
     check_len("q_window", dims.q_row(), inputs.q_window.len())?;
     check_len("out", dims.q_row(), out)?;
     check_len("ring_v", inputs.ring_k.len(), inputs.ring_v.len())?;
+    if inputs.ring_k.dtype() != inputs.ring_v.dtype() {
+        return Err(AttnError::MixedKvDtypes);
+    }
     check_len("local_v", inputs.local_k.len(), inputs.local_v.len())?;
     for (what, len) in [
         ("ring_k", inputs.ring_k.len()),

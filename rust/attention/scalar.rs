@@ -44,6 +44,11 @@ impl Lanes for ScalarLanes {
         ScalarLanes(ptr.cast::<[f32; LANES]>().read_unaligned())
     }
     #[inline(always)]
+    unsafe fn load_f16(ptr: *const u16) -> Self {
+        let bits = ptr.cast::<[u16; LANES]>().read_unaligned();
+        ScalarLanes(bits.map(|b| half::f16::from_bits(b).to_f32()))
+    }
+    #[inline(always)]
     unsafe fn store(self, ptr: *mut f32) {
         ptr.cast::<[f32; LANES]>().write_unaligned(self.0)
     }

@@ -106,8 +106,8 @@ impl Problem {
         AttnInputs {
             q_fixed: &self.q_fixed,
             q_window: &self.q_window,
-            ring_k: &self.ring_k,
-            ring_v: &self.ring_v,
+            ring_k: KvSlice::F32(&self.ring_k),
+            ring_v: KvSlice::F32(&self.ring_v),
             fixed_slots: &self.fixed,
             window_slots: &self.window,
             local_k: &self.local_k,
@@ -189,6 +189,67 @@ fn matches_f64_reference_on_every_isa() {
             }
         }
     }
+}
+
+/// An f16 ring is read by widening each value exactly: on every ISA, attention over the f16
+/// bits equals the f32 kernel over the same values widened (odd head dims included, where
+/// the last block of a row is a partial f16 load).
+#[test]
+fn f16_rings_equal_the_f32_kernel_on_their_values_on_every_isa() {
+    let mut rng = Rng(7);
+    for (n_q_heads, n_kv_heads, head_dim) in SHAPES {
+        let dims = AttnDims {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        for (n_fixed, n_window, n_local) in [(0, 0, 1), (3, 40, 5), (17, 0, 0), (0, 200, 33)] {
+            let mut p = Problem::random(&mut rng, dims, 300, n_fixed, n_window, n_local);
+            let encode = |xs: &[f32]| -> Vec<u16> {
+                xs.iter()
+                    .map(|&x| half::f16::from_f32(x).to_bits())
+                    .collect()
+            };
+            let (k16, v16) = (encode(&p.ring_k), encode(&p.ring_v));
+            p.ring_k = KvSlice::F16(&k16).to_f32();
+            p.ring_v = KvSlice::F16(&v16).to_f32();
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let widened = p.run(Isa::Scalar, scale);
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+                let inputs = AttnInputs {
+                    ring_k: KvSlice::F16(&k16),
+                    ring_v: KvSlice::F16(&v16),
+                    ..p.inputs()
+                };
+                let n = p.keys().len();
+                let mut scratch = vec![f32::NAN; scratch_len(dims, n)];
+                let mut out = vec![f32::NAN; dims.q_row()];
+                attend_with(isa, &inputs, dims, scale, &mut scratch, &mut out).unwrap();
+                assert_eq!(bits(&out), bits(&widened), "{isa:?} {dims:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_ring_storage_types_are_refused() {
+    let mut rng = Rng(3);
+    let dims = AttnDims {
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+    };
+    let p = Problem::random(&mut rng, dims, 10, 2, 3, 1);
+    let v16 = vec![0u16; p.ring_v.len()];
+    let inputs = AttnInputs {
+        ring_v: KvSlice::F16(&v16),
+        ..p.inputs()
+    };
+    let mut scratch = vec![0.0; scratch_len(dims, 6)];
+    let mut out = vec![0.0; dims.q_row()];
+    let err = attend(&inputs, dims, 0.25, &mut scratch, &mut out).unwrap_err();
+    assert_eq!(err, AttnError::MixedKvDtypes);
+    assert!(err.to_string().contains("same type"));
 }
 
 #[test]
@@ -723,8 +784,8 @@ fn row_alignment_never_changes_a_bit() {
         let (ring_k, ring_v) = (shifted(&p.ring_k), shifted(&p.ring_v));
         let (local_k, local_v) = (shifted(&p.local_k), shifted(&p.local_v));
         let inputs = AttnInputs {
-            ring_k: &ring_k[offset..],
-            ring_v: &ring_v[offset..],
+            ring_k: KvSlice::F32(&ring_k[offset..]),
+            ring_v: KvSlice::F32(&ring_v[offset..]),
             local_k: &local_k[offset..],
             local_v: &local_v[offset..],
             ..p.inputs()

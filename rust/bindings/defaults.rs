@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 
 use crate::model::{SessionConfig, DEFAULT_MIN_PREFIX_REUSE};
+use crate::ring::KvDtype;
 use crate::volume::CacheConfig;
 
 /// Defaults of the volume cache (`CacheConfig`), the longest-prefix replay threshold and a
@@ -28,6 +29,8 @@ pub struct PyDefaults {
     n_sys: usize,
     /// Rows computed together in one prefill chunk.
     max_chunk: usize,
+    /// How sessions store K and V ("f16" or "f32").
+    kv_dtype: &'static str,
 }
 
 #[pymethods]
@@ -35,7 +38,7 @@ impl PyDefaults {
     fn __repr__(&self) -> String {
         format!(
             "Defaults(max_entries={}, max_prefix_len={}, max_bytes={:?}, policy={:?}, \
-             min_prefix_reuse={}, slots={}, recall={}, n_sys={}, max_chunk={})",
+             min_prefix_reuse={}, slots={}, recall={}, n_sys={}, max_chunk={}, kv_dtype={:?})",
             self.max_entries,
             self.max_prefix_len,
             self.max_bytes,
@@ -44,7 +47,8 @@ impl PyDefaults {
             self.slots,
             self.recall,
             self.n_sys,
-            self.max_chunk
+            self.max_chunk,
+            self.kv_dtype
         )
     }
 }
@@ -62,6 +66,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         recall: session.recall,
         n_sys: session.n_sys,
         max_chunk: session.max_chunk,
+        kv_dtype: KvDtype::default().name(),
     };
     m.add_class::<PyDefaults>()?;
     m.add("DEFAULTS", defaults)?;

@@ -15,7 +15,7 @@ use crate::model::{
     SessionConfig, SlidingWindow, StepBuffers, TensorInfo,
 };
 use crate::quant::GgmlType;
-use crate::ring::SpanType;
+use crate::ring::{KvDtype, SpanType};
 use crate::volume::CacheConfig;
 
 use super::exceptions::InputError;
@@ -55,19 +55,21 @@ pub struct PyModelWeights {
 impl PyModelWeights {
     /// Maps `path` and validates `tensors` (name, ggml type id, dims, absolute offset).
     #[new]
-    #[pyo3(signature = (path, config, tensors, precision="refined"))]
+    #[pyo3(signature = (path, config, tensors, precision="refined", kv_dtype=KvDtype::default().name()))]
     fn new(
         py: Python<'_>,
         path: PathBuf,
         config: &Bound<'_, PyDict>,
         tensors: Vec<(String, u32, Vec<u64>, u64)>,
         precision: &str,
+        kv_dtype: &str,
     ) -> PyResult<Self> {
         let precision = Precision::from_name(precision).ok_or_else(|| {
             InputError::new_err(format!(
                 "precision must be 'refined' or 'fast', got {precision:?}"
             ))
         })?;
+        let kv_dtype = parse_kv_dtype(kv_dtype)?;
         fn get<'py, T: for<'a> FromPyObject<'a, 'py>>(
             d: &Bound<'py, PyDict>,
             key: &str,
@@ -113,7 +115,7 @@ impl PyModelWeights {
             })
             .collect();
         let weights = py
-            .detach(|| LlamaWeights::from_file(&path, config, &table, precision))
+            .detach(|| LlamaWeights::from_file(&path, config, &table, precision, kv_dtype))
             .map_err(PyErr::from)?;
         Ok(PyModelWeights {
             inner: Arc::new(weights),
@@ -130,6 +132,12 @@ impl PyModelWeights {
     #[getter]
     fn precision(&self) -> &'static str {
         self.inner.precision().name()
+    }
+
+    /// How sessions store K and V: "f16" (default) or "f32".
+    #[getter]
+    fn kv_dtype(&self) -> &'static str {
+        self.inner.kv_dtype().name()
     }
 
     /// Number of transformer blocks.
@@ -762,4 +770,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReplayResult>()?;
     m.add_class::<PyPipeline>()?;
     Ok(())
+}
+
+/// Parses a KV storage name for the Python API.
+pub(crate) fn parse_kv_dtype(name: &str) -> PyResult<KvDtype> {
+    KvDtype::parse(name).ok_or_else(|| {
+        InputError::new_err(format!("kv_dtype must be 'f16' or 'f32', got {name:?}"))
+    })
 }

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::exceptions::InputError;
 use crate::attention::{self, AttnDims, AttnInputs};
-use crate::ring::{DynamicRingBuffer, RingConfig, SemanticSpan, SpanType};
+use crate::ring::{DynamicRingBuffer, KvDtype, KvSlice, RingConfig, SemanticSpan, SpanType};
 
 fn value_error(message: impl Into<String>) -> PyErr {
     InputError::new_err(message)
@@ -174,14 +174,15 @@ impl PyRingBuffer {
         }
         let (k, v) = self.ring.layer_kv(layer);
         let data = if values { v } else { k };
-        PyArray1::from_slice(py, data).reshape(vec![cfg.slots, cfg.kv_heads, cfg.head_dim])
+        // Widened to f32 whatever the storage type, as every other ring read.
+        PyArray1::from_vec(py, data.to_f32()).reshape(vec![cfg.slots, cfg.kv_heads, cfg.head_dim])
     }
 }
 
 #[pymethods]
 impl PyRingBuffer {
     #[new]
-    #[pyo3(signature = (n_layers, kv_heads, head_dim, slots=RingConfig::new(0, 0, 0).slots, recall=RingConfig::new(0, 0, 0).recall, n_sys=RingConfig::new(0, 0, 0).n_sys, max_chunk=None, undo_capacity=RingConfig::new(0, 0, 0).undo_capacity))]
+    #[pyo3(signature = (n_layers, kv_heads, head_dim, slots=RingConfig::new(0, 0, 0).slots, recall=RingConfig::new(0, 0, 0).recall, n_sys=RingConfig::new(0, 0, 0).n_sys, max_chunk=None, undo_capacity=RingConfig::new(0, 0, 0).undo_capacity, kv_dtype=KvDtype::default().name()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         n_layers: usize,
@@ -192,7 +193,9 @@ impl PyRingBuffer {
         n_sys: usize,
         max_chunk: Option<usize>,
         undo_capacity: usize,
+        kv_dtype: &str,
     ) -> PyResult<Self> {
+        let kv_dtype = super::model::parse_kv_dtype(kv_dtype)?;
         let defaults = RingConfig::new(n_layers, kv_heads, head_dim);
         let window = slots.saturating_sub(recall).saturating_sub(n_sys);
         let cfg = RingConfig {
@@ -201,6 +204,7 @@ impl PyRingBuffer {
             n_sys,
             max_chunk: max_chunk.unwrap_or(defaults.max_chunk.min(window.max(1))),
             undo_capacity,
+            kv_dtype,
             ..defaults
         };
         Ok(PyRingBuffer {
@@ -212,6 +216,12 @@ impl PyRingBuffer {
     #[getter]
     fn clock(&self) -> u64 {
         self.ring.clock()
+    }
+
+    /// How K and V are stored: "f16" or "f32".
+    #[getter]
+    fn kv_dtype(&self) -> &'static str {
+        self.ring.config().kv_dtype.name()
     }
 
     /// Anchor slots.
@@ -457,8 +467,8 @@ fn attend<'py>(
     let inputs = AttnInputs {
         q_fixed: &q,
         q_window: &q,
-        ring_k: &k,
-        ring_v: &v,
+        ring_k: KvSlice::F32(&k),
+        ring_v: KvSlice::F32(&v),
         fixed_slots: &slots,
         window_slots: &[],
         local_k: &[],

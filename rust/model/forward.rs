@@ -131,7 +131,13 @@ impl LayerRange {
 
     /// An empty KV ring for one sequence over this range.
     pub fn new_kv(&self, cfg: &super::SessionConfig) -> Result<SequenceKv, ModelError> {
-        SequenceKv::new(self.weights.config(), self.layer_lo, self.layer_hi, cfg)
+        SequenceKv::new(
+            self.weights.config(),
+            self.layer_lo,
+            self.layer_hi,
+            cfg,
+            self.weights.kv_dtype(),
+        )
     }
 
     /// Runs every segment's rows through the range, appending them to its sequence's ring.
@@ -424,6 +430,10 @@ impl LayerRange {
                 rms_norm_in_place(&mut b.q[..n * q_dim], qn, c.rms_eps);
                 rms_norm_in_place(&mut b.k[..n * kv_dim], kn, c.rms_eps);
             }
+            // The chunk's own rows are attended as the ring will store them, so a position
+            // scores the same whether it is still local or already in the ring (chunked ≡
+            // whole).
+            let kv_dtype = weights.kv_dtype();
             // Sliding layers have no anchors or recall rows: one rotation serves every key.
             let layer_fixed = fixed_differs && window.is_none();
             for i in 0..n {
@@ -442,6 +452,8 @@ impl LayerRange {
                 }
                 rotate(q_row, hd, cw, sw);
             }
+            kv_dtype.round_slice(&mut b.k[..n * kv_dim]);
+            kv_dtype.round_slice(&mut b.v[..n * kv_dim]);
             {
                 let q_fixed = if layer_fixed { &b.q_fixed } else { &b.q };
                 let mut chunks = Vec::with_capacity(round.len());

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::testing::{synthetic_weights, tiny_gemma_config, tiny_gemma_weights, TINY_WINDOW};
 use super::tests::{fwd, pipeline, prompt, session, Runner};
 use super::*;
-use crate::ring::SpanType;
+use crate::ring::{KvDtype, SpanType};
 use crate::volume::CaptureOutcome;
 
 /// `(hidden rows, logits rows)` of `tokens` through `s`, as one user span.
@@ -305,9 +305,15 @@ fn a_tensor_the_recipe_needs_is_named_when_missing() {
     c.arch = Architecture::Llama;
     c.sliding = None;
     let (bytes, table) = super::testing::synthetic_file(&c, 11);
-    let err = LlamaWeights::from_bytes(bytes, tiny_gemma_config(), &table, Precision::Refined)
-        .err()
-        .expect("the Gemma recipe needs Q/K norms");
+    let err = LlamaWeights::from_bytes(
+        bytes,
+        tiny_gemma_config(),
+        &table,
+        Precision::Refined,
+        KvDtype::default(),
+    )
+    .err()
+    .expect("the Gemma recipe needs Q/K norms");
     assert!(
         err.to_string()
             .contains("missing tensor blk.0.attn_q_norm.weight"),

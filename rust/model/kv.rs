@@ -7,7 +7,7 @@
 
 use super::rings::LayerRings;
 use super::{ModelConfig, ModelError};
-use crate::ring::SpanType;
+use crate::ring::{KvDtype, SpanType};
 
 /// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
 /// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
@@ -55,11 +55,12 @@ impl SequenceKv {
         layer_lo: usize,
         layer_hi: usize,
         cfg: &SessionConfig,
+        kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
         Ok(SequenceKv {
             layer_lo,
             layer_hi,
-            rings: LayerRings::new(c, layer_lo, layer_hi, cfg)?,
+            rings: LayerRings::new(c, layer_lo, layer_hi, cfg, kv_dtype)?,
         })
     }
 

@@ -17,7 +17,7 @@
 //! (llama.cpp's own SWA cache cannot restore a longer prefix either).
 
 use super::{ModelConfig, ModelError, SessionConfig, SPAN_TOKENS};
-use crate::ring::{DynamicRingBuffer, RingConfig, RingError, SemanticSpan, SpanType};
+use crate::ring::{DynamicRingBuffer, KvDtype, RingConfig, RingError, SemanticSpan, SpanType};
 
 /// Which of a range's rings holds a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +52,7 @@ impl LayerRings {
         layer_lo: usize,
         layer_hi: usize,
         sizes: &SessionConfig,
+        kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
         if layer_lo >= layer_hi || layer_hi > c.n_layers {
             return Err(ModelError::Input(format!(
@@ -74,6 +75,7 @@ impl LayerRings {
         global_cfg.recall = sizes.recall;
         global_cfg.n_sys = sizes.n_sys;
         global_cfg.max_positions = Some(c.context_len);
+        global_cfg.kv_dtype = kv_dtype;
         // Spans (and pieces) depend only on the session's sizes, never on which layers a
         // range holds, so every station of a mesh cuts an append the same way.
         let span_tokens = SPAN_TOKENS.min(global_cfg.window_len() as u64 / 2).max(1);
@@ -110,6 +112,7 @@ impl LayerRings {
                 n_sys: 0,
                 max_chunk,
                 max_positions: Some(c.context_len),
+                kv_dtype,
                 ..RingConfig::new(n_local, c.n_kv_heads, c.head_dim())
             };
             Some(DynamicRingBuffer::new(local_cfg).map_err(ring_err)?)

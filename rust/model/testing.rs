@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::{Architecture, LlamaWeights, ModelConfig, Precision, SlidingWindow, TensorInfo};
 use crate::quant::{quantize_weights, GgmlType};
+use crate::ring::KvDtype;
 
 /// Deterministic pseudo-random floats in [-1, 1).
 struct Lcg(u64);
@@ -90,7 +91,7 @@ pub(crate) fn synthetic_weights(
 ) -> Arc<LlamaWeights> {
     let (bytes, table) = synthetic_file(&c, seed);
     Arc::new(
-        LlamaWeights::from_bytes(bytes, c, &table, precision)
+        LlamaWeights::from_bytes(bytes, c, &table, precision, KvDtype::default())
             .expect("synthetic model is well formed"),
     )
 }

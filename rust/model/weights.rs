@@ -17,6 +17,7 @@ use memmap2::Mmap;
 
 use super::{ModelConfig, ModelError, Precision};
 use crate::quant::{unsupported_type_message, GgmlType, QMatrix};
+use crate::ring::KvDtype;
 
 /// One entry of the tensor table.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,6 +93,7 @@ pub struct LlamaWeights {
     output: Option<TensorEntry>,
     layers: Vec<LayerTensors>,
     precision: Precision,
+    kv_dtype: KvDtype,
     fingerprint: u64,
 }
 
@@ -124,6 +126,7 @@ impl LlamaWeights {
         config: ModelConfig,
         table: &[TensorInfo],
         precision: Precision,
+        kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
         let file = File::open(path)
             .map_err(|e| ModelError::Io(format!("cannot open {}: {e}", path.display())))?;
@@ -131,7 +134,7 @@ impl LlamaWeights {
         // truncated underneath a running server is outside what any inference engine guards.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| ModelError::Io(format!("cannot map {}: {e}", path.display())))?;
-        Self::from_storage(Storage::Mapped(map), config, table, precision)
+        Self::from_storage(Storage::Mapped(map), config, table, precision, kv_dtype)
     }
 
     /// Builds weights from bytes in memory (synthetic models in tests, or a copied file).
@@ -140,8 +143,9 @@ impl LlamaWeights {
         config: ModelConfig,
         table: &[TensorInfo],
         precision: Precision,
+        kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
-        Self::from_storage(Storage::Owned(bytes), config, table, precision)
+        Self::from_storage(Storage::Owned(bytes), config, table, precision, kv_dtype)
     }
 
     fn from_storage(
@@ -149,6 +153,7 @@ impl LlamaWeights {
         config: ModelConfig,
         table: &[TensorInfo],
         precision: Precision,
+        kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
         config.validate()?;
         let total = storage.bytes().len();
@@ -246,7 +251,7 @@ impl LlamaWeights {
                 post_ffn_norm: required(&n("post_ffw_norm.weight"), hidden, recipe.post_norms)?,
             });
         }
-        let fingerprint = fingerprint(&config, precision, table, storage.bytes());
+        let fingerprint = fingerprint(&config, precision, kv_dtype, table, storage.bytes());
         let mut token_embd = token_embd;
         let mut output = output;
         let interleaved = interleave_matrices(
@@ -274,6 +279,7 @@ impl LlamaWeights {
             output,
             layers,
             precision,
+            kv_dtype,
             fingerprint,
         };
         // Construct every matrix view once so a malformed tensor fails here, not mid-forward.
@@ -295,7 +301,13 @@ impl LlamaWeights {
         self.precision
     }
 
-    /// Content hash of the model (config, precision, every tensor's name, type, shape and
+    /// How every session's rings store K and V.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
+    /// Content hash of the model (config, precision, KV storage, every tensor's name, type,
+    /// shape and
     /// bytes):
     /// the `model_fingerprint` of every volume key, so new weights never hit old volumes.
     pub fn fingerprint(&self) -> u64 {
@@ -461,6 +473,7 @@ fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelE
 fn fingerprint(
     config: &ModelConfig,
     precision: Precision,
+    kv_dtype: KvDtype,
     table: &[TensorInfo],
     bytes: &[u8],
 ) -> u64 {
@@ -471,6 +484,9 @@ fn fingerprint(
     h.update(config.canonical().as_bytes());
     // The precision changes every KV value, so volumes of one must never serve the other.
     h.update(precision.name().as_bytes());
+    // So does the KV storage type (through every later position's attention).
+    h.update(b"\0kv=");
+    h.update(kv_dtype.name().as_bytes());
     for t in sorted {
         h.update(t.name.as_bytes());
         h.update(&[0]);

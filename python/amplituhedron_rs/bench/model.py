@@ -145,8 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     err = Console(stderr=True)
     report: dict[str, Any] = {"prompt_tokens": args.prompt_tokens, "runs": args.runs}
     with err.status("loading model…"):
-        model = load_model(args.model, precision=args.precision)
+        model = load_model(args.model, precision=args.precision, kv_dtype=args.kv_dtype)
     report["precision"] = args.precision
+    report["kv_dtype"] = args.kv_dtype
     prompt = text_of_tokens(model.tokenize, args.prompt_tokens)
     with err.status(f"measuring this runtime ({args.runs} runs)…"):
         model.generate(prompt[:16], 4, use_cache=False)  # warm the pages and the pool

@@ -253,6 +253,8 @@ def systems(a: argparse.Namespace, model_path: str) -> list[tuple[str, list[str]
             str(a.step_tokens),
             "--precision",
             a.precision,
+            "--kv-dtype",
+            a.kv_dtype,
             *extra,
         ]
 
@@ -352,6 +354,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "requests_per_client": a.requests,
             "concurrency": levels,
             "precision": a.precision,
+            "kv_dtype": a.kv_dtype,
         },
         "systems": [asdict(r) for r in results],
     }

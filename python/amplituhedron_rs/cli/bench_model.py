@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_model
+from amplituhedron_rs.cli.common import add_kv_dtype, add_model
 
 HELP = "the runtime vs llama.cpp on the same GGUF"
 
@@ -12,6 +12,7 @@ HELP = "the runtime vs llama.cpp on the same GGUF"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model(p)
     p.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    add_kv_dtype(p)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=5)

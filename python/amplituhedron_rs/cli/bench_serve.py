@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_model
+from amplituhedron_rs.cli.common import add_kv_dtype, add_model
 
 HELP = "streaming clients 1..16 against the server (and llama.cpp's)"
 
@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
     p.add_argument("--system-tokens", type=int, default=200, metavar="N")
     p.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    add_kv_dtype(p)
     p.add_argument("--max-batch", type=int, default=16, metavar="N")
     p.add_argument("--step-tokens", type=int, default=64, metavar="T")
     p.add_argument(

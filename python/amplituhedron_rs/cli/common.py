@@ -78,6 +78,18 @@ def add_cache_dir(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    from amplituhedron_rs._core import DEFAULTS
+
+    p.add_argument(
+        "--kv-dtype",
+        choices=["f16", "f32"],
+        default=DEFAULTS.kv_dtype,
+        help="how sessions store K and V: f16 halves their memory and the bytes attention "
+        f"reads, as llama.cpp; f32 keeps them exact (default {DEFAULTS.kv_dtype})",
+    )
+
+
 def add_prompt(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from amplituhedron_rs.cli.common import (
     add_cache_dir,
+    add_kv_dtype,
     add_model,
     add_prompt,
     add_sampling,
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="refined",
         help="activations: two 8-bit passes (near-f32 logits) or one (llama.cpp)",
     )
+    add_kv_dtype(p)
     p.add_argument(
         "--draft",
         choices=["prompt-lookup", "off"],
@@ -82,6 +84,7 @@ def run(a: argparse.Namespace) -> int:
                 enabled=not a.no_cache, cache_dir=a.cache_dir, max_disk_bytes=a.max_disk_bytes
             ),
             precision=a.precision,
+            kv_dtype=a.kv_dtype,
         )
     ids = prompt_of(a, model.tokenizer)
     for _ in range(max(1, a.repeat)):

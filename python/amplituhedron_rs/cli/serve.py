@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from amplituhedron_rs.cli.common import TOKEN_ENV, add_model
+from amplituhedron_rs.cli.common import TOKEN_ENV, add_kv_dtype, add_model
 from amplituhedron_rs.serve.options import ServeOptions
 
 HELP = "an OpenAI-compatible server with continuous batching"
@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="rows per step: decode rows first, then prompt chunks (bounds inter-token latency)",
     )
     p.add_argument("--precision", choices=["refined", "fast"], default=d.precision)
+    add_kv_dtype(p)
     p.add_argument(
         "--draft",
         choices=["prompt-lookup", "off"],
@@ -90,6 +91,7 @@ def run(a: argparse.Namespace) -> int:
             max_queue=a.max_queue,
             step_tokens=a.step_tokens,
             precision=a.precision,
+            kv_dtype=a.kv_dtype,
             draft=a.draft == "prompt-lookup",
             draft_max=a.draft_max,
             mesh=a.mesh,

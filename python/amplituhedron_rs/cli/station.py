@@ -9,6 +9,7 @@ from amplituhedron_rs._core import DEFAULTS
 from amplituhedron_rs.cli.common import (
     TOKEN_ENV,
     add_cache_dir,
+    add_kv_dtype,
     add_model,
     layer_range,
     read_token_file,
@@ -89,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="refined",
         help="activation precision (every station of a mesh must use the same)",
     )
+    add_kv_dtype(serve)
     serve.add_argument(
         "--fault-injection",
         action="store_true",
@@ -133,6 +135,7 @@ def run(a: argparse.Namespace) -> int:
         ),
         fault_injection=a.fault_injection,
         precision=a.precision,
+        kv_dtype=a.kv_dtype,
     )
     serve(settings, host=a.host, port=a.port)
     return 0

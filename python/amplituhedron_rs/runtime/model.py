@@ -21,7 +21,14 @@ import numpy.typing as npt
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError, ModelError
 from amplituhedron_rs.runtime.gguf_file import ModelFile, read_model_file
-from amplituhedron_rs.runtime.options import BatchOptions, CacheOptions, Precision, SessionOptions
+from amplituhedron_rs.runtime.options import (
+    DEFAULT_KV_DTYPE,
+    BatchOptions,
+    CacheOptions,
+    KvDtype,
+    Precision,
+    SessionOptions,
+)
 from amplituhedron_rs.runtime.sampling import SamplingParams
 from amplituhedron_rs.runtime.tokenizer import StreamDecoder, Tokenizer
 from amplituhedron_rs.runtime.weights import load_weights, new_pipeline, new_session
@@ -82,12 +89,13 @@ class Model:
         cache: CacheOptions | None = None,
         precision: Precision = "refined",
         batch: BatchOptions | None = None,
+        kv_dtype: KvDtype = DEFAULT_KV_DTYPE,
     ) -> None:
         self.file = model_file
         self.session_options = session or SessionOptions()
         cache = cache or CacheOptions()
         self.tokenizer = Tokenizer(model_file)
-        self.weights = load_weights(model_file, precision)
+        self.weights = load_weights(model_file, precision, kv_dtype)
         self.n_layers: int = int(model_file.config["n_layers"])
         self.pipeline = self.new_pipeline(0, self.n_layers, cache)
         o, b = self.session_options, batch or BatchOptions()
@@ -272,6 +280,7 @@ def load_model(
     precision: Precision = "refined",
     batch: BatchOptions | None = None,
     cache_dir: str | Path | None = None,
+    kv_dtype: KvDtype = DEFAULT_KV_DTYPE,
 ) -> Model:
     """Loads a GGUF of a supported architecture (llama, qwen2, gemma3): a path, a known name
     (``"smollm2-135m"``, ``"gemma3-270m"``), or the bundled SmolLM2-135M-Instruct by default.
@@ -279,6 +288,8 @@ def load_model(
 
     ``precision="refined"`` (default) quantizes activations in two 8-bit passes for logits
     within a few hundredths of an f32 implementation; ``"fast"`` uses one pass, as llama.cpp.
+    ``kv_dtype="f16"`` (default) stores K and V in half precision, as llama.cpp does: half the
+    memory per session and half the bytes attention reads; ``"f32"`` keeps them exact.
 
     ``cache_dir`` persists captured volumes there (shorthand for ``CacheOptions.cache_dir``):
     a later process loading the same model serves hits from disk at once.
@@ -286,5 +297,10 @@ def load_model(
     if cache_dir is not None:
         cache = replace(cache or CacheOptions(), cache_dir=cache_dir)
     return Model(
-        read_model_file(path), session=session, cache=cache, precision=precision, batch=batch
+        read_model_file(path),
+        session=session,
+        cache=cache,
+        precision=precision,
+        batch=batch,
+        kv_dtype=kv_dtype,
     )

@@ -11,6 +11,9 @@ from amplituhedron_rs._core import DEFAULTS
 
 Policy = Literal["pisot", "lru", "gdsf"]
 Precision = Literal["refined", "fast"]
+#: How sessions store K and V: f16 (half the memory and attention traffic) or f32.
+KvDtype = Literal["f16", "f32"]
+DEFAULT_KV_DTYPE: KvDtype = DEFAULTS.kv_dtype
 
 
 @dataclass(frozen=True)

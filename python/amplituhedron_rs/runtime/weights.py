@@ -12,7 +12,13 @@ from typing import Any
 
 from amplituhedron_rs import _core
 from amplituhedron_rs.runtime.gguf_file import ModelFile
-from amplituhedron_rs.runtime.options import CacheOptions, Precision, SessionOptions
+from amplituhedron_rs.runtime.options import (
+    DEFAULT_KV_DTYPE,
+    CacheOptions,
+    KvDtype,
+    Precision,
+    SessionOptions,
+)
 
 TensorTable = list[tuple[str, int, list[int], int]]
 
@@ -22,10 +28,18 @@ def tensor_table(model_file: ModelFile) -> TensorTable:
     return [(t.name, t.ggml_type, list(t.dims), t.offset) for t in model_file.tensors]
 
 
-def load_weights(model_file: ModelFile, precision: Precision = "refined") -> _core.ModelWeights:
+def load_weights(
+    model_file: ModelFile,
+    precision: Precision = "refined",
+    kv_dtype: KvDtype = DEFAULT_KV_DTYPE,
+) -> _core.ModelWeights:
     """Memory-maps the file's weights (validated by the core)."""
     return _core.ModelWeights(
-        str(model_file.path), dict(model_file.config), tensor_table(model_file), precision
+        str(model_file.path),
+        dict(model_file.config),
+        tensor_table(model_file),
+        precision,
+        kv_dtype,
     )
 
 
@@ -40,20 +54,22 @@ def write_model_index(model_file: ModelFile, dest: Path) -> Path:
     return dest
 
 
-def load_indexed_weights(index: Path, precision: Precision = "refined") -> _core.ModelWeights:
+def load_indexed_weights(
+    index: Path, precision: Precision = "refined", kv_dtype: KvDtype = DEFAULT_KV_DTYPE
+) -> _core.ModelWeights:
     """Weights from a model index written by :func:`write_model_index`."""
     data: dict[str, Any] = json.loads(index.read_text())
     tensors = [
         (str(n), int(t), [int(d) for d in dims], int(o)) for n, t, dims, o in data["tensors"]
     ]
-    return _core.ModelWeights(data["path"], data["config"], tensors, precision)
+    return _core.ModelWeights(data["path"], data["config"], tensors, precision, kv_dtype)
 
 
 def volume_dir(
     cache: CacheOptions, weights: _core.ModelWeights, layer_lo: int, layer_hi: int
 ) -> Path | None:
     """Where a layer range's volumes persist: ``cache_dir/<fingerprint>/layers-<lo>-<hi>``.
-    Per fingerprint, so models (and precisions) never evict each other's files as
+    Per fingerprint, so models (and precisions, KV types) never evict each other's files as
     mismatches; per range, because each cache locks its directory."""
     if cache.cache_dir is None:
         return None

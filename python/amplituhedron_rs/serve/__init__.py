@@ -51,6 +51,7 @@ def _local_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
     model = load_model(
         o.model_path,
         precision=o.precision,  # type: ignore[arg-type]
+        kv_dtype=o.kv_dtype,  # type: ignore[arg-type]
         batch=BatchOptions(
             max_running=o.max_batch, max_queue=o.max_queue, step_tokens=o.step_tokens
         ),
@@ -78,7 +79,10 @@ def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
             model_path=o.model_path,
             token=o.mesh_token,  # None: the mesh draws one (spec.token)
             # Room for every running sequence, plus one being opened while one closes.
-            station_args=["--precision", o.precision, "--max-sessions", str(o.max_batch + 2)],
+            station_args=[
+                *("--precision", o.precision, "--kv-dtype", o.kv_dtype),
+                *("--max-sessions", str(o.max_batch + 2)),
+            ],
         )
         spec = local.start()
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from amplituhedron_rs.runtime.options import BatchOptions
+from amplituhedron_rs.runtime.options import DEFAULT_KV_DTYPE, BatchOptions
 
 
 @dataclass
@@ -24,6 +24,7 @@ class ServeOptions:
     #: latency of the running streams while a new prompt is prefilled.
     step_tokens: int = 64
     precision: str = "refined"
+    kv_dtype: str = DEFAULT_KV_DTYPE
     draft: bool = False
     draft_max: int = 8
     #: Serve through a mesh: a mesh file or comma-separated station URLs (the server is the

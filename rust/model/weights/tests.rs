@@ -18,11 +18,16 @@ fn an_unsupported_tensor_type_is_refused_by_name() {
             dims: vec![256, 4],
             offset: 0,
         }];
-        let err =
-            LlamaWeights::from_bytes(bytes.clone(), tiny_config(), &table, Precision::Refined)
-                .err()
-                .expect("refused")
-                .to_string();
+        let err = LlamaWeights::from_bytes(
+            bytes.clone(),
+            tiny_config(),
+            &table,
+            Precision::Refined,
+            KvDtype::default(),
+        )
+        .err()
+        .expect("refused")
+        .to_string();
         assert!(err.contains(expected), "{err}");
     }
 }

@@ -2,6 +2,7 @@
 //! blocks held once, exact byte accounting, pruning, and correctness at scale.
 
 use super::*;
+use crate::ring::KvDtype;
 
 /// `Sample` with one layer, one head and head_dim 2 (tiny KV, many positions).
 fn small(tokens: Vec<u32>) -> Sample {
@@ -257,8 +258,8 @@ fn a_ring_filled_from_blocks_equals_one_filled_from_the_whole_slab() {
     let v = s.replay(&mut cache).unwrap();
     let blocks: Vec<(&[f32], &[f32])> = v.blocks().iter().map(|b| (b.keys(), b.vals())).collect();
     for kv_len in [1, 16, 17, 100, 150] {
-        let mut from_blocks = SequenceKv::new(&c, 0, layers, &cfg).unwrap();
-        let mut from_slab = SequenceKv::new(&c, 0, layers, &cfg).unwrap();
+        let mut from_blocks = SequenceKv::new(&c, 0, layers, &cfg, KvDtype::default()).unwrap();
+        let mut from_slab = SequenceKv::new(&c, 0, layers, &cfg, KvDtype::default()).unwrap();
         from_blocks
             .append_blocks(&blocks, BLOCK_POSITIONS, kv_len, SpanType::User)
             .unwrap();
@@ -281,7 +282,7 @@ fn a_ring_filled_from_blocks_equals_one_filled_from_the_whole_slab() {
         assert_eq!(read(a), read(b));
     }
     // Blocks that do not fit the volume's shape are refused, and the ring stays as it was.
-    let mut kv = SequenceKv::new(&c, 0, layers, &cfg).unwrap();
+    let mut kv = SequenceKv::new(&c, 0, layers, &cfg, KvDtype::default()).unwrap();
     let short = [(&blocks[0].0[1..], &blocks[0].1[1..])];
     assert!(kv
         .append_blocks(&short, BLOCK_POSITIONS, 4, SpanType::User)

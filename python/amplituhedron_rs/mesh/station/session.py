@@ -19,7 +19,13 @@ import numpy as np
 from amplituhedron_rs import _core
 from amplituhedron_rs.mesh.station.errors import BadBody, Busy, Cancelled, NotFound
 from amplituhedron_rs.runtime.gguf_file import read_model_file
-from amplituhedron_rs.runtime.options import CacheOptions, Precision, SessionOptions
+from amplituhedron_rs.runtime.options import (
+    DEFAULT_KV_DTYPE,
+    CacheOptions,
+    KvDtype,
+    Precision,
+    SessionOptions,
+)
 from amplituhedron_rs.runtime.weights import load_indexed_weights, load_weights
 
 FloatArray = np.ndarray[Any, np.dtype[np.float32]]
@@ -59,11 +65,12 @@ class StationSettings:
     session: SessionOptions = field(default_factory=SessionOptions)
     fault_injection: bool = False
     precision: Precision = "refined"
+    kv_dtype: KvDtype = DEFAULT_KV_DTYPE
 
     def load_weights(self) -> _core.ModelWeights:
         if self.model_index is not None:
-            return load_indexed_weights(Path(self.model_index), self.precision)
-        return load_weights(read_model_file(self.model_path), self.precision)
+            return load_indexed_weights(Path(self.model_index), self.precision, self.kv_dtype)
+        return load_weights(read_model_file(self.model_path), self.precision, self.kv_dtype)
 
 
 @dataclass
