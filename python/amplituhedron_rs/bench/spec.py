@@ -185,6 +185,7 @@ def measure(a: argparse.Namespace) -> list[Row]:
             a.model,
             cache=CacheOptions(enabled=False),
             precision=precision,
+            kv_dtype=a.kv_dtype,
         )
         loads = workloads(model.chat_ids)
         references: dict[str, Ids] = {}
@@ -266,7 +267,7 @@ async def _over_a_mesh(
     from amplituhedron_rs.mesh.launcher import LocalMesh
 
     where = f"{a.stations}-station mesh"
-    station_args = ["--precision", precision, "--no-cache"]
+    station_args = ["--precision", precision, "--kv-dtype", a.kv_dtype, "--no-cache"]
     rows: list[Row] = []
     # The local mesh draws its token; the engine takes it from the spec.
     with LocalMesh(a.stations, model_path=a.model, station_args=station_args) as m:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_model
+from amplituhedron_rs.cli.common import add_kv_dtype, add_model
 
 HELP = "speculative decoding (prompt lookup) against plain decoding"
 
@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="precisions to measure (default refined,fast)",
     )
     p.add_argument("--draft-max", type=int, default=8, metavar="K")
+    add_kv_dtype(p)
     p.add_argument(
         "--stations",
         type=int,
