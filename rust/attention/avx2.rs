@@ -1,6 +1,7 @@
 //! The AVX2 + FMA lanes (two `__m256`), and the 8-lane x86 helpers both SIMD paths share.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::kernel::{kernel, Lanes};
 use super::{AttnDims, AttnInputs};
@@ -192,10 +193,11 @@ pub(super) unsafe fn attend_avx2(
     inputs: &AttnInputs<'_>,
     dims: AttnDims,
     scale: f32,
+    heads: Range<usize>,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
-    kernel::<Avx2Lanes>(inputs, dims, scale, scratch, out)
+    kernel::<Avx2Lanes>(inputs, dims, scale, heads, scratch, out)
 }
 
 /// `exp` of 16 values on AVX2 (for the cross-ISA exp test).

@@ -1,6 +1,7 @@
 //! The AVX-512F lanes (one `__m512`).
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::avx2::{tree8_add, tree8_max, ROUND_NEAREST};
 use super::kernel::{kernel, Lanes};
@@ -147,10 +148,11 @@ pub(super) unsafe fn attend_avx512(
     inputs: &AttnInputs<'_>,
     dims: AttnDims,
     scale: f32,
+    heads: Range<usize>,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
-    kernel::<Avx512Lanes>(inputs, dims, scale, scratch, out)
+    kernel::<Avx512Lanes>(inputs, dims, scale, heads, scratch, out)
 }
 
 /// `exp` of 16 values on AVX-512F (for the cross-ISA exp test).

@@ -1,6 +1,8 @@
 //! The one generic kernel: every pass of the attention arithmetic, written once over a
 //! 16-lane vector type ([`Lanes`]) that each ISA implements (`scalar`, `avx2`, `avx512`).
 
+use std::ops::Range;
+
 use crate::ring::KvSlice;
 
 use super::{n_keys, score_stride, AttnDims, AttnInputs};
@@ -345,22 +347,25 @@ unsafe fn store_scores<V: Lanes, E: KvElem, const NH: usize>(
     }
 }
 
-/// The whole row: scores, softmax, weighted value sum. Inputs must be validated (the ring's
-/// K and V share one storage type).
+/// Query heads `heads` of the row: scores, softmax, weighted value sum, into `out`
+/// (`heads.len() × head_dim`). A head's arithmetic never depends on which other heads are
+/// computed with it, so a row's heads may be split across threads. Inputs must be validated
+/// (the ring's K and V share one storage type), `scratch` sized for the whole row.
 #[inline(always)]
 pub(super) unsafe fn kernel<V: Lanes>(
     inputs: &AttnInputs<'_>,
     dims: AttnDims,
     scale: f32,
+    heads: Range<usize>,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
     match (inputs.ring_k, inputs.ring_v) {
         (KvSlice::F16(k), KvSlice::F16(v)) => {
-            kernel_for::<V, u16>(inputs, k, v, dims, scale, scratch, out)
+            kernel_for::<V, u16>(inputs, k, v, dims, scale, heads, scratch, out)
         }
         (KvSlice::F32(k), KvSlice::F32(v)) => {
-            kernel_for::<V, f32>(inputs, k, v, dims, scale, scratch, out)
+            kernel_for::<V, f32>(inputs, k, v, dims, scale, heads, scratch, out)
         }
         _ => unreachable!("validated: K and V share one storage type"),
     }
@@ -375,6 +380,7 @@ unsafe fn score_segment<V: Lanes, E: KvElem>(
     j: usize,
     dims: AttnDims,
     scale: f32,
+    heads: &Range<usize>,
     scores: *mut f32,
     stride: usize,
 ) {
@@ -390,9 +396,9 @@ unsafe fn score_segment<V: Lanes, E: KvElem>(
             *row = segment.row(i + r.min(count - 1), kv_row);
         }
         for g in 0..n_kv_heads {
-            let mut h0 = g * group;
-            while h0 < (g + 1) * group {
-                let heads = ((g + 1) * group - h0).min(V::SCORE_HEADS);
+            let (mut h0, end) = heads_of_group(g, group, heads);
+            while h0 < end {
+                let heads = (end - h0).min(V::SCORE_HEADS);
                 let dst = scores.add(j + i);
                 match heads {
                     1 => store_scores::<V, E, 1>(q, &rows, dims, g, h0, scale, dst, stride, count),
@@ -406,7 +412,18 @@ unsafe fn score_segment<V: Lanes, E: KvElem>(
     }
 }
 
+/// The query heads of KV head `g` that are in `heads`, as `(first, end)` (empty: first ≥
+/// end).
+#[inline(always)]
+fn heads_of_group(g: usize, group: usize, heads: &Range<usize>) -> (usize, usize) {
+    (
+        (g * group).max(heads.start),
+        ((g + 1) * group).min(heads.end),
+    )
+}
+
 /// [`kernel`] for a ring stored as `E`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn kernel_for<V: Lanes, E: KvElem>(
     inputs: &AttnInputs<'_>,
@@ -414,6 +431,7 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
     ring_v: &[E],
     dims: AttnDims,
     scale: f32,
+    heads: Range<usize>,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
@@ -433,28 +451,41 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
     // KV head (up to `V::SCORE_HEADS` at once).
     let keys = key_sequence(inputs, ring_k, dims, false);
     let (fixed, window) = (keys.fixed.len(), keys.window.len());
-    score_segment::<V, E>(keys.fixed, inputs.q_fixed, 0, dims, scale, scores, stride);
+    let hs = &heads;
+    score_segment::<V, E>(
+        keys.fixed,
+        inputs.q_fixed,
+        0,
+        dims,
+        scale,
+        hs,
+        scores,
+        stride,
+    );
     score_segment::<V, E>(
         keys.window,
         inputs.q_window,
         fixed,
         dims,
         scale,
+        hs,
         scores,
         stride,
     );
+    let local = fixed + window;
     score_segment::<V, f32>(
         keys.local,
         inputs.q_window,
-        fixed + window,
+        local,
         dims,
         scale,
+        hs,
         scores,
         stride,
     );
 
     // Pass 2: numerically stable softmax weights, per query head.
-    for (h, inv_h) in inv.iter_mut().enumerate().take(n_q_heads) {
+    for (h, inv_h) in inv.iter_mut().enumerate().take(heads.end).skip(heads.start) {
         let s = scores.add(h * stride);
         for pad in total..stride {
             *s.add(pad) = f32::NEG_INFINITY;
@@ -476,9 +507,9 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
     // Pass 3: weighted sum of values; blocks of ≤ 4 heads × 64 dims stay in registers.
     let values = key_sequence(inputs, ring_v, dims, true);
     for g in 0..n_kv_heads {
-        let mut h0 = g * group;
-        while h0 < (g + 1) * group {
-            let heads = ((g + 1) * group - h0).min(4);
+        let (mut h0, end) = heads_of_group(g, group, &heads);
+        while h0 < end {
+            let block_heads = (end - h0).min(4);
             let mut d0 = 0;
             while d0 < head_dim {
                 let width = (head_dim - d0).min(4 * LANES);
@@ -486,16 +517,36 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
                     ($nh:literal) => {
                         if width == 4 * LANES {
                             value_block::<V, E, $nh, true>(
-                                &values, dims, g, h0, d0, width, scores, stride, inv, out,
+                                &values,
+                                dims,
+                                g,
+                                h0,
+                                d0,
+                                width,
+                                scores,
+                                stride,
+                                inv,
+                                heads.start,
+                                out,
                             )
                         } else {
                             value_block::<V, E, $nh, false>(
-                                &values, dims, g, h0, d0, width, scores, stride, inv, out,
+                                &values,
+                                dims,
+                                g,
+                                h0,
+                                d0,
+                                width,
+                                scores,
+                                stride,
+                                inv,
+                                heads.start,
+                                out,
                             )
                         }
                     };
                 }
-                match heads {
+                match block_heads {
                     1 => block!(1),
                     2 => block!(2),
                     3 => block!(3),
@@ -503,7 +554,7 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
                 }
                 d0 += width;
             }
-            h0 += heads;
+            h0 += block_heads;
         }
     }
 }
@@ -550,7 +601,8 @@ unsafe fn value_segment<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
     }
 }
 
-/// `out[h0..h0+NH][d0..d0+width] = inv · Σ_j p[h][j] · v_j[g][d0..]` (keys in sequence order).
+/// `out[h0..h0+NH][d0..d0+width] = inv · Σ_j p[h][j] · v_j[g][d0..]` (keys in sequence order;
+/// `out` starts at head `first_head`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn value_block<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
@@ -563,6 +615,7 @@ unsafe fn value_block<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
     scores: *const f32,
     stride: usize,
     inv: &[f32],
+    first_head: usize,
     out: &mut [f32],
 ) {
     let head_dim = dims.head_dim;
@@ -607,7 +660,7 @@ unsafe fn value_block<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
     for (hh, acc_h) in acc.iter().enumerate() {
         let h = h0 + hh;
         let scale = V::splat(inv[h]);
-        let dst = out.as_mut_ptr().add(h * head_dim + d0);
+        let dst = out.as_mut_ptr().add((h - first_head) * head_dim + d0);
         for (c, lane) in acc_h.iter().enumerate() {
             let start = c * LANES;
             if start >= width {

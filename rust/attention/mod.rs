@@ -51,6 +51,7 @@ mod scalar;
 mod tests;
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use crate::ring::{DynamicRingBuffer, KvSlice};
@@ -369,22 +370,36 @@ fn run_row(
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
+    run_heads(isa, inputs, dims, scale, 0..dims.n_q_heads, scratch, out)
+}
+
+/// Query heads `heads` of one validated row (`out`: those heads' `heads.len() × head_dim`).
+fn run_heads(
+    isa: Isa,
+    inputs: &AttnInputs<'_>,
+    dims: AttnDims,
+    scale: f32,
+    heads: Range<usize>,
+    scratch: &mut [f32],
+    out: &mut [f32],
+) {
+    debug_assert!(heads.end <= dims.n_q_heads && out.len() == heads.len() * dims.head_dim);
     match isa {
         Isa::Scalar => {
             // SAFETY: the scalar lanes use no CPU extension; `validate` checked every length
             // and slot index the kernel dereferences.
-            unsafe { kernel::<ScalarLanes>(inputs, dims, scale, scratch, out) }
+            unsafe { kernel::<ScalarLanes>(inputs, dims, scale, heads, scratch, out) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => {
-            // SAFETY: callers reach here only after `Isa::is_available` (AVX2 and FMA present);
-            // inputs validated as above.
-            unsafe { avx2::attend_avx2(inputs, dims, scale, scratch, out) }
+            // SAFETY: callers reach here only after `Isa::is_available` (AVX2, FMA, F16C
+            // present); inputs validated as above.
+            unsafe { avx2::attend_avx2(inputs, dims, scale, heads, scratch, out) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             // SAFETY: only after `Isa::is_available` (AVX-512F present); inputs validated.
-            unsafe { avx512::attend_avx512(inputs, dims, scale, scratch, out) }
+            unsafe { avx512::attend_avx512(inputs, dims, scale, heads, scratch, out) }
         }
         #[cfg(not(target_arch = "x86_64"))]
         _ => unreachable!("non-x86 ISAs are never available"),
@@ -392,6 +407,11 @@ fn run_row(
 }
 
 // ----- chunk helper ------------------------------------------------------------------------
+
+/// Keys a row must attend to before [`attend_batch`] splits its heads over threads when it
+/// has fewer rows than threads: below this, handing work to another thread costs more than
+/// it saves.
+const SPLIT_HEADS_MIN_KEYS: usize = 128;
 
 /// Per-thread scratch for [`attend_chunk`], sized once for a ring (no allocation per call).
 #[derive(Debug)]
@@ -501,6 +521,7 @@ pub fn attend_batch(
 ) -> Result<(), AttnError> {
     let mut need = 0;
     let mut total = 0;
+    let mut worst_keys_seen = 0;
     let mut dims = None;
     for chunk in chunks {
         let ring = chunk.ring;
@@ -539,6 +560,7 @@ pub fn attend_batch(
             }
         }
         let worst_keys = ring.fixed_slots().len() + ring.window_slots().len() + n;
+        worst_keys_seen = worst_keys_seen.max(worst_keys);
         need = need.max(scratch_len(d, worst_keys));
         total += n;
     }
@@ -599,12 +621,36 @@ pub fn attend_batch(
     };
     let per_block = scratch.per_block;
     let blocks = scratch.blocks().min(total);
+    use rayon::prelude::*;
+    if blocks < scratch.blocks() && worst_keys_seen >= SPLIT_HEADS_MIN_KEYS {
+        // Fewer rows than threads (decoding one or a few sequences): each row's query heads
+        // are split over the threads instead. A head's arithmetic is the same whichever
+        // heads share its call, so the output is too.
+        let parts = (scratch.blocks() / total).min(dims.n_q_heads);
+        let hd = dims.head_dim;
+        let mut units = Vec::with_capacity(total * parts);
+        let mut rest = out;
+        for r in 0..total {
+            for p in 0..parts {
+                let heads = p * dims.n_q_heads / parts..(p + 1) * dims.n_q_heads / parts;
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(heads.len() * hd);
+                units.push((r, heads, mine));
+                rest = tail;
+            }
+        }
+        units
+            .into_par_iter()
+            .zip(scratch.buf.par_chunks_mut(per_block))
+            .for_each(|((r, heads, out), scratch)| {
+                run_heads(isa, &row_inputs(r), dims, scale, heads, scratch, out)
+            });
+        return Ok(());
+    }
     if blocks == 1 {
         run(0, out, &mut scratch.buf[..per_block]);
         return Ok(());
     }
     let rows_per_block = total.div_ceil(blocks);
-    use rayon::prelude::*;
     out.par_chunks_mut(rows_per_block * q_row)
         .zip(scratch.buf.par_chunks_mut(per_block))
         .enumerate()

@@ -231,6 +231,57 @@ fn f16_rings_equal_the_f32_kernel_on_their_values_on_every_isa() {
     }
 }
 
+/// A row's query heads can be computed in any split (as `attend_batch` does when it has
+/// fewer rows than threads): every part equals its slice of the whole row, bit for bit, on
+/// every ISA and for both storage types.
+#[test]
+fn any_split_of_a_rows_heads_equals_the_whole_row() {
+    let mut rng = Rng(11);
+    for (n_q_heads, n_kv_heads, head_dim) in SHAPES {
+        let dims = AttnDims {
+            n_q_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let p = Problem::random(&mut rng, dims, 300, 5, 150, 7);
+        let k16: Vec<u16> = p
+            .ring_k
+            .iter()
+            .map(|&x| half::f16::from_f32(x).to_bits())
+            .collect();
+        let v16: Vec<u16> = p
+            .ring_v
+            .iter()
+            .map(|&x| half::f16::from_f32(x).to_bits())
+            .collect();
+        let f16_inputs = AttnInputs {
+            ring_k: KvSlice::F16(&k16),
+            ring_v: KvSlice::F16(&v16),
+            ..p.inputs()
+        };
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let n = p.keys().len();
+        for inputs in [p.inputs(), f16_inputs] {
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+                let mut scratch = vec![f32::NAN; scratch_len(dims, n)];
+                let mut whole = vec![f32::NAN; dims.q_row()];
+                run_row(isa, &inputs, dims, scale, &mut scratch, &mut whole);
+                for parts in 2..=n_q_heads.min(4) {
+                    let mut split = Vec::new();
+                    for part in 0..parts {
+                        let heads = part * n_q_heads / parts..(part + 1) * n_q_heads / parts;
+                        let mut out = vec![f32::NAN; heads.len() * head_dim];
+                        let mut scratch = vec![f32::NAN; scratch_len(dims, n)];
+                        run_heads(isa, &inputs, dims, scale, heads, &mut scratch, &mut out);
+                        split.extend(out);
+                    }
+                    assert_eq!(bits(&split), bits(&whole), "{isa:?} {dims:?} {parts} parts");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn mixed_ring_storage_types_are_refused() {
     let mut rng = Rng(3);
@@ -513,6 +564,34 @@ fn thread_count_and_row_grouping_never_change_a_bit() {
         for blocks in [2, 5] {
             let got = pool.install(|| run_stream(&cfg, &spans, 64, blocks, true));
             assert!(got == reference, "threads {threads}, blocks {blocks}");
+        }
+    }
+}
+
+#[test]
+fn rows_fewer_than_threads_split_their_heads_without_changing_a_bit() {
+    // Long enough for rows of 128+ keys, where a lone row's heads go to several threads.
+    let cfg = RingConfig {
+        slots: 300,
+        ..stream_config()
+    };
+    let spans = [
+        (SpanType::System, 10),
+        (SpanType::User, 200),
+        (SpanType::ALL[2], 150),
+    ];
+    let reference = run_stream(&cfg, &spans, 1, 1, true);
+    for threads in [2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for (chunk, blocks) in [(1, threads), (1, 4), (2, 4)] {
+            let got = pool.install(|| run_stream(&cfg, &spans, chunk, blocks, true));
+            assert!(
+                got == reference,
+                "threads {threads}, chunk {chunk}, blocks {blocks}"
+            );
         }
     }
 }
