@@ -21,7 +21,9 @@ use super::ops::{
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
 use crate::attention::{attend_batch, AttnScratch, PendingChunk};
-use crate::quant::{fold_refined, matmul, GgmlType, QMatrix, QuantScratch, QuantizedInput};
+use crate::quant::{
+    fold_refined, matmul, matmul_many, GgmlType, QMatrix, QuantScratch, QuantizedInput,
+};
 use crate::ring::SpanType;
 
 /// What a range consumes: token ids at the entry range, hidden states elsewhere.
@@ -419,9 +421,11 @@ impl LayerRange {
                     &mut b.mm,
                     &[&lw.wq, &lw.wk, &lw.wv],
                 )?;
-                p.apply(&lw.wq, &mut b.q[..n * q_dim])?;
-                p.apply(&lw.wk, &mut b.k[..n * kv_dim])?;
-                p.apply(&lw.wv, &mut b.v[..n * kv_dim])?;
+                p.apply_many(&mut [
+                    (&lw.wq, &mut b.q[..n * q_dim]),
+                    (&lw.wk, &mut b.k[..n * kv_dim]),
+                    (&lw.wv, &mut b.v[..n * kv_dim]),
+                ])?;
             }
             add_bias(&mut b.q[..n * q_dim], lw.bq);
             add_bias(&mut b.k[..n * kv_dim], lw.bk);
@@ -517,8 +521,10 @@ impl LayerRange {
                     &mut b.mm,
                     &[&lw.w_gate, &lw.w_up],
                 )?;
-                p.apply(&lw.w_gate, &mut b.gate[..n * ffn])?;
-                p.apply(&lw.w_up, &mut b.up[..n * ffn])?;
+                p.apply_many(&mut [
+                    (&lw.w_gate, &mut b.gate[..n * ffn]),
+                    (&lw.w_up, &mut b.up[..n * ffn]),
+                ])?;
             }
             match recipe.activation {
                 Activation::Silu => swiglu(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
@@ -758,6 +764,35 @@ impl<'a> Projector<'a> {
             refined,
             full,
         })
+    }
+
+    /// `out_i = W_i·x` for every pair, as one parallel region.
+    fn apply_many(
+        &mut self,
+        products: &mut [(&QMatrix<'_>, &mut [f32])],
+    ) -> Result<(), ModelError> {
+        let err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
+        if !self.refined {
+            return matmul_many(products, &self.input).map_err(err);
+        }
+        // The refined product has two rows per token (value, residual) per output: one
+        // stretch of the scratch per matrix, folded into its output afterwards.
+        let need: usize = products.iter().map(|(_, out)| 2 * out.len()).sum();
+        if self.full.len() < need {
+            self.full.resize(need, 0.0);
+        }
+        let mut rest = &mut self.full[..need];
+        let mut fulls = Vec::with_capacity(products.len());
+        for (w, out) in products.iter() {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(2 * out.len());
+            fulls.push((*w, mine));
+            rest = tail;
+        }
+        matmul_many(&mut fulls, &self.input).map_err(err)?;
+        for ((_, full), (_, out)) in fulls.iter().zip(products.iter_mut()) {
+            fold_refined(full, out);
+        }
+        Ok(())
     }
 
     /// `out = W·x` (`n × rows`).

@@ -158,74 +158,67 @@ pub(crate) fn matmul_with(
     input: &QuantizedInput<'_>,
     out: &mut [f32],
 ) -> Result<(), QuantError> {
-    if !kernel.is_available() {
-        return Err(QuantError::KernelUnavailable { kernel });
-    }
-    if input.cols() != w.cols() {
-        return Err(QuantError::ColsMismatch {
-            weight_cols: w.cols(),
-            input_cols: input.cols(),
-        });
-    }
-    let n_tokens = input.n_tokens();
-    let expected = n_tokens * w.rows();
-    if out.len() != expected {
-        return Err(QuantError::OutputLength {
-            expected,
-            actual: out.len(),
-        });
-    }
-    // Quantized weights need the matching 8-bit blocks, which exist because cols matched
-    // and a quantized matrix's cols is a multiple of its block size.
-    // (An input built for other weight types only lacks them: an error, not a panic.)
-    let missing = QuantError::MissingBlocks { dtype: w.dtype() };
-    let act = if w.dtype().is_k_quant() {
-        Act::Super(input.super_blocks().ok_or(missing)?)
-    } else if w.dtype().is_quantized() {
-        Act::Blocks(input.blocks().ok_or(missing)?)
-    } else {
-        Act::Float {
-            x: input.f32_rows(),
-            tokens: input.f32_rows().len() / w.cols(),
-        }
-    };
-    let out_ptr = OutPtr {
-        ptr: out.as_mut_ptr(),
-        stride: w.rows(),
-    };
-    let job = Job {
-        kernel,
-        w,
-        act,
-        out: out_ptr,
-    };
+    let job = Job::new(kernel, w, input, out)?;
+    run_jobs(&[job], input.n_tokens());
+    Ok(())
+}
 
+/// [`matmul_with`] for several matrices applied to one input (q/k/v, gate/up), as one
+/// parallel region: one hand-off to the pool instead of one per matrix, and the small
+/// matrices of a decode step no longer leave a thread idle. Every output is what
+/// [`matmul_with`] would write (each element's arithmetic is the same). Shapes are all
+/// checked before anything is computed.
+pub(crate) fn matmul_many_with(
+    kernel: Kernel,
+    products: &mut [(&QMatrix<'_>, &mut [f32])],
+    input: &QuantizedInput<'_>,
+) -> Result<(), QuantError> {
+    let jobs = products
+        .iter_mut()
+        .map(|(w, out)| Job::new(kernel, w, input, out))
+        .collect::<Result<Vec<_>, _>>()?;
+    run_jobs(&jobs, input.n_tokens());
+    Ok(())
+}
+
+/// Runs every job's whole rectangle: on the calling thread when the total work is small,
+/// else as one set of pool tasks (rows split first — each thread then streams only its share
+/// of the weights — tokens only when a matrix has too few row units for its share of tasks).
+fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
     let threads = rayon::current_num_threads();
-    let work = w.data().len().saturating_mul(n_tokens);
-    if threads == 1 || work < PARALLEL_MIN_WORK {
-        // SAFETY: the whole output, owned by this call through `out`.
-        unsafe { job.run(0..w.rows(), 0..n_tokens) };
-        return Ok(());
+    let works: Vec<usize> = jobs
+        .iter()
+        .map(|j| j.w.data().len().saturating_mul(n_tokens))
+        .collect();
+    let total: usize = works.iter().sum();
+    if threads == 1 || total < PARALLEL_MIN_WORK {
+        for job in jobs {
+            // SAFETY: each job's whole output, owned by its caller through `out`.
+            unsafe { job.run(0..job.w.rows(), 0..n_tokens) };
+        }
+        return;
     }
-    // Split rows first (each thread then streams only its share of the weights), tokens
-    // only when there are too few row units for the pool.
-    let row_units = w.rows().div_ceil(ROW_UNIT);
-    let token_units = n_tokens.div_ceil(TOKEN_UNIT);
-    let target = threads * TASKS_PER_THREAD;
-    let row_chunks = row_units.min(target);
-    let token_chunks = target.div_ceil(row_chunks).min(token_units);
+    // Tasks per thread for each matrix: matrices of unequal sizes (q beside k and v) then
+    // cut into tasks of similar size, which the pool balances.
+    let target = threads * TASKS_PER_THREAD * jobs.len();
     let span = |chunk: usize, chunks: usize, units: usize, unit: usize, len: usize| {
         (chunk * units / chunks * unit).min(len)..((chunk + 1) * units / chunks * unit).min(len)
     };
-    (0..row_chunks * token_chunks)
-        .into_par_iter()
-        .for_each(|task| {
+    let mut tasks: Vec<(usize, Range<usize>, Range<usize>)> = Vec::new();
+    for (j, job) in jobs.iter().enumerate() {
+        // This matrix's share of the tasks, by its share of the work (at least one).
+        let share = (target * works[j]).div_ceil(total.max(1)).max(1);
+        let row_units = job.w.rows().div_ceil(ROW_UNIT);
+        let token_units = n_tokens.div_ceil(TOKEN_UNIT);
+        let row_chunks = row_units.min(share);
+        let token_chunks = share.div_ceil(row_chunks).min(token_units);
+        for task in 0..row_chunks * token_chunks {
             let rows = span(
                 task / token_chunks,
                 row_chunks,
                 row_units,
                 ROW_UNIT,
-                w.rows(),
+                job.w.rows(),
             );
             let tokens = span(
                 task % token_chunks,
@@ -234,11 +227,15 @@ pub(crate) fn matmul_with(
                 TOKEN_UNIT,
                 n_tokens,
             );
-            // SAFETY: the tasks' rectangles partition the output (`span` splits rows and
-            // tokens into disjoint ranges), and `out` is borrowed until they all finish.
-            unsafe { job.run(rows, tokens) };
-        });
-    Ok(())
+            tasks.push((j, rows, tokens));
+        }
+    }
+    tasks.into_par_iter().for_each(|(j, rows, tokens)| {
+        // SAFETY: the tasks of a job partition its output (`span` splits rows and tokens
+        // into disjoint ranges), jobs write distinct outputs, and every `out` is borrowed
+        // until they all finish.
+        unsafe { jobs[j].run(rows, tokens) }
+    });
 }
 
 /// The activations a matmul multiplies by, in the form its weight type needs.
@@ -259,6 +256,57 @@ pub(crate) struct Job<'a> {
     pub(crate) w: &'a QMatrix<'a>,
     pub(crate) act: Act<'a>,
     pub(crate) out: OutPtr,
+}
+
+impl<'a> Job<'a> {
+    /// Checks that `w`, `input` and `out` fit together and that this CPU can run `kernel`.
+    fn new(
+        kernel: Kernel,
+        w: &'a QMatrix<'a>,
+        input: &'a QuantizedInput<'_>,
+        out: &'a mut [f32],
+    ) -> Result<Self, QuantError> {
+        if !kernel.is_available() {
+            return Err(QuantError::KernelUnavailable { kernel });
+        }
+        if input.cols() != w.cols() {
+            return Err(QuantError::ColsMismatch {
+                weight_cols: w.cols(),
+                input_cols: input.cols(),
+            });
+        }
+        let expected = input.n_tokens() * w.rows();
+        if out.len() != expected {
+            return Err(QuantError::OutputLength {
+                expected,
+                actual: out.len(),
+            });
+        }
+        // Quantized weights need the matching 8-bit blocks, which exist because cols matched
+        // and a quantized matrix's cols is a multiple of its block size.
+        // (An input built for other weight types only lacks them: an error, not a panic.)
+        let missing = QuantError::MissingBlocks { dtype: w.dtype() };
+        let act = if w.dtype().is_k_quant() {
+            Act::Super(input.super_blocks().ok_or(missing)?)
+        } else if w.dtype().is_quantized() {
+            Act::Blocks(input.blocks().ok_or(missing)?)
+        } else {
+            Act::Float {
+                x: input.f32_rows(),
+                tokens: input.f32_rows().len() / w.cols(),
+            }
+        };
+        let out = OutPtr {
+            ptr: out.as_mut_ptr(),
+            stride: w.rows(),
+        };
+        Ok(Job {
+            kernel,
+            w,
+            act,
+            out,
+        })
+    }
 }
 
 impl Job<'_> {

@@ -450,6 +450,16 @@ pub fn matmul(
     kernel::matmul_with(Kernel::detect(), w, input, out)
 }
 
+/// [`matmul`] of several matrices with one input, as one parallel region (q/k/v, gate/up):
+/// each output equals what [`matmul`] writes for its matrix. Every shape is checked before
+/// anything is computed; on error no output is written.
+pub fn matmul_many(
+    products: &mut [(&QMatrix<'_>, &mut [f32])],
+    input: &QuantizedInput<'_>,
+) -> Result<(), QuantError> {
+    kernel::matmul_many_with(Kernel::detect(), products, input)
+}
+
 /// [`matmul`] with an explicit kernel (errors if this CPU cannot run it).
 pub fn matmul_with_kernel(
     kernel: Kernel,

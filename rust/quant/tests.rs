@@ -856,6 +856,78 @@ fn one_input_serves_several_matrices() {
     }
 }
 
+/// Several matrices in one parallel region (q/k/v, gate/up): each output equals its own
+/// matmul, bit for bit, for mixed formats, plain and refined inputs, 1 to 40 tokens and 1 to
+/// 3 threads; a bad shape anywhere is refused before any output is written.
+#[test]
+fn many_matrices_in_one_region_equal_their_own_matmuls() {
+    let mut rng = Rng(21);
+    let cols = 512;
+    let shapes = [
+        (GgmlType::Q4_1, 576),
+        (GgmlType::Q5_0, 64),
+        (GgmlType::Q8_0, 33),
+        (GgmlType::Q4_K, 200),
+        (GgmlType::Q6_K, 16),
+        (GgmlType::F16, 7),
+    ];
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&(dtype, rows)| random_weights(dtype, rows, cols, &mut rng, false))
+        .collect();
+    let ws: Vec<QMatrix<'_>> = shapes
+        .iter()
+        .zip(&data)
+        .map(|(&(dtype, rows), d)| QMatrix::new(dtype, rows, cols, d).unwrap())
+        .collect();
+    for n in [1, 3, 40] {
+        let x = rng.floats(n * cols, 1.0);
+        for refined in [false, true] {
+            let (mut scratch, mut stacked) = (QuantScratch::new(), Vec::new());
+            let input = if refined {
+                QuantizedInput::quantize_refined(&x, n, cols, &mut stacked, &mut scratch)
+            } else {
+                QuantizedInput::quantize(&x, n, cols, &mut scratch)
+            }
+            .unwrap();
+            let rows_out = if refined { 2 * n } else { n };
+            let alone: Vec<Vec<u32>> = ws
+                .iter()
+                .map(|w| {
+                    let mut out = vec![f32::NAN; rows_out * w.rows()];
+                    matmul(w, &input, &mut out).unwrap();
+                    bits(&out)
+                })
+                .collect();
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut outs: Vec<Vec<f32>> = ws
+                    .iter()
+                    .map(|w| vec![f32::NAN; rows_out * w.rows()])
+                    .collect();
+                let mut products: Vec<(&QMatrix<'_>, &mut [f32])> = ws
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .map(|(w, o)| (w, o.as_mut_slice()))
+                    .collect();
+                pool.install(|| matmul_many(&mut products, &input)).unwrap();
+                for (i, out) in outs.iter().enumerate() {
+                    assert_eq!(bits(out), alone[i], "matrix {i}, n {n}, refined {refined}");
+                }
+            }
+            // One output of the wrong length: an error, and nothing written anywhere.
+            let mut good = vec![f32::NAN; rows_out * ws[0].rows()];
+            let mut bad = vec![f32::NAN; rows_out * ws[1].rows() - 1];
+            let err = matmul_many(&mut [(&ws[0], &mut good), (&ws[1], &mut bad)], &input);
+            assert!(matches!(err, Err(QuantError::OutputLength { .. })));
+            assert!(good.iter().chain(&bad).all(|v| v.is_nan()));
+        }
+    }
+}
+
 #[test]
 fn non_finite_activations_poison_their_outputs() {
     let mut rng = Rng(9);
