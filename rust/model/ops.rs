@@ -191,10 +191,47 @@ pub fn scale_in_place(x: &mut [f32], factor: f32) {
     }
 }
 
-/// SwiGLU: `gate = silu(gate) * up`, in place.
+/// SwiGLU: `gate = silu(gate) * up`, in place, `silu(x) = x / (1 + e^(−x))` with
+/// [`exp_f32`] (like [`geglu_tanh`]: the same bits on every CPU, in SIMD lanes or not, and
+/// large inputs split over the rayon pool).
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    debug_assert_eq!(gate.len(), up.len());
+    elementwise(gate, up, swiglu_span);
+}
+
+/// [`swiglu`] on one span, with the widest vectors this CPU has (same results).
+fn swiglu_span(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (checked above).
+            return unsafe { swiglu_avx512(gate, up) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked above).
+            return unsafe { swiglu_avx2(gate, up) };
+        }
+    }
+    swiglu_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn swiglu_avx512(gate: &mut [f32], up: &[f32]) {
+    swiglu_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
+    swiglu_body(gate, up)
+}
+
+#[inline(always)]
+fn swiglu_body(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        let x = *g;
+        *g = x / (1.0 + exp_f32(-x)) * u;
     }
 }
 

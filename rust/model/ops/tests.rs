@@ -106,10 +106,41 @@ fn geglu_matches_the_tanh_gelu() {
 
 #[test]
 fn swiglu_matches_definition() {
-    let mut g = vec![-2.0f32, 0.0, 1.5];
-    swiglu(&mut g, &[1.0, 2.0, -3.0]);
-    let silu = |x: f32| x / (1.0 + (-x).exp());
-    assert_eq!(g, vec![silu(-2.0), 0.0, silu(1.5) * -3.0]);
+    let g: Vec<f32> = (0..2001).map(|i| (i as f32 - 1000.0) / 50.0).collect();
+    let up: Vec<f32> = (0..2001)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+        .collect();
+    let mut got = g.clone();
+    swiglu(&mut got, &up);
+    for ((&x, &u), &y) in g.iter().zip(&up).zip(&got) {
+        let want = (x as f64) / (1.0 + (-(x as f64)).exp()) * u as f64;
+        assert!(
+            (y as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "silu({x})·{u} = {y}, want {want}"
+        );
+    }
+    let mut zero = [0.0f32];
+    swiglu(&mut zero, &[2.0]);
+    assert_eq!(zero[0], 0.0);
+}
+
+#[test]
+fn swiglu_is_the_same_in_simd_lanes_and_chunks() {
+    // Every vector width, the scalar tail and the pool's split give the same bits.
+    let n: usize = 200_003;
+    let g: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 500.0)
+        .collect();
+    let up: Vec<f32> = (0..n)
+        .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
+        .collect();
+    let mut whole = g.clone();
+    swiglu(&mut whole, &up);
+    for (i, (&x, &u)) in g.iter().zip(&up).enumerate() {
+        let mut one = [x];
+        swiglu(&mut one, &[u]);
+        assert_eq!(one[0].to_bits(), whole[i].to_bits(), "element {i}");
+    }
 }
 
 #[test]
