@@ -158,6 +158,13 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The f16 bit patterns of `xs` (as an f16 ring stores them).
+fn f16_bits(xs: &[f32]) -> Vec<u16> {
+    xs.iter()
+        .map(|&x| half::f16::from_f32(x).to_bits())
+        .collect()
+}
+
 const SHAPES: [(usize, usize, usize); 7] = [
     (9, 3, 64),
     (4, 4, 16),
@@ -205,12 +212,7 @@ fn f16_rings_equal_the_f32_kernel_on_their_values_on_every_isa() {
         };
         for (n_fixed, n_window, n_local) in [(0, 0, 1), (3, 40, 5), (17, 0, 0), (0, 200, 33)] {
             let mut p = Problem::random(&mut rng, dims, 300, n_fixed, n_window, n_local);
-            let encode = |xs: &[f32]| -> Vec<u16> {
-                xs.iter()
-                    .map(|&x| half::f16::from_f32(x).to_bits())
-                    .collect()
-            };
-            let (k16, v16) = (encode(&p.ring_k), encode(&p.ring_v));
+            let (k16, v16) = (f16_bits(&p.ring_k), f16_bits(&p.ring_v));
             p.ring_k = KvSlice::F16(&k16).to_f32();
             p.ring_v = KvSlice::F16(&v16).to_f32();
             let scale = 1.0 / (head_dim as f32).sqrt();
@@ -244,16 +246,7 @@ fn any_split_of_a_rows_heads_equals_the_whole_row() {
             head_dim,
         };
         let p = Problem::random(&mut rng, dims, 300, 5, 150, 7);
-        let k16: Vec<u16> = p
-            .ring_k
-            .iter()
-            .map(|&x| half::f16::from_f32(x).to_bits())
-            .collect();
-        let v16: Vec<u16> = p
-            .ring_v
-            .iter()
-            .map(|&x| half::f16::from_f32(x).to_bits())
-            .collect();
+        let (k16, v16) = (f16_bits(&p.ring_k), f16_bits(&p.ring_v));
         let f16_inputs = AttnInputs {
             ring_k: KvSlice::F16(&k16),
             ring_v: KvSlice::F16(&v16),

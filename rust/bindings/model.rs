@@ -140,6 +140,12 @@ impl PyModelWeights {
         self.inner.kv_dtype().name()
     }
 
+    /// Bytes a ring spends per stored K or V value.
+    #[getter]
+    fn kv_value_bytes(&self) -> usize {
+        self.inner.kv_dtype().bytes()
+    }
+
     /// Number of transformer blocks.
     #[getter]
     fn n_layers(&self) -> usize {

@@ -97,7 +97,7 @@ pub fn rope_apply_halves(x: &mut [f32], head_dim: usize, cos: &[f32], sin: &[f32
 /// (elementwise, so a row's result never depends on the others).
 pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len());
-    elementwise(gate, up, geglu_tanh_span);
+    elementwise(gate, up, gated_span::<GeluTanh>);
 }
 
 /// Elements per parallel task of the elementwise activations.
@@ -115,42 +115,67 @@ fn elementwise(gate: &mut [f32], up: &[f32], f: fn(&mut [f32], &[f32])) {
     }
 }
 
-/// [`geglu_tanh`] on one span, with the widest vectors this CPU has (same results).
-fn geglu_tanh_span(gate: &mut [f32], up: &[f32]) {
+/// The activation of a gated FFN, `gate = act(gate) · up`, from plain IEEE operations (so
+/// the compiler may vectorise it without changing a bit).
+trait GatedActivation {
+    fn act(x: f32) -> f32;
+}
+
+/// Gemma's tanh GELU, `0.5·x·(1 + tanh(v))` as `x / (1 + e^(−2v))`.
+struct GeluTanh;
+
+impl GatedActivation for GeluTanh {
+    #[inline(always)]
+    fn act(x: f32) -> f32 {
+        // √(2/π)
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+        x / (1.0 + exp_f32(-2.0 * inner))
+    }
+}
+
+/// Llama's SiLU, `x / (1 + e^(−x))`.
+struct Silu;
+
+impl GatedActivation for Silu {
+    #[inline(always)]
+    fn act(x: f32) -> f32 {
+        x / (1.0 + exp_f32(-x))
+    }
+}
+
+/// A gated activation on one span, with the widest vectors this CPU has (same results).
+fn gated_span<A: GatedActivation>(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512 F (checked above).
-            return unsafe { geglu_tanh_avx512(gate, up) };
+            return unsafe { gated_avx512::<A>(gate, up) };
         }
         if is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { geglu_tanh_avx2(gate, up) };
+            return unsafe { gated_avx2::<A>(gate, up) };
         }
     }
-    geglu_tanh_body(gate, up)
+    gated_body::<A>(gate, up)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn geglu_tanh_avx512(gate: &mut [f32], up: &[f32]) {
-    geglu_tanh_body(gate, up)
+unsafe fn gated_avx512<A: GatedActivation>(gate: &mut [f32], up: &[f32]) {
+    gated_body::<A>(gate, up)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn geglu_tanh_avx2(gate: &mut [f32], up: &[f32]) {
-    geglu_tanh_body(gate, up)
+unsafe fn gated_avx2<A: GatedActivation>(gate: &mut [f32], up: &[f32]) {
+    gated_body::<A>(gate, up)
 }
 
 #[inline(always)]
-fn geglu_tanh_body(gate: &mut [f32], up: &[f32]) {
-    // √(2/π)
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+fn gated_body<A: GatedActivation>(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-        *g = x / (1.0 + exp_f32(-2.0 * inner)) * u;
+        *g = A::act(*g) * u;
     }
 }
 
@@ -196,43 +221,7 @@ pub fn scale_in_place(x: &mut [f32], factor: f32) {
 /// large inputs split over the rayon pool).
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len());
-    elementwise(gate, up, swiglu_span);
-}
-
-/// [`swiglu`] on one span, with the widest vectors this CPU has (same results).
-fn swiglu_span(gate: &mut [f32], up: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512 F (checked above).
-            return unsafe { swiglu_avx512(gate, up) };
-        }
-        if is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { swiglu_avx2(gate, up) };
-        }
-    }
-    swiglu_body(gate, up)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn swiglu_avx512(gate: &mut [f32], up: &[f32]) {
-    swiglu_body(gate, up)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn swiglu_avx2(gate: &mut [f32], up: &[f32]) {
-    swiglu_body(gate, up)
-}
-
-#[inline(always)]
-fn swiglu_body(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        *g = x / (1.0 + exp_f32(-x)) * u;
-    }
+    elementwise(gate, up, gated_span::<Silu>);
 }
 
 /// `acc += x`, elementwise (the residual stream).

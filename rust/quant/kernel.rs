@@ -186,11 +186,8 @@ pub(crate) fn matmul_many_with(
 /// of the weights — tokens only when a matrix has too few row units for its share of tasks).
 fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
     let threads = rayon::current_num_threads();
-    let works: Vec<usize> = jobs
-        .iter()
-        .map(|j| j.w.data().len().saturating_mul(n_tokens))
-        .collect();
-    let total: usize = works.iter().sum();
+    let work = |job: &Job<'_>| job.w.data().len().saturating_mul(n_tokens);
+    let total: usize = jobs.iter().map(work).sum();
     if threads == 1 || total < PARALLEL_MIN_WORK {
         for job in jobs {
             // SAFETY: each job's whole output, owned by its caller through `out`.
@@ -201,18 +198,26 @@ fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
     // Tasks per thread for each matrix: matrices of unequal sizes (q beside k and v) then
     // cut into tasks of similar size, which the pool balances.
     let target = threads * TASKS_PER_THREAD * jobs.len();
+    let token_units = n_tokens.div_ceil(TOKEN_UNIT);
+    // A job's (row chunks, token chunks): its share of the tasks by its share of the work (at
+    // least one). Recomputed where needed — there are a few jobs — so a call allocates nothing.
+    let chunks = |job: &Job<'_>| {
+        let share = (target * work(job)).div_ceil(total.max(1)).max(1);
+        let row_chunks = job.w.rows().div_ceil(ROW_UNIT).min(share);
+        (row_chunks, share.div_ceil(row_chunks).min(token_units))
+    };
     let span = |chunk: usize, chunks: usize, units: usize, unit: usize, len: usize| {
         (chunk * units / chunks * unit).min(len)..((chunk + 1) * units / chunks * unit).min(len)
     };
-    let mut tasks: Vec<(usize, Range<usize>, Range<usize>)> = Vec::new();
-    for (j, job) in jobs.iter().enumerate() {
-        // This matrix's share of the tasks, by its share of the work (at least one).
-        let share = (target * works[j]).div_ceil(total.max(1)).max(1);
-        let row_units = job.w.rows().div_ceil(ROW_UNIT);
-        let token_units = n_tokens.div_ceil(TOKEN_UNIT);
-        let row_chunks = row_units.min(share);
-        let token_chunks = share.div_ceil(row_chunks).min(token_units);
-        for task in 0..row_chunks * token_chunks {
+    let n_tasks: usize = jobs.iter().map(|j| chunks(j).0 * chunks(j).1).sum();
+    (0..n_tasks).into_par_iter().for_each(|mut task| {
+        for job in jobs {
+            let (row_chunks, token_chunks) = chunks(job);
+            if task >= row_chunks * token_chunks {
+                task -= row_chunks * token_chunks;
+                continue;
+            }
+            let row_units = job.w.rows().div_ceil(ROW_UNIT);
             let rows = span(
                 task / token_chunks,
                 row_chunks,
@@ -227,14 +232,12 @@ fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
                 TOKEN_UNIT,
                 n_tokens,
             );
-            tasks.push((j, rows, tokens));
+            // SAFETY: the tasks of a job partition its output (`span` splits rows and tokens
+            // into disjoint ranges), jobs write distinct outputs, and every `out` is borrowed
+            // until they all finish.
+            unsafe { job.run(rows, tokens) };
+            return;
         }
-    }
-    tasks.into_par_iter().for_each(|(j, rows, tokens)| {
-        // SAFETY: the tasks of a job partition its output (`span` splits rows and tokens
-        // into disjoint ranges), jobs write distinct outputs, and every `out` is borrowed
-        // until they all finish.
-        unsafe { jobs[j].run(rows, tokens) }
     });
 }
 

@@ -124,23 +124,28 @@ fn swiglu_matches_definition() {
     assert_eq!(zero[0], 0.0);
 }
 
-#[test]
-fn swiglu_is_the_same_in_simd_lanes_and_chunks() {
-    // Every vector width, the scalar tail and the pool's split give the same bits.
+/// Every vector width, the scalar tail and the pool's split give `f` the same bits: the
+/// whole input at once equals each element alone. `gate` values are `(k − 10005) / spread`.
+fn assert_same_in_simd_lanes_and_chunks(f: fn(&mut [f32], &[f32]), spread: f32) {
     let n: usize = 200_003;
     let g: Vec<f32> = (0..n)
-        .map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 500.0)
+        .map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / spread)
         .collect();
     let up: Vec<f32> = (0..n)
         .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
         .collect();
     let mut whole = g.clone();
-    swiglu(&mut whole, &up);
+    f(&mut whole, &up);
     for (i, (&x, &u)) in g.iter().zip(&up).enumerate() {
         let mut one = [x];
-        swiglu(&mut one, &[u]);
+        f(&mut one, &[u]);
         assert_eq!(one[0].to_bits(), whole[i].to_bits(), "element {i}");
     }
+}
+
+#[test]
+fn swiglu_is_the_same_in_simd_lanes_and_chunks() {
+    assert_same_in_simd_lanes_and_chunks(swiglu, 500.0);
 }
 
 #[test]
@@ -162,19 +167,5 @@ fn exp_f32_is_within_2_ulp() {
 
 #[test]
 fn geglu_is_the_same_in_simd_lanes_and_chunks() {
-    // Every vector width and the scalar tail give the same bits, and so does a split.
-    let n: usize = 200_003;
-    let g: Vec<f32> = (0..n)
-        .map(|i| ((i * 7919 % 20011) as f32 - 10005.0) / 1000.0)
-        .collect();
-    let up: Vec<f32> = (0..n)
-        .map(|i| ((i * 104_729 % 997) as f32 - 498.0) / 300.0)
-        .collect();
-    let mut whole = g.clone();
-    geglu_tanh(&mut whole, &up);
-    for (i, (&x, &u)) in g.iter().zip(&up).enumerate() {
-        let mut one = [x];
-        geglu_tanh(&mut one, &[u]);
-        assert_eq!(one[0].to_bits(), whole[i].to_bits(), "element {i}");
-    }
+    assert_same_in_simd_lanes_and_chunks(geglu_tanh, 1000.0);
 }

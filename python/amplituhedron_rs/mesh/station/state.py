@@ -103,7 +103,7 @@ class Station:
         self.pool: dict[int, list[tuple[_core.RangeSession, threading.Lock]]] = {}
         # The first ring, made now: its slots size the memory budget's unit; it is pooled.
         first = new_session(self.weights, s.layer_lo, s.layer_hi, s.session)
-        value_bytes = {"f16": 2, "f32": 4}[self.weights.kv_dtype]
+        value_bytes = int(self.weights.kv_value_bytes)
         kv_row = 2 * int(self.weights.n_kv_heads) * int(self.weights.head_dim) * value_bytes
         self.ring_bytes = sum(int(n) for n in first.kv_slots) * kv_row
         self.memory_budget = s.memory_budget or physical_memory() // 4
