@@ -228,6 +228,8 @@ impl Executor for LocalExecutor {
         }
         let mut outcomes = Vec::with_capacity(batch.len());
         for (k, e) in batch.iter().enumerate() {
+            // Taken for the borrow checker and put back below: the buffers keep their capacity,
+            // so a step allocates no logits (1 MB per row for a 262k vocabulary).
             let logits = std::mem::take(&mut self.logits[k]);
             let mut out = EntryOutcome::default();
             match e.kind {
@@ -244,7 +246,7 @@ impl Executor for LocalExecutor {
                             .sample(&logits, index)
                             .map_err(|err| EngineError::Executor(err.to_string()))?;
                         out.emitted.push(token);
-                        out.logits = s.want_logits.then_some(logits);
+                        out.logits = s.want_logits.then(|| logits.clone());
                     }
                 }
                 EntryKind::Decode => {
@@ -263,6 +265,7 @@ impl Executor for LocalExecutor {
                     }
                 }
             }
+            self.logits[k] = logits;
             outcomes.push(out);
         }
         Ok(outcomes)

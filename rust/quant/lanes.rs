@@ -164,6 +164,8 @@ const BUFFER_BYTES: usize = 20 * 1024;
 /// Tokens per pass over a row group (their accumulators live in a stack array between
 /// column chunks).
 const TOKEN_CHUNK: usize = 64;
+/// Up to this many TILEs of tokens run as direct passes (no unpacked-block buffer).
+const DIRECT_PASSES: usize = 4;
 
 #[repr(C, align(64))]
 struct Aligned<const N: usize>([u8; N]);
@@ -285,27 +287,33 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>, const IL: bool>(
             };
             data.as_ptr().wrapping_add(next_first * row_bytes)
         });
-        if tokens.len() <= S::TILE {
+        if tokens.len() <= DIRECT_PASSES * S::TILE {
             // Few tokens: each block is unpacked and consumed at once (the compiler keeps it in
-            // registers), the accumulators stay in registers across all blocks. Every count
-            // up to TILE has its own pass, so the weights are unpacked once whatever the
-            // number of tokens (a batch of 3, 5, 6 or 7 streams would otherwise unpack them
-            // two or three times).
-            let t = tokens.start;
-            // SAFETY: as below, the pass covering tokens t..tokens.end.
-            unsafe {
-                let (o, s) = (out.at(t, r), out.stride);
-                let d = (w, next, lane_arg, nb, buf, act, t, o, s, block_stride, span);
-                match tokens.len() {
-                    8.. if S::TILE >= 8 => direct::<S, F, 8, IL>(d),
-                    7 if S::TILE >= 8 => direct::<S, F, 7, IL>(d),
-                    6 if S::TILE >= 8 => direct::<S, F, 6, IL>(d),
-                    5 if S::TILE >= 8 => direct::<S, F, 5, IL>(d),
-                    4.. => direct::<S, F, 4, IL>(d),
-                    3 => direct::<S, F, 3, IL>(d),
-                    2 => direct::<S, F, 2, IL>(d),
-                    _ => direct::<S, F, 1, IL>(d),
-                };
+            // registers), the accumulators stay in registers across all blocks, one pass per
+            // TILE tokens. Every count up to TILE has its own pass, so the weights are unpacked
+            // once per pass whatever the number of tokens (a batch of 3, 5, 6 or 7 streams
+            // would otherwise unpack them two or three times). A second pass re-reads the
+            // group's blocks from L1/L2, which costs less than the unpacked-block buffer's
+            // stores and loads (16 tokens: ~10% faster).
+            for t in tokens.clone().step_by(S::TILE) {
+                let n = (tokens.end - t).min(S::TILE);
+                // Only the first pass prefetches: the next group is then on its way.
+                let next = if t == tokens.start { next } else { None };
+                // SAFETY: as below, the pass covering tokens t..t + n.
+                unsafe {
+                    let (o, s) = (out.at(t, r), out.stride);
+                    let d = (w, next, lane_arg, nb, buf, act, t, o, s, block_stride, span);
+                    match n {
+                        8.. if S::TILE >= 8 => direct::<S, F, 8, IL>(d),
+                        7 if S::TILE >= 8 => direct::<S, F, 7, IL>(d),
+                        6 if S::TILE >= 8 => direct::<S, F, 6, IL>(d),
+                        5 if S::TILE >= 8 => direct::<S, F, 5, IL>(d),
+                        4.. => direct::<S, F, 4, IL>(d),
+                        3 => direct::<S, F, 3, IL>(d),
+                        2 => direct::<S, F, 2, IL>(d),
+                        _ => direct::<S, F, 1, IL>(d),
+                    };
+                }
             }
             continue;
         }

@@ -614,7 +614,7 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
                 let il = il_data
                     .as_ref()
                     .map(|d| QMatrix::new_interleaved(dtype, rows, cols, d).unwrap());
-                for n in [1, 2, 3, 5, 6, 7, 8, 13, 17] {
+                for n in [1, 2, 3, 5, 6, 7, 8, 13, 17, 31] {
                     let x = rng.floats(n * cols, 4.0);
                     let reference = bits(&run(Kernel::Scalar, &w, &x, n));
                     let refined_reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
