@@ -106,15 +106,12 @@ impl Rng {
     }
 }
 
-/// Which independent random stream a draw comes from (see [`Sampler`]).
+/// Which independent random stream a draw comes from (see [`Sampler`]): one, the sampling of
+/// a position (speculative verification reuses it, see [`Sampler::verify`]).
 #[derive(Clone, Copy)]
 enum Stream {
     /// Plain sampling of a position.
     Sample = 1,
-    /// Speculative verification: the accept/reject coin of a drafted token.
-    Accept = 2,
-    /// Speculative verification: the resample after a rejection.
-    Residual = 3,
 }
 
 /// One uniform draw in [0, 1) for `(seed, index, stream)`: a pure function, so a sequence's
@@ -165,7 +162,7 @@ impl Sampler {
         }
         let kept_total = self.distribution(logits);
         let target = draw(self.params.seed, index, Stream::Sample) * kept_total;
-        Ok(self.pick(target, None))
+        Ok(self.pick(target))
     }
 
     /// Speculative verification of `drafts`, proposed for positions `first_index..`, against
@@ -174,11 +171,14 @@ impl Sampler {
     /// token from the model (the correction at the first rejection, or the bonus token after
     /// the last draft) — between 1 and `drafts.len() + 1` tokens.
     ///
-    /// Greedy: a draft is accepted when it is the argmax, so the tokens are exactly those of
-    /// plain greedy decoding. Sampled: the exact rule for a deterministic draft — accept draft
-    /// `x` with probability `p(x)`; on rejection sample from `p` with `x` removed and
-    /// renormalised — so each emitted token is distributed exactly as the model's `p`
-    /// (after temperature, top-k and top-p).
+    /// A draft is accepted exactly when it is the token plain decoding would emit at its
+    /// position: the argmax (greedy), or [`Sampler::sample`]'s draw for that position. So the
+    /// emitted tokens are those of plain decoding, greedy or seeded, whatever the drafts.
+    /// Sampled, this is the exact rule for a deterministic draft, realised by coupling it
+    /// with the plain draw `y ~ p`: draft `x` is accepted with probability `P(y = x) = p(x)`,
+    /// and on rejection the token is `y`, distributed as `p` with `x` removed and
+    /// renormalised; each emitted token follows the model's `p` (after temperature, top-k and
+    /// top-p) exactly.
     pub fn verify(
         &mut self,
         rows: &[f32],
@@ -195,30 +195,11 @@ impl Sampler {
             )));
         }
         for (j, &x) in drafts.iter().enumerate() {
-            let row = &rows[j * vocab..(j + 1) * vocab];
-            check_logits(row)?;
-            let index = first_index + j as u64;
-            if self.params.greedy {
-                let t = argmax(row);
-                out.push(t);
-                if t != x {
-                    return Ok(());
-                }
-                continue;
+            let t = self.sample(&rows[j * vocab..(j + 1) * vocab], first_index + j as u64)?;
+            out.push(t);
+            if t != x {
+                return Ok(());
             }
-            let total = self.distribution(row);
-            let w_x = self
-                .candidates
-                .iter()
-                .position(|&(id, _)| id == x)
-                .map_or(0.0, |i| self.weights[i]);
-            if draw(self.params.seed, index, Stream::Accept) * total < w_x {
-                out.push(x);
-                continue;
-            }
-            let target = draw(self.params.seed, index, Stream::Residual) * (total - w_x);
-            out.push(self.pick(target, Some(x)));
-            return Ok(());
         }
         let last = &rows[drafts.len() * vocab..];
         let bonus = self.sample(last, first_index + drafts.len() as u64)?;
@@ -289,21 +270,16 @@ impl Sampler {
         self.weights.iter().sum()
     }
 
-    /// The kept candidate at cumulative weight `target`, skipping `excluded`.
-    fn pick(&self, mut target: f64, excluded: Option<u32>) -> u32 {
-        let mut last = None;
+    /// The kept candidate at cumulative weight `target`.
+    fn pick(&self, mut target: f64) -> u32 {
         for (&(id, _), &w) in self.candidates.iter().zip(&self.weights) {
-            if Some(id) == excluded {
-                continue;
-            }
             if target < w {
                 return id;
             }
             target -= w;
-            last = Some(id);
         }
-        // Rounding left `target` at the very top: the last eligible candidate.
-        last.or(excluded).unwrap_or(self.candidates[0].0)
+        // Rounding left `target` at the very top: the last candidate.
+        self.candidates[self.candidates.len() - 1].0
     }
 }
 

@@ -205,3 +205,48 @@ fn sampled_verification_keeps_the_model_distribution() {
         );
     }
 }
+
+/// Sampled verification emits plain sampling's tokens: whatever the drafts, every emitted
+/// token is the one `sample` draws for its position, so a seeded run with speculation equals
+/// the same seed without it, token for token (and draft lengths never change a token).
+#[test]
+fn sampled_verification_emits_plain_sampling_tokens() {
+    let vocab = 6;
+    let rows: Vec<f32> = (0..4)
+        .flat_map(|j| (0..vocab).map(move |t| ((t * 7 + j * 3) % 5) as f32 * 0.6))
+        .collect();
+    for seed in 0..300u64 {
+        for top_k in [0, 3] {
+            let mut s = Sampler::new(params(0.9, top_k, 0.95, seed)).unwrap();
+            let plain: Vec<u32> = (0..4)
+                .map(|j| {
+                    s.sample(&rows[j * vocab..(j + 1) * vocab], 20 + j as u64)
+                        .unwrap()
+                })
+                .collect();
+            for drafts in [
+                vec![],
+                plain[..3].to_vec(),
+                vec![plain[0], (plain[1] + 1) % vocab as u32, plain[2]],
+                vec![(plain[0] + 2) % vocab as u32],
+            ] {
+                let mut out = Vec::new();
+                s.verify(
+                    &rows[..(drafts.len() + 1) * vocab],
+                    vocab,
+                    &drafts,
+                    20,
+                    &mut out,
+                )
+                .unwrap();
+                let accepted = drafts
+                    .iter()
+                    .zip(&plain)
+                    .take_while(|(d, p)| d == p)
+                    .count();
+                assert_eq!(out.len(), (accepted + 1).min(drafts.len() + 1));
+                assert_eq!(out, plain[..out.len()], "seed {seed} drafts {drafts:?}");
+            }
+        }
+    }
+}
