@@ -648,6 +648,54 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
     }
 }
 
+/// The kernels without VNNI sum several `vpmaddubsw` products in i16 (`lanes::i16_run`): at
+/// the bound, every code at its largest value (bytes of all ones: `0xff` codes, Q8_0's −1,
+/// or `0x80`, its −128) times a block of activations all at ±127, the sums must still equal
+/// the scalar kernel's exact ones, for every format, layout and precision.
+#[test]
+fn extreme_codes_and_activations_stay_exact_in_every_kernel() {
+    let mut rng = Rng(11);
+    for dtype in GgmlType::ALL.into_iter().filter(|d| d.is_quantized()) {
+        let (rows, cols) = (16, if dtype.is_k_quant() { 512 } else { 64 });
+        for fill in [0xffu8, 0x80, 0x77] {
+            let mut data = vec![fill; rows * dtype.row_bytes(cols).unwrap()];
+            for blk in data.chunks_exact_mut(dtype.block_bytes()) {
+                for &o in scale_offsets(dtype) {
+                    blk[o..o + 2].copy_from_slice(&f16_le(0.01));
+                }
+            }
+            let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+            let il_data = interleave_rows(dtype, rows, cols, &data);
+            let il = il_data
+                .as_ref()
+                .map(|d| QMatrix::new_interleaved(dtype, rows, cols, d).unwrap());
+            for sign in [1.0f32, -1.0] {
+                // Constant blocks quantize to ±127 everywhere; the second token mixes in a
+                // tiny residual so the refined pass is at its bound too.
+                let mut x = vec![sign; 3 * cols];
+                for v in &mut x[cols..2 * cols] {
+                    *v *= 1.0 + 0.003 * rng.unit();
+                }
+                let n = 3;
+                let reference = bits(&run(Kernel::Scalar, &w, &x, n));
+                let refined_reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
+                for kernel in Kernel::available() {
+                    let what = format!("{dtype} {kernel} fill={fill:#x} sign={sign}");
+                    assert_eq!(bits(&run(kernel, &w, &x, n)), reference, "{what}");
+                    assert_eq!(
+                        bits(&run_refined(kernel, &w, &x, n)),
+                        refined_reference,
+                        "refined {what}"
+                    );
+                    if let Some(il) = &il {
+                        assert_eq!(bits(&run(kernel, il, &x, n)), reference, "il {what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn this_cpu_tests_every_kernel_it_has() {
     let available = Kernel::available();
