@@ -8,7 +8,7 @@ use super::{LlamaWeights, ModelError};
 use crate::ring::SpanType;
 use crate::volume::{
     AmplituhedronCache, AmplituhedronVolume, CacheConfig, CacheStats, CaptureOutcome,
-    DamageOutcome, OwnedVolumeData, VolumeKey, BLOCK_POSITIONS,
+    DamageOutcome, VolumeData, VolumeKey, BLOCK_POSITIONS,
 };
 
 /// What a replay did to the session.
@@ -35,6 +35,9 @@ pub struct NativeLlamaPipeline {
     cache: AmplituhedronCache,
     /// Shortest shared prefix worth replaying after an exact miss (0: exact replay only).
     min_prefix_reuse: usize,
+    /// Key and value slabs gathered from a session for a capture, kept between captures: a
+    /// fresh multi-megabyte buffer per capture costs a page fault per 4 KiB written.
+    capture_slabs: (Vec<f32>, Vec<f32>),
 }
 
 /// Default of [`NativeLlamaPipeline::amplituhedron_set_min_prefix_reuse`]: below this many
@@ -65,6 +68,7 @@ impl NativeLlamaPipeline {
             layer_hi,
             cache,
             min_prefix_reuse: DEFAULT_MIN_PREFIX_REUSE,
+            capture_slabs: (Vec::new(), Vec::new()),
         })
     }
 
@@ -253,17 +257,19 @@ impl NativeLlamaPipeline {
         if let Some(max) = session.rings().capture_limit().filter(|&max| n > max) {
             return Ok(CaptureOutcome::SkippedTooLong { prefix_len: n, max });
         }
-        let mut kv_keys = vec![0.0f32; slab];
-        let mut kv_vals = vec![0.0f32; slab];
-        session.rings().read_prefix(n, &mut kv_keys, &mut kv_vals)?;
-        let data = OwnedVolumeData {
+        let (kv_keys, kv_vals) = &mut self.capture_slabs;
+        // `read_prefix` writes every float of both slabs: only a grown part is zeroed here.
+        kv_keys.resize(slab, 0.0);
+        kv_vals.resize(slab, 0.0);
+        session.rings().read_prefix(n, kv_keys, kv_vals)?;
+        let data = VolumeData {
             kv_shape,
-            tail: tail.to_vec(),
+            tail,
             kv_keys,
             kv_vals,
-            logits: logits.map(<[f32]>::to_vec),
+            logits,
         };
-        self.cache.capture_owned(&key, data).map_err(volume_err)
+        self.cache.capture(&key, data).map_err(volume_err)
     }
 
     /// `amplituhedron_replay`: splices the volume of `tokens` into a fresh session.
