@@ -125,8 +125,8 @@ impl Fixture {
         VolumeData {
             kv_shape: [self.layers, KV_HEADS, PREFIX_LEN, HEAD_DIM],
             tail: &self.tail,
-            kv_keys: &self.keys,
-            kv_vals: &self.vals,
+            kv_keys: (&self.keys).into(),
+            kv_vals: (&self.vals).into(),
             logits: None,
         }
     }

@@ -76,8 +76,8 @@ impl Payload {
         VolumeData {
             kv_shape: [1, 1, PROMPT_LEN, 2],
             tail: &self.tail,
-            kv_keys: &self.slab,
-            kv_vals: &self.slab,
+            kv_keys: (&self.slab).into(),
+            kv_vals: (&self.slab).into(),
             logits: None,
         }
     }

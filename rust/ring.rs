@@ -489,7 +489,7 @@ enum RowSource<'a> {
     /// may hold fewer), each `(keys, values)` laid out `(n_layers, kv_heads, positions,
     /// head_dim)`.
     Blocks {
-        blocks: &'a [(&'a [f32], &'a [f32])],
+        blocks: &'a [(KvSlice<'a>, KvSlice<'a>)],
         block: usize,
         offset: usize,
         /// Layers each block holds, and which of them feeds this ring layer.
@@ -946,7 +946,7 @@ impl DynamicRingBuffer {
     pub fn write_pending_blocks(
         &mut self,
         layer: usize,
-        blocks: &[(&[f32], &[f32])],
+        blocks: &[(KvSlice<'_>, KvSlice<'_>)],
         block: usize,
         offset: usize,
     ) -> Result<(), RingError> {
@@ -959,7 +959,7 @@ impl DynamicRingBuffer {
     pub fn write_pending_layer_blocks(
         &mut self,
         layer: usize,
-        blocks: &[(&[f32], &[f32])],
+        blocks: &[(KvSlice<'_>, KvSlice<'_>)],
         block: usize,
         offset: usize,
         (slab_layers, slab_layer): (usize, usize),
@@ -1089,8 +1089,8 @@ impl DynamicRingBuffer {
                         let src = ((slab_layer * self.cfg.kv_heads + h) * positions + p % block)
                             * head_dim;
                         let d = dst + h * head_dim;
-                        self.keys.put(d, &keys[src..src + head_dim]);
-                        self.vals.put(d, &vals[src..src + head_dim]);
+                        self.keys.put_slice(d, keys.slice(src..src + head_dim));
+                        self.vals.put_slice(d, vals.slice(src..src + head_dim));
                     }
                 }
             }
@@ -1257,7 +1257,7 @@ impl DynamicRingBuffer {
     }
 
     /// Copies logical positions `[0, n)` of layers `[layer_lo, layer_hi)` (ring-relative) into
-    /// `keys`/`vals` in the volume layout `(layers, kv_heads, n, head_dim)`.
+    /// `keys`/`vals` in the volume layout `(layers, kv_heads, n, head_dim)`, widened to f32.
     pub fn read_logical(
         &self,
         layer_lo: usize,
@@ -1265,6 +1265,31 @@ impl DynamicRingBuffer {
         n: usize,
         keys: &mut [f32],
         vals: &mut [f32],
+    ) -> Result<(), RingError> {
+        self.read_logical_with(layer_lo, layer_hi, n, keys, vals, KvStore::get)
+    }
+
+    /// [`read_logical`](Self::read_logical) as f16 bit patterns: an f16 ring's values as they
+    /// are stored (an f32 ring's rounded to f16).
+    pub fn read_logical_bits(
+        &self,
+        layer_lo: usize,
+        layer_hi: usize,
+        n: usize,
+        keys: &mut [u16],
+        vals: &mut [u16],
+    ) -> Result<(), RingError> {
+        self.read_logical_with(layer_lo, layer_hi, n, keys, vals, KvStore::get_bits)
+    }
+
+    fn read_logical_with<T>(
+        &self,
+        layer_lo: usize,
+        layer_hi: usize,
+        n: usize,
+        keys: &mut [T],
+        vals: &mut [T],
+        get: impl Fn(&KvStore, usize, &mut [T]),
     ) -> Result<(), RingError> {
         if self.plan.active {
             return Err(RingError::AppendPending);
@@ -1298,8 +1323,8 @@ impl DynamicRingBuffer {
                 for h in 0..self.cfg.kv_heads {
                     let dst = (((layer - layer_lo) * self.cfg.kv_heads + h) * n + p) * head_dim;
                     let s = src + h * head_dim;
-                    self.keys.get(s, &mut keys[dst..dst + head_dim]);
-                    self.vals.get(s, &mut vals[dst..dst + head_dim]);
+                    get(&self.keys, s, &mut keys[dst..dst + head_dim]);
+                    get(&self.vals, s, &mut vals[dst..dst + head_dim]);
                 }
             }
         }

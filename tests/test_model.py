@@ -145,6 +145,29 @@ def test_kv_storage_types_are_told_apart_and_agree_closely(
     assert int(np.argmax(half)) == int(np.argmax(full))
 
 
+def test_an_f16_session_captures_its_kv_as_f16_at_half_the_bytes(
+    model: Model, model_f32: Model, prompts: dict[str, Any]
+) -> None:
+    # An f16 session's volume keeps the ring's own bit patterns (2 bytes a value, replayed
+    # as a copy); an f32 session's keeps f32. Tail, logits and ids stay 4 bytes either way.
+    ids = prompts["sentence"]["token_ids"]
+    w = model.weights
+    kv_values = 2 * w.n_layers * w.n_kv_heads * len(ids) * w.head_dim
+    nbytes = {}
+    for m in (model, model_f32):
+        m.clear_cache()
+        session = m.new_session(0, m.n_layers)
+        hidden, logits = session.forward_tokens(ids)
+        assert logits is not None
+        nbytes[m.weights.kv_dtype] = m.pipeline.amplituhedron_capture(
+            session, ids, hidden[-1], logits[-1]
+        )
+        assert m.cache_stats()["bytes"] == nbytes[m.weights.kv_dtype]
+        m.clear_cache()
+    rest = 4 * (w.hidden + w.vocab + len(ids))
+    assert nbytes == {"f16": 2 * kv_values + rest, "f32": 4 * kv_values + rest}
+
+
 def test_probe_then_rollback_gives_identical_next_logits(
     model: Model, prompts: dict[str, Any]
 ) -> None:

@@ -85,6 +85,7 @@ class Vol:
         assert (v.layer_lo, v.layer_hi) == (self.layer_lo, self.layer_hi)
         assert (v.kv_heads, v.head_dim) == (self.kv_heads, self.head_dim)
         assert v.model_fingerprint == self.fingerprint
+        assert v.kv_dtype == "f32"  # f32 arrays in, f32 stored (f16 is what f16 sessions give)
         assert v.nbytes == self.nbytes
         assert v.tokens.tolist() == self.tokens
         np.testing.assert_array_equal(v.kv_keys, self.kv_keys)

@@ -311,6 +311,13 @@ impl PyVolume {
         self.inner.nbytes()
     }
 
+    /// How the KV is stored: "f16" for a volume an f16 session captured (half the bytes;
+    /// kv_keys/kv_vals widen it to f32 exactly), "f32" otherwise.
+    #[getter]
+    fn kv_dtype(&self) -> &'static str {
+        self.inner.kv_dtype().name()
+    }
+
     /// Pisot drift of the tail at capture.
     #[getter]
     fn drift(&self) -> f32 {
@@ -509,8 +516,8 @@ impl PyCache {
                     VolumeData {
                         kv_shape,
                         tail: &tail,
-                        kv_keys: k,
-                        kv_vals: v,
+                        kv_keys: k.into(),
+                        kv_vals: v.into(),
                         logits: logits.as_deref(),
                     },
                 ),

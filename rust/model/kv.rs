@@ -7,7 +7,7 @@
 
 use super::rings::LayerRings;
 use super::{ModelConfig, ModelError};
-use crate::ring::{KvDtype, SpanType};
+use crate::ring::{KvDtype, KvSlice, SpanType};
 
 /// Positions per semantic span: spans open at multiples of this (and at `n_sys`), small
 /// enough that span-aware eviction frees the window in reasonable steps, and fixed so the
@@ -135,7 +135,7 @@ impl SequenceKv {
         kv_len: usize,
         span: SpanType,
     ) -> Result<(), ModelError> {
-        self.append_blocks(&[(keys, vals)], stride, kv_len, span)
+        self.append_blocks(&[(keys.into(), vals.into())], stride, kv_len, span)
     }
 
     /// Like [`append_volume`](Self::append_volume), for a volume held in consecutive blocks
@@ -144,7 +144,7 @@ impl SequenceKv {
     /// concatenation, written straight from the blocks.
     pub fn append_blocks(
         &mut self,
-        blocks: &[(&[f32], &[f32])],
+        blocks: &[(KvSlice<'_>, KvSlice<'_>)],
         block: usize,
         kv_len: usize,
         span: SpanType,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::SequenceKv;
 use super::{LlamaWeights, ModelError};
-use crate::ring::SpanType;
+use crate::ring::{KvDtype, KvSlice, SpanType};
 use crate::volume::{
     AmplituhedronCache, AmplituhedronVolume, CacheConfig, CacheStats, CaptureOutcome,
     DamageOutcome, VolumeData, VolumeKey, BLOCK_POSITIONS,
@@ -36,8 +36,10 @@ pub struct NativeLlamaPipeline {
     /// Shortest shared prefix worth replaying after an exact miss (0: exact replay only).
     min_prefix_reuse: usize,
     /// Key and value slabs gathered from a session for a capture, kept between captures: a
-    /// fresh multi-megabyte buffer per capture costs a page fault per 4 KiB written.
+    /// fresh multi-megabyte buffer per capture costs a page fault per 4 KiB written. f32
+    /// sessions fill the f32 pair, f16 sessions the bit patterns (their volumes store f16).
     capture_slabs: (Vec<f32>, Vec<f32>),
+    capture_bits: (Vec<u16>, Vec<u16>),
 }
 
 /// Default of [`NativeLlamaPipeline::amplituhedron_set_min_prefix_reuse`]: below this many
@@ -69,6 +71,7 @@ impl NativeLlamaPipeline {
             cache,
             min_prefix_reuse: DEFAULT_MIN_PREFIX_REUSE,
             capture_slabs: (Vec::new(), Vec::new()),
+            capture_bits: (Vec::new(), Vec::new()),
         })
     }
 
@@ -243,7 +246,7 @@ impl NativeLlamaPipeline {
         let volume_err = |e: crate::volume::VolumeError| ModelError::Volume(e.to_string());
         let slab = layers * c.n_kv_heads * n * c.head_dim();
         let entry_bytes = AmplituhedronCache::entry_bytes(
-            2 * slab,
+            2 * slab * self.weights.kv_dtype().bytes(),
             tail.len(),
             logits.map_or(0, <[f32]>::len),
             n,
@@ -257,11 +260,23 @@ impl NativeLlamaPipeline {
         if let Some(max) = session.rings().capture_limit().filter(|&max| n > max) {
             return Ok(CaptureOutcome::SkippedTooLong { prefix_len: n, max });
         }
-        let (kv_keys, kv_vals) = &mut self.capture_slabs;
-        // `read_prefix` writes every float of both slabs: only a grown part is zeroed here.
-        kv_keys.resize(slab, 0.0);
-        kv_vals.resize(slab, 0.0);
-        session.rings().read_prefix(n, kv_keys, kv_vals)?;
+        // Reading writes every value of both slabs: only a grown part is zeroed here.
+        let (kv_keys, kv_vals) = match self.weights.kv_dtype() {
+            KvDtype::F32 => {
+                let (keys, vals) = &mut self.capture_slabs;
+                keys.resize(slab, 0.0);
+                vals.resize(slab, 0.0);
+                session.rings().read_prefix(n, keys, vals)?;
+                (KvSlice::F32(keys), KvSlice::F32(vals))
+            }
+            KvDtype::F16 => {
+                let (keys, vals) = &mut self.capture_bits;
+                keys.resize(slab, 0);
+                vals.resize(slab, 0);
+                session.rings().read_prefix_bits(n, keys, vals)?;
+                (KvSlice::F16(keys), KvSlice::F16(vals))
+            }
+        };
         let data = VolumeData {
             kv_shape,
             tail,
@@ -361,6 +376,6 @@ fn splice(
     vol: &AmplituhedronVolume,
     kv_len: usize,
 ) -> Result<(), ModelError> {
-    let blocks: Vec<(&[f32], &[f32])> = vol.blocks().iter().map(|b| (b.keys(), b.vals())).collect();
+    let blocks: Vec<_> = vol.blocks().iter().map(|b| (b.keys(), b.vals())).collect();
     session.append_blocks(&blocks, BLOCK_POSITIONS, kv_len, SpanType::User)
 }

@@ -17,7 +17,9 @@
 //! (llama.cpp's own SWA cache cannot restore a longer prefix either).
 
 use super::{ModelConfig, ModelError, SessionConfig, SPAN_TOKENS};
-use crate::ring::{DynamicRingBuffer, KvDtype, RingConfig, RingError, SemanticSpan, SpanType};
+use crate::ring::{
+    DynamicRingBuffer, KvDtype, KvSlice, RingConfig, RingError, SemanticSpan, SpanType,
+};
 
 /// Which of a range's rings holds a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -283,7 +285,7 @@ impl LayerRings {
     pub fn write_pending_blocks(
         &mut self,
         layer: usize,
-        blocks: &[(&[f32], &[f32])],
+        blocks: &[(KvSlice<'_>, KvSlice<'_>)],
         block: usize,
         offset: usize,
     ) -> Result<(), ModelError> {
@@ -334,13 +336,41 @@ impl LayerRings {
     }
 
     /// Copies positions `[0, n)` of every layer into `keys`/`vals`, volume layout
-    /// `(layers, kv_heads, n, head_dim)` in range order. A prefix that a sliding layer's
-    /// ring no longer holds whole is refused with [`ModelError::Volume`], saying why.
+    /// `(layers, kv_heads, n, head_dim)` in range order, widened to f32. A prefix that a
+    /// sliding layer's ring no longer holds whole is refused with [`ModelError::Volume`],
+    /// saying why.
     pub fn read_prefix(
         &self,
         n: usize,
         keys: &mut [f32],
         vals: &mut [f32],
+    ) -> Result<(), ModelError> {
+        self.read_prefix_with(n, keys, vals, DynamicRingBuffer::read_logical)
+    }
+
+    /// [`read_prefix`](Self::read_prefix) as the f16 bit patterns an f16 session stores.
+    pub fn read_prefix_bits(
+        &self,
+        n: usize,
+        keys: &mut [u16],
+        vals: &mut [u16],
+    ) -> Result<(), ModelError> {
+        self.read_prefix_with(n, keys, vals, DynamicRingBuffer::read_logical_bits)
+    }
+
+    fn read_prefix_with<T>(
+        &self,
+        n: usize,
+        keys: &mut [T],
+        vals: &mut [T],
+        read: impl Fn(
+            &DynamicRingBuffer,
+            usize,
+            usize,
+            usize,
+            &mut [T],
+            &mut [T],
+        ) -> Result<(), RingError>,
     ) -> Result<(), ModelError> {
         let block = self.row_len() * n;
         if keys.len() != block * self.place.len() || vals.len() != keys.len() {
@@ -367,8 +397,7 @@ impl LayerRings {
             .enumerate()
         {
             let (ring, index) = self.layer(i);
-            ring.read_logical(index, index + 1, n, k, v)
-                .map_err(ring_err)?;
+            read(ring, index, index + 1, n, k, v).map_err(ring_err)?;
         }
         Ok(())
     }

@@ -95,7 +95,7 @@ pub enum KvSlice<'a> {
     F16(&'a [u16]),
 }
 
-impl KvSlice<'_> {
+impl<'a> KvSlice<'a> {
     /// Values held.
     pub fn len(&self) -> usize {
         match self {
@@ -114,6 +114,22 @@ impl KvSlice<'_> {
         match self {
             KvSlice::F32(_) => KvDtype::F32,
             KvSlice::F16(_) => KvDtype::F16,
+        }
+    }
+
+    /// The values at `range`.
+    pub fn slice(&self, range: Range<usize>) -> KvSlice<'a> {
+        match *self {
+            KvSlice::F32(s) => KvSlice::F32(&s[range]),
+            KvSlice::F16(s) => KvSlice::F16(&s[range]),
+        }
+    }
+
+    /// Writes the values, widened to f32 (exact), into `dst` (of the same length).
+    pub fn widen_into(&self, dst: &mut [f32]) {
+        match self {
+            KvSlice::F32(s) => dst.copy_from_slice(s),
+            KvSlice::F16(s) => decode(s, dst),
         }
     }
 
@@ -173,6 +189,27 @@ impl KvStore {
         match self {
             KvStore::F32(v) => v[at..at + src.len()].copy_from_slice(src),
             KvStore::F16(v) => encode(src, &mut v[at..at + src.len()]),
+        }
+    }
+
+    /// Stores `src` at `at`: the bits where the types agree, else widened or rounded as
+    /// [`KvStore::put`] rounds (exact for f16 bits, and for f32 values that are f16-exact).
+    #[inline]
+    pub(crate) fn put_slice(&mut self, at: usize, src: KvSlice<'_>) {
+        match (self, src) {
+            (KvStore::F16(v), KvSlice::F16(s)) => v[at..at + s.len()].copy_from_slice(s),
+            (KvStore::F32(v), KvSlice::F16(s)) => decode(s, &mut v[at..at + s.len()]),
+            (store, KvSlice::F32(s)) => store.put(at, s),
+        }
+    }
+
+    /// Reads `dst.len()` values at `at` as stored (f16 bits from an f16 store; an f32 store
+    /// rounds them as [`KvStore::put`] would).
+    #[inline]
+    pub(crate) fn get_bits(&self, at: usize, dst: &mut [u16]) {
+        match self {
+            KvStore::F16(v) => dst.copy_from_slice(&v[at..at + dst.len()]),
+            KvStore::F32(v) => encode(&v[at..at + dst.len()], dst),
         }
     }
 

@@ -7,8 +7,11 @@ use std::sync::{Arc, OnceLock};
 use super::block::KvBlock;
 use super::data::entry_bytes;
 use super::key::Namespace;
-use super::slab::{copy_all_finite, first_damaged_row, first_non_finite, SlabShape};
+use super::slab::{
+    all_finite, copy_all_finite, first_damaged_row, first_non_finite, with_elems, SlabShape,
+};
 use super::VolumeError;
+use crate::ring::{KvDtype, KvSlice};
 
 /// Keys and values, each one slab in [`AmplituhedronVolume::slab_shape`] layout.
 pub(super) type Slabs = (Box<[f32]>, Box<[f32]>);
@@ -87,6 +90,12 @@ impl AmplituhedronVolume {
         self.kv_len < self.prefix_len()
     }
 
+    /// How the KV blocks store their values: f32, or f16 bit patterns (a volume captured from
+    /// an f16 session: half the bytes, and replay into an f16 ring is a copy).
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.blocks.first().map_or(KvDtype::F32, |b| b.dtype())
+    }
+
     /// KV heads per layer.
     pub fn kv_heads(&self) -> usize {
         self.shape.kv_heads
@@ -161,8 +170,11 @@ impl AmplituhedronVolume {
                 let run = b.positions() * s.head_dim;
                 for i in 0..s.layers * s.kv_heads {
                     let dst = s.row_offset(i / s.kv_heads, i % s.kv_heads, start);
-                    keys[dst..dst + run].copy_from_slice(&b.keys()[i * run..(i + 1) * run]);
-                    vals[dst..dst + run].copy_from_slice(&b.vals()[i * run..(i + 1) * run]);
+                    let rows = i * run..(i + 1) * run;
+                    b.keys()
+                        .slice(rows.clone())
+                        .widen_into(&mut keys[dst..dst + run]);
+                    b.vals().slice(rows).widen_into(&mut vals[dst..dst + run]);
                 }
                 start += b.positions();
             }
@@ -179,7 +191,7 @@ impl AmplituhedronVolume {
     /// less.
     pub fn nbytes(&self) -> usize {
         entry_bytes(
-            2 * self.shape.checked_len().expect("validated at capture"),
+            2 * self.kv_dtype().bytes() * self.shape.checked_len().expect("validated at capture"),
             self.tail.as_ref().map_or(0, Vec::len),
             self.logits.as_ref().map_or(0, Vec::len),
             self.tokens.len(),
@@ -198,8 +210,10 @@ impl AmplituhedronVolume {
                 positions: b.positions(),
                 ..self.shape
             };
-            let keys = first_damaged_row(shape, limit, b.keys()).map(|r| r.2);
-            let vals = first_damaged_row(shape, keys.unwrap_or(limit), b.vals()).map(|r| r.2);
+            let keys = with_elems!(b.keys(), k => first_damaged_row(shape, limit, k)).map(|r| r.2);
+            let vals_limit = keys.unwrap_or(limit);
+            let vals =
+                with_elems!(b.vals(), v => first_damaged_row(shape, vals_limit, v)).map(|r| r.2);
             if let Some(p) = vals.or(keys) {
                 return Some(start + p);
             }
@@ -264,9 +278,18 @@ impl AmplituhedronVolume {
                     ("kv_keys", b.keys(), &mut *dst_keys),
                     ("kv_vals", b.vals(), &mut *dst_vals),
                 ] {
-                    let src = &src[src_at..src_at + len];
-                    if !copy_all_finite(src, &mut dst[dst_at..dst_at + len]) {
-                        let bad = first_non_finite(src).expect("a non-finite value exists");
+                    let src = src.slice(src_at..src_at + len);
+                    let out = &mut dst[dst_at..dst_at + len];
+                    let finite = match src {
+                        KvSlice::F32(v) => copy_all_finite(v, out),
+                        KvSlice::F16(v) => {
+                            src.widen_into(out);
+                            all_finite(v)
+                        }
+                    };
+                    if !finite {
+                        let bad = with_elems!(src, v => first_non_finite(v))
+                            .expect("a non-finite value exists");
                         return Err(VolumeError::NonFiniteKv {
                             which,
                             layer,

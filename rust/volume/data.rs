@@ -3,8 +3,9 @@
 use std::sync::Arc;
 
 use super::block::{block_spans, KvBlock};
-use super::slab::{all_finite, first_damaged_row, first_non_finite, SlabShape};
+use super::slab::{all_finite, first_damaged_row, first_non_finite, with_elems, KvElem, SlabShape};
 use super::{VolumeError, VolumeKey};
+use crate::ring::KvSlice;
 
 /// Borrowed volume data for [`AmplituhedronCache::capture`](super::AmplituhedronCache::capture)
 /// (copied once into the cache's blocks).
@@ -14,10 +15,11 @@ pub struct VolumeData<'a> {
     pub kv_shape: [usize; 4],
     /// Hidden state emitted for the last prefix position (`hidden_dim` floats).
     pub tail: &'a [f32],
-    /// Key slab, row-major in `kv_shape`.
-    pub kv_keys: &'a [f32],
-    /// Value slab, row-major in `kv_shape`.
-    pub kv_vals: &'a [f32],
+    /// Key slab, row-major in `kv_shape`: f32, or f16 bit patterns (the volume then stores
+    /// f16, half the bytes).
+    pub kv_keys: KvSlice<'a>,
+    /// Value slab, row-major in `kv_shape`, of the keys' type.
+    pub kv_vals: KvSlice<'a>,
     /// The exit station's logits for the last prefix position.
     pub logits: Option<&'a [f32]>,
 }
@@ -45,8 +47,8 @@ impl OwnedVolumeData {
         VolumeData {
             kv_shape: self.kv_shape,
             tail: &self.tail,
-            kv_keys: &self.kv_keys,
-            kv_vals: &self.kv_vals,
+            kv_keys: KvSlice::F32(&self.kv_keys),
+            kv_vals: KvSlice::F32(&self.kv_vals),
             logits: self.logits.as_deref(),
         }
     }
@@ -87,6 +89,9 @@ impl VolumeData<'_> {
             });
         }
         let expected = s.checked_len().ok_or(VolumeError::SlabTooLarge)?;
+        if self.kv_keys.dtype() != self.kv_vals.dtype() {
+            return Err(VolumeError::KvDtypeMismatch);
+        }
         for (which, slab) in [("kv_keys", self.kv_keys), ("kv_vals", self.kv_vals)] {
             if slab.len() != expected {
                 return Err(VolumeError::SlabLength {
@@ -122,7 +127,7 @@ impl VolumeData<'_> {
     /// Byte size the entry will have (see the module docs for the formula).
     pub(super) fn entry_bytes(&self) -> usize {
         entry_bytes(
-            self.kv_keys.len() + self.kv_vals.len(),
+            self.kv_keys.dtype().bytes() * (self.kv_keys.len() + self.kv_vals.len()),
             self.tail.len(),
             self.logits.map_or(0, <[f32]>::len),
             self.shape().positions,
@@ -131,7 +136,8 @@ impl VolumeData<'_> {
 
     /// Checks both slabs for non-finite values without copying them.
     pub(super) fn check_slabs(&self, layer_lo: u16) -> Result<(), VolumeError> {
-        if all_finite(self.kv_keys) && all_finite(self.kv_vals) {
+        let finite = |slab: KvSlice<'_>| with_elems!(slab, v => all_finite(v));
+        if finite(self.kv_keys) && finite(self.kv_vals) {
             Ok(())
         } else {
             Err(self.locate_damage(layer_lo))
@@ -147,11 +153,31 @@ impl VolumeData<'_> {
         cached: &[Option<Arc<KvBlock>>],
         layer_lo: u16,
     ) -> Result<Vec<Arc<KvBlock>>, VolumeError> {
+        match (self.kv_keys, self.kv_vals) {
+            (KvSlice::F32(k), KvSlice::F32(v)) => self.blocks_of(k, v, cached, layer_lo),
+            (KvSlice::F16(k), KvSlice::F16(v)) => self.blocks_of(k, v, cached, layer_lo),
+            _ => Err(VolumeError::KvDtypeMismatch),
+        }
+    }
+
+    fn blocks_of<T: KvElem>(
+        &self,
+        keys: &[T],
+        vals: &[T],
+        cached: &[Option<Arc<KvBlock>>],
+        layer_lo: u16,
+    ) -> Result<Vec<Arc<KvBlock>>, VolumeError> {
         let shape = self.shape();
-        let (keys, vals) = (self.kv_keys, self.kv_vals);
         let mut blocks = Vec::with_capacity(shape.positions.div_ceil(super::BLOCK_POSITIONS));
         for (j, (start, n)) in block_spans(shape.positions).enumerate() {
-            let block = match cached.get(j).cloned().flatten() {
+            // A cached block is shared only if it stores the input's type: one volume's
+            // blocks (and its file) hold one type.
+            let shared = cached
+                .get(j)
+                .cloned()
+                .flatten()
+                .filter(|b| b.dtype() == T::DTYPE);
+            let block = match shared {
                 Some(b) if KvBlock::rows_finite(shape, keys, vals, start, n) => Some(b),
                 Some(_) => None,
                 None => KvBlock::copy_from(shape, keys, vals, start, n).map(Arc::new),
@@ -165,13 +191,14 @@ impl VolumeData<'_> {
     /// row (keys before values).
     fn locate_damage(&self, layer_lo: u16) -> VolumeError {
         let shape = self.shape();
-        let (which, slab) = if all_finite(self.kv_keys) {
+        let (which, slab) = if with_elems!(self.kv_keys, k => all_finite(k)) {
             ("kv_vals", self.kv_vals)
         } else {
             ("kv_keys", self.kv_keys)
         };
         let (layer, head, position) =
-            first_damaged_row(shape, shape.positions, slab).expect("caller saw a non-finite value");
+            with_elems!(slab, v => first_damaged_row(shape, shape.positions, v))
+                .expect("caller saw a non-finite value");
         VolumeError::NonFiniteKv {
             which,
             layer: usize::from(layer_lo) + layer,
@@ -181,12 +208,13 @@ impl VolumeData<'_> {
     }
 }
 
-/// Byte size of an entry: f32 slabs, tail and logits plus the u32 token ids.
+/// Byte size of an entry: both KV slabs (`kv_bytes`: 4 bytes a value as f32, 2 as f16), the
+/// f32 tail and logits, and the u32 token ids.
 pub(super) fn entry_bytes(
-    slab_floats: usize,
+    kv_bytes: usize,
     tail_len: usize,
     logits_len: usize,
     prefix_len: usize,
 ) -> usize {
-    4 * (slab_floats + tail_len + logits_len + prefix_len)
+    kv_bytes + 4 * (tail_len + logits_len + prefix_len)
 }

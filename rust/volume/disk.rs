@@ -13,7 +13,7 @@
 //! | 28 | flags (`u32`): bit 0 = salted |
 //! | 32 | tenant key `BLAKE3(salt)` (32 bytes, zero when unsalted) |
 //! | 64 | BLAKE3 digest of the ids (keyed by the tenant key when salted), 32 bytes |
-//! | 96 | `prefix_len`, `kv_heads`, `head_dim`, block positions, dtype (1 = f32), tail length, logits length (0 = none) (`u32` each) |
+//! | 96 | `prefix_len`, `kv_heads`, `head_dim`, block positions, KV dtype (1 = f32, 2 = f16 bit patterns), tail length, logits length (0 = none) (`u32` each) |
 //! | 124 | Pisot drift of the tail (`f32`), so eviction can weigh it before the payload is read |
 //! | 128 | payload length in bytes (`u64`) |
 //! | 136 | BLAKE3 of the payload (32 bytes) |
@@ -21,7 +21,8 @@
 //! | 200 | the `prefix_len` token ids (`u32` each), zero padding to the header length |
 //!
 //! The payload is every KV block in position order (its keys, then its values, each
-//! `(layers, kv_heads, positions, head_dim)` f32), then the tail residual, then the logits.
+//! `(layers, kv_heads, positions, head_dim)` of the KV dtype), then the tail residual, then
+//! the logits (f32).
 //!
 //! Writes go to a temporary `*.part` file that is synced and then renamed into place (and
 //! the directory synced), so a reader sees a whole file or none; a `*.part` file left by a
@@ -44,6 +45,8 @@ use memmap2::{Mmap, MmapOptions};
 use super::block::{block_spans, Floats, KvBlock, BLOCK_POSITIONS};
 use super::captured::AmplituhedronVolume;
 use super::key::Namespace;
+use super::slab::with_elems;
+use crate::ring::KvDtype;
 
 const _: () = assert!(
     cfg!(target_endian = "little"),
@@ -52,7 +55,9 @@ const _: () = assert!(
 
 const MAGIC: [u8; 8] = *b"AMPVOL\r\n";
 const VERSION: u32 = 1;
+/// The header's KV dtype codes.
 const DTYPE_F32: u32 = 1;
+const DTYPE_F16: u32 = 2;
 /// Bytes of the header before the token ids.
 const FIXED: usize = 200;
 /// Bytes covered by the header checksum before the ids.
@@ -73,6 +78,8 @@ pub(super) struct Header {
     pub(super) tokens: Arc<[u32]>,
     pub(super) kv_heads: usize,
     pub(super) head_dim: usize,
+    /// How the KV blocks are stored.
+    pub(super) kv_dtype: KvDtype,
     pub(super) tail_len: usize,
     /// 0: no logits.
     pub(super) logits_len: usize,
@@ -90,6 +97,7 @@ impl Header {
             tokens: Arc::clone(&volume.tokens),
             kv_heads: volume.kv_heads(),
             head_dim: volume.head_dim(),
+            kv_dtype: volume.kv_dtype(),
             tail_len: volume.tail().map_or(0, <[f32]>::len),
             logits_len: volume.logits().map_or(0, <[f32]>::len),
             drift: volume.drift(),
@@ -110,11 +118,14 @@ impl Header {
     }
 
     fn payload_len(&self) -> Option<usize> {
-        self.slab_floats()?
+        let kv = self
+            .slab_floats()?
             .checked_mul(2)?
-            .checked_add(self.tail_len)?
+            .checked_mul(self.kv_dtype.bytes())?;
+        self.tail_len
             .checked_add(self.logits_len)?
-            .checked_mul(4)
+            .checked_mul(4)?
+            .checked_add(kv)
     }
 
     /// Bytes of the whole file.
@@ -143,7 +154,7 @@ impl Header {
             self.kv_heads,
             self.head_dim,
             BLOCK_POSITIONS,
-            DTYPE_F32 as usize,
+            dtype_code(self.kv_dtype) as usize,
             self.tail_len,
             self.logits_len,
         ] {
@@ -200,12 +211,18 @@ impl Header {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
             .collect();
+        let kv_dtype = match u32_at(112) {
+            DTYPE_F32 => KvDtype::F32,
+            DTYPE_F16 => KvDtype::F16,
+            _ => return Err(Reject::Header("unsupported KV dtype")),
+        };
         let header = Header {
             namespace,
             digest: bytes32(64),
             tokens,
             kv_heads: word(100),
             head_dim: word(104),
+            kv_dtype,
             tail_len: word(116),
             logits_len: word(120),
             drift: f32::from_le_bytes(fixed[124..128].try_into().unwrap()),
@@ -221,8 +238,8 @@ impl Header {
         if !(header.drift.is_finite() && header.drift >= 0.0) {
             return Err(Reject::Header("drift out of range"));
         }
-        if word(108) != BLOCK_POSITIONS || u32_at(112) != DTYPE_F32 {
-            return Err(Reject::Header("unsupported block size or dtype"));
+        if word(108) != BLOCK_POSITIONS {
+            return Err(Reject::Header("unsupported block size"));
         }
         if !salted && fixed[32..64].iter().any(|&b| b != 0) {
             return Err(Reject::Header("tenant key without the salted flag"));
@@ -347,16 +364,17 @@ impl DiskStore {
                 .open(&temp)?;
             file.seek(SeekFrom::Start(header.header_len() as u64))?;
             let mut hasher = blake3::Hasher::new();
-            let mut put = |floats: &[f32]| -> io::Result<()> {
-                hasher.update(as_bytes(floats));
-                file.write_all(as_bytes(floats))
+            let mut put = |bytes: &[u8]| -> io::Result<()> {
+                hasher.update(bytes);
+                file.write_all(bytes)
             };
             for b in volume.blocks() {
-                put(b.keys())?;
-                put(b.vals())?;
+                for kv in [b.keys(), b.vals()] {
+                    put(with_elems!(kv, v => as_bytes(v)))?;
+                }
             }
-            put(volume.tail().unwrap_or_default())?;
-            put(volume.logits().unwrap_or_default())?;
+            put(as_bytes(volume.tail().unwrap_or_default()))?;
+            put(as_bytes(volume.logits().unwrap_or_default()))?;
             header.payload_checksum = *hasher.finalize().as_bytes();
             file.seek(SeekFrom::Start(0))?;
             file.write_all(&header.encode())?;
@@ -424,16 +442,24 @@ pub(super) fn mapped_parts(
 ) -> (Vec<KvBlock>, Vec<f32>, Option<Vec<f32>>) {
     let row = header.namespace.layers() * header.kv_heads * header.head_dim;
     let mut at = header.header_len();
-    let mut take = |floats: usize| {
-        let f = Floats::mapped(map, at, floats);
-        at += 4 * floats;
-        f
-    };
     let blocks = block_spans(header.tokens.len())
-        .map(|(_, n)| KvBlock::new(n, take(2 * row * n)))
+        .map(|(_, n)| {
+            let values = 2 * row * n;
+            let block = KvBlock::new(n, Floats::mapped(map, at, values, header.kv_dtype));
+            at += header.kv_dtype.bytes() * values;
+            block
+        })
         .collect();
-    let tail = take(header.tail_len).to_vec();
-    let logits = (header.logits_len > 0).then(|| take(header.logits_len).to_vec());
+    let mut floats = |n: usize| {
+        let mut out = vec![0.0f32; n];
+        for (dst, src) in out.iter_mut().zip(map[at..at + 4 * n].chunks_exact(4)) {
+            *dst = f32::from_le_bytes(src.try_into().expect("4 bytes"));
+        }
+        at += 4 * n;
+        out
+    };
+    let tail = floats(header.tail_len);
+    let logits = (header.logits_len > 0).then(|| floats(header.logits_len));
     (blocks, tail, logits)
 }
 
@@ -492,12 +518,25 @@ fn put32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
-/// The little-endian bytes of 4-byte words (this target is little-endian).
-fn as_bytes<T: Copy>(words: &[T]) -> &[u8] {
-    const { assert!(std::mem::size_of::<T>() == 4) };
-    // SAFETY: `T` is a 4-byte plain value (f32 or u32: no padding, every byte initialised);
-    // u8 has no alignment requirement; the length covers exactly the same memory.
-    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), 4 * words.len()) }
+/// The little-endian bytes of plain words (this target is little-endian).
+fn as_bytes<T: Plain>(words: &[T]) -> &[u8] {
+    // SAFETY: `T` is a plain value (f32, u32 or u16: no padding, every byte initialised); u8
+    // has no alignment requirement; the length covers exactly the same memory.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+}
+
+/// Types whose values are their bytes (no padding, no invalid bit patterns).
+trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for u32 {}
+impl Plain for u16 {}
+
+/// The header's code of a KV dtype.
+fn dtype_code(dtype: KvDtype) -> u32 {
+    match dtype {
+        KvDtype::F32 => DTYPE_F32,
+        KvDtype::F16 => DTYPE_F16,
+    }
 }
 
 fn remove_quietly(path: &Path) {

@@ -33,6 +33,8 @@ pub enum VolumeError {
     },
     /// The slab's float count does not fit `usize`.
     SlabTooLarge,
+    /// The key and value slabs are stored in different types (f32 and f16).
+    KvDtypeMismatch,
     /// A slab's length is not `layers × kv_heads × prefix_len × head_dim`.
     SlabLength {
         /// `"kv_keys"` or `"kv_vals"`.
@@ -122,6 +124,9 @@ impl fmt::Display for VolumeError {
             ),
             VolumeError::ZeroDimension { dim } => write!(f, "KV slab {dim} must be at least 1"),
             VolumeError::SlabTooLarge => f.write_str("KV slab size overflows usize"),
+            VolumeError::KvDtypeMismatch => {
+                f.write_str("kv_keys and kv_vals must be stored in the same type (f32 or f16)")
+            }
             VolumeError::SlabLength {
                 which,
                 expected,

@@ -42,9 +42,11 @@
 //!
 //! # Sizes
 //! [`AmplituhedronVolume::nbytes`] is exactly
-//! `4 × (2 × prefix_len × layers × kv_heads × head_dim + tail_len + logits_len + prefix_len)`:
-//! the two f32 slabs, the f32 tail and logits, and the u32 token ids. The slab term is the
-//! Lean `volume = states × constraints` (`prefix_len × layers`) times `2 × kv_heads × head_dim`.
+//! `b × 2 × prefix_len × layers × kv_heads × head_dim + 4 × (tail_len + logits_len + prefix_len)`:
+//! the two KV slabs at `b` bytes a value (4 as f32; 2 as f16, which is how a volume an f16
+//! session captures stores them: the ring's own bit patterns, so replay into an f16 ring is a
+//! copy), the f32 tail and logits, and the u32 token ids. The slab term is the Lean
+//! `volume = states × constraints` (`prefix_len × layers`) times `2 × kv_heads × head_dim`.
 //! The memory a cache counts against `max_bytes` is that sum over its resident volumes with
 //! each shared block counted once; fixed bookkeeping (digests, index nodes) is not counted.
 //!
@@ -78,7 +80,7 @@ pub use captured::AmplituhedronVolume;
 pub use data::{OwnedVolumeData, VolumeData};
 pub use error::{CacheStats, CaptureOutcome, DamageOutcome, VolumeError};
 pub use key::VolumeKey;
-pub use slab::{all_finite, copy_all_finite, SlabShape};
+pub use slab::SlabShape;
 
 use data::entry_bytes;
 use disk::{DiskStore, Header};
@@ -290,7 +292,11 @@ impl AmplituhedronCache {
             let h = f.header;
             let bytes = h.file_len();
             let nbytes = entry_bytes(
-                2 * h.namespace.layers() * h.kv_heads * h.tokens.len() * h.head_dim,
+                2 * h.kv_dtype.bytes()
+                    * h.namespace.layers()
+                    * h.kv_heads
+                    * h.tokens.len()
+                    * h.head_dim,
                 h.tail_len,
                 h.logits_len,
                 h.tokens.len(),
@@ -649,15 +655,15 @@ impl AmplituhedronCache {
         skip
     }
 
-    /// The entry size `capture` would report for these lengths (floats of both slabs, tail,
-    /// logits, and the prefix's token ids).
+    /// The entry size `capture` would report for these lengths (the bytes of both KV slabs,
+    /// then the floats of tail and logits and the prefix's token ids).
     pub fn entry_bytes(
-        slab_floats: usize,
+        kv_bytes: usize,
         tail_len: usize,
         logits_len: usize,
         prefix_len: usize,
     ) -> usize {
-        entry_bytes(slab_floats, tail_len, logits_len, prefix_len)
+        entry_bytes(kv_bytes, tail_len, logits_len, prefix_len)
     }
 
     /// The outcome of a capture that stores nothing, if it is one, and the intact entry with

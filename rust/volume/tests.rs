@@ -5,10 +5,11 @@ mod disk;
 mod index;
 
 use super::block::{self, Floats};
-use super::slab::{all_finite_portable, copy_all_finite_portable};
+use super::slab::{all_finite, all_finite_portable, copy_all_finite, copy_all_finite_portable};
 use super::*;
 use crate::eviction::Tracked;
 use crate::keys::digest_prefix_u64;
+use crate::ring::{KvDtype, KvSlice};
 use proptest::prelude::*;
 use std::collections::HashSet;
 
@@ -88,8 +89,8 @@ impl Sample {
         VolumeData {
             kv_shape: self.shape,
             tail: &self.tail,
-            kv_keys: &self.keys,
-            kv_vals: &self.vals,
+            kv_keys: (&self.keys).into(),
+            kv_vals: (&self.vals).into(),
             logits: self.logits.as_deref(),
         }
     }
@@ -172,7 +173,7 @@ fn unchecked_blocks(shape: SlabShape, keys: &[f32], vals: &[f32]) -> Vec<Arc<KvB
                     .collect()
             };
             let data = [gather(keys), gather(vals)].concat().into_boxed_slice();
-            Arc::new(KvBlock::new(n, Floats::Heap(data)))
+            Arc::new(KvBlock::new(n, Floats::Heap(slab::HeapKv::F32(data))))
         })
         .collect()
 }
@@ -1261,4 +1262,147 @@ fn resident_bytes(resident: &[(Arc<AmplituhedronVolume>, Tracked)]) -> usize {
         }
     }
     bytes
+}
+
+// ---- f16 volumes -----------------------------------------------------------------------
+
+/// The f16 bit patterns of `values` (what an f16 ring stores).
+fn f16_bits(values: &[f32]) -> Vec<u16> {
+    values
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_bits())
+        .collect()
+}
+
+/// `bits` widened to f32.
+fn widened(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| half::f16::from_bits(b).to_f32())
+        .collect()
+}
+
+/// A sample's KV as f16 bit patterns (keys, values).
+fn f16_slabs(s: &Sample) -> (Vec<u16>, Vec<u16>) {
+    (f16_bits(&s.keys), f16_bits(&s.vals))
+}
+
+fn f16_data<'a>(s: &'a Sample, slabs: &'a (Vec<u16>, Vec<u16>)) -> VolumeData<'a> {
+    VolumeData {
+        kv_keys: KvSlice::F16(&slabs.0),
+        kv_vals: KvSlice::F16(&slabs.1),
+        ..s.data()
+    }
+}
+
+#[test]
+fn an_f16_volume_stores_half_the_kv_bytes_and_widens_exactly() {
+    let s = Sample::new((0..40).collect());
+    let slabs = f16_slabs(&s);
+    let mut cache = cache_with(4, EvictionPolicy::Lru);
+    let ids_tail_logits = 4 * (s.tokens.len() + s.tail.len() + 3);
+    let expected = 2 * (slabs.0.len() + slabs.1.len()) + ids_tail_logits;
+    assert_eq!(
+        expected,
+        (s.expected_bytes() - ids_tail_logits) / 2 + ids_tail_logits
+    );
+    assert_eq!(
+        cache.capture(&s.key(), f16_data(&s, &slabs)).unwrap(),
+        CaptureOutcome::Stored { bytes: expected }
+    );
+    assert_eq!(cache.stats().bytes, expected);
+    let v = s.replay(&mut cache).unwrap();
+    assert_eq!(v.kv_dtype(), KvDtype::F16);
+    assert!(v.blocks().iter().all(|b| b.dtype() == KvDtype::F16));
+    assert_eq!(v.nbytes(), expected);
+    assert_eq!(v.kv_keys(), &widened(&slabs.0)[..]);
+    assert_eq!(v.kv_vals(), &widened(&slabs.1)[..]);
+    // The blocks hold the bits themselves: replay into an f16 ring copies them.
+    let (b0, _) = v.blocks_upto(16).next().unwrap();
+    let KvSlice::F16(bits) = b0.keys() else {
+        panic!("an f16 block")
+    };
+    assert_eq!(bits[..4], slabs.0[..4]);
+    // Row copies widen too.
+    let (mut k, mut vv) = (vec![0.0; 3 * 4], vec![0.0; 3 * 4]);
+    v.copy_rows_checked(1, 1, 17..20, &mut k, &mut vv).unwrap();
+    let at = SlabShape::from_dims(s.shape).row_offset(1, 1, 17);
+    assert_eq!(k, widened(&slabs.0[at..at + 12]));
+    assert_eq!(vv, widened(&slabs.1[at..at + 12]));
+}
+
+#[test]
+fn mixed_kv_dtypes_are_refused_and_change_nothing() {
+    let s = Sample::new((0..20).collect());
+    let slabs = f16_slabs(&s);
+    let mut cache = cache_with(4, EvictionPolicy::Lru);
+    let mixed = VolumeData {
+        kv_keys: KvSlice::F32(&s.keys),
+        kv_vals: KvSlice::F16(&slabs.1),
+        ..s.data()
+    };
+    assert_eq!(
+        cache.capture(&s.key(), mixed).unwrap_err(),
+        VolumeError::KvDtypeMismatch
+    );
+    assert_eq!((cache.stats().entries, cache.stats().bytes), (0, 0));
+    assert!(s.replay(&mut cache).is_none());
+}
+
+#[test]
+fn volumes_of_different_kv_dtypes_never_share_a_block() {
+    // Same namespace and a shared 20-id prefix: an f16 capture after an f32 one (and the
+    // reverse) keeps its own first block, so one volume (and its file) holds one type.
+    let shared: Vec<u32> = (0..20).collect();
+    let a = Sample::new([shared.clone(), vec![7, 8, 9]].concat());
+    let b = Sample::new([shared, vec![30; 17]].concat());
+    let b_slabs = f16_slabs(&b);
+    let mut cache = cache_with(8, EvictionPolicy::Lru);
+    a.capture(&mut cache).unwrap();
+    cache.capture(&b.key(), f16_data(&b, &b_slabs)).unwrap();
+    let (va, vb) = (a.replay(&mut cache).unwrap(), b.replay(&mut cache).unwrap());
+    assert_eq!((va.kv_dtype(), vb.kv_dtype()), (KvDtype::F32, KvDtype::F16));
+    assert!(!Arc::ptr_eq(&va.blocks()[0], &vb.blocks()[0]));
+    assert!(vb.blocks().iter().all(|blk| blk.dtype() == KvDtype::F16));
+    assert_eq!(cache.stats().bytes, resident_bytes(&cache.resident()));
+    // Two f16 volumes do share it.
+    let mut cache = cache_with(8, EvictionPolicy::Lru);
+    let c = Sample::new([(0..20).collect::<Vec<u32>>(), vec![5; 4]].concat());
+    let c_slabs = f16_slabs(&c);
+    cache.capture(&b.key(), f16_data(&b, &b_slabs)).unwrap();
+    cache.capture(&c.key(), f16_data(&c, &c_slabs)).unwrap();
+    let (vb, vc) = (b.replay(&mut cache).unwrap(), c.replay(&mut cache).unwrap());
+    assert!(Arc::ptr_eq(&vb.blocks()[0], &vc.blocks()[0]));
+    assert_eq!(cache.stats().bytes, resident_bytes(&cache.resident()));
+}
+
+#[test]
+fn non_finite_f16_bits_are_refused_and_injected_faults_are_found() {
+    let s = Sample::new((0..40).collect());
+    let shape = SlabShape::from_dims(s.shape);
+    let mut cache = cache_with(4, EvictionPolicy::Lru);
+    for (bad_keys, bits) in [(true, 0x7c00u16), (false, 0xfe00)] {
+        let mut slabs = f16_slabs(&s);
+        let at = shape.row_offset(1, 0, 21) + 2;
+        if bad_keys {
+            slabs.0[at] = bits;
+        } else {
+            slabs.1[at] = bits;
+        }
+        assert_eq!(
+            cache.capture(&s.key(), f16_data(&s, &slabs)).unwrap_err(),
+            VolumeError::NonFiniteKv {
+                which: if bad_keys { "kv_keys" } else { "kv_vals" },
+                layer: 1,
+                head: 0,
+                position: 21,
+            }
+        );
+    }
+    assert_eq!(cache.stats().entries, 0);
+    let slabs = f16_slabs(&s);
+    cache.capture(&s.key(), f16_data(&s, &slabs)).unwrap();
+    assert!(cache.inject_fault(&s.key(), 33).unwrap());
+    let v = s.replay(&mut cache).unwrap();
+    assert_eq!(v.kv_dtype(), KvDtype::F16);
+    assert_eq!(v.first_non_finite_position(), Some(33));
 }

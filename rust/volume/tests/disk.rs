@@ -506,3 +506,48 @@ fn an_entry_gone_before_its_write_ends_leaves_no_file_and_a_recapture_keeps_its_
     all[0].assert_is(&all[0].replay(&mut cache).expect("its file"));
     assert!(all[1].replay(&mut cache).is_none());
 }
+
+#[test]
+fn an_f16_volume_file_is_half_the_kv_bytes_and_maps_back_bit_for_bit() {
+    let dir = TempDir::new("f16");
+    let s = Sample::new((0..40).collect());
+    let slabs = f16_slabs(&s);
+    let f32_file = {
+        let other = TempDir::new("f16-f32");
+        let mut cache = on_disk(&other, 8, None);
+        written(&s, &mut cache);
+        fs::metadata(file_of(&other, &s)).unwrap().len()
+    };
+    {
+        let mut cache = on_disk(&dir, 8, None);
+        cache.capture(&s.key(), f16_data(&s, &slabs)).unwrap();
+        cache.flush();
+        assert_eq!(cache.stats().disk_writes, 1);
+    }
+    // Two bytes a value instead of four: the file is smaller by exactly its f16 KV bytes.
+    let kv_bytes = 2 * (slabs.0.len() + slabs.1.len()) as u64;
+    assert_eq!(
+        fs::metadata(file_of(&dir, &s)).unwrap().len(),
+        f32_file - kv_bytes
+    );
+    let mut cache = on_disk(&dir, 8, None);
+    let v = s.replay(&mut cache).expect("served from disk");
+    assert_eq!(cache.stats().disk_hits, 1);
+    assert!(v
+        .blocks()
+        .iter()
+        .all(|b| b.is_mapped() && b.dtype() == KvDtype::F16));
+    assert_eq!(v.kv_keys(), &widened(&slabs.0)[..]);
+    assert_eq!(v.kv_vals(), &widened(&slabs.1)[..]);
+    assert_eq!(
+        (v.tail(), v.logits()),
+        (Some(&s.tail[..]), s.logits.as_deref())
+    );
+    assert_eq!(v.nbytes() as u64, kv_bytes + 4 * (40 + 8 + 3));
+    // A header naming a KV dtype this build does not know is rejected (and deleted).
+    drop(cache);
+    edit_file(&file_of(&dir, &s), |bytes| bytes[112] = 3);
+    let mut cache = on_disk(&dir, 8, None);
+    assert_eq!(cache.stats().disk_rejected, 1);
+    assert!(s.replay(&mut cache).is_none());
+}
