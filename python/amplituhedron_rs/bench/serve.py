@@ -289,6 +289,14 @@ def systems(a: argparse.Namespace, model_path: str) -> list[tuple[str, list[str]
         pass
     elif importlib.util.find_spec("llama_cpp") is None:
         out.append(("llama_cpp.server", "llama-cpp-python is not installed (peers extra)"))
+    elif importlib.util.find_spec("sse_starlette") is None:
+        out.append(
+            (
+                "llama_cpp.server",
+                "llama-cpp-python's server extra is missing: "
+                "pip install 'llama-cpp-python[server]' (or the peers extra)",
+            )
+        )
     else:
         port = free_port()
         out.append(
