@@ -16,3 +16,6 @@ pub mod volume;
 
 #[cfg(feature = "python")]
 mod bindings;
+
+#[cfg(test)]
+mod ring_alloc_tests;

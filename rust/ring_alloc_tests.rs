@@ -1,14 +1,14 @@
 //! The decode path — plan, attend, write, commit, roll back, abort — never allocates.
 //!
 //! A counting global allocator counts allocations made by this test's thread while armed.
+//! It is the unit-test harness's allocator: it forwards every call to the system allocator
+//! and counts only on an armed thread, so the other tests run as before.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use amplituhedron::attention::{
-    attend, attend_chunk, scratch_len, AttnDims, AttnInputs, AttnScratch,
-};
-use amplituhedron::ring::{DynamicRingBuffer, RingConfig, SpanType};
+use crate::attention::{attend, attend_chunk, scratch_len, AttnDims, AttnInputs, AttnScratch};
+use crate::ring::{DynamicRingBuffer, RingConfig, SpanType};
 
 struct Counting;
 
