@@ -2,7 +2,7 @@
 # Every test and check the project has: Rust (test, clippy, fmt; clippy --all-targets
 # compiles the benches too), the extension build, pytest, ruff, mypy, and the stub check
 # against the built module. Each step prints the seconds it took: CI must stay under 30
-# minutes on a 2-core machine.
+# minutes on a 2-core machine; pytest lists its 15 slowest tests for the same reason.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,5 +26,5 @@ step "ruff";                        ruff check python tests scripts && ruff form
 step "mypy";                        mypy
 step "stubtest (_core.pyi vs the built module)"
 python -m mypy.stubtest amplituhedron_rs._core --allowlist scripts/stubtest-allowlist.txt
-step "pytest";                      pytest -q "$@"
+step "pytest";                      pytest -q --durations=15 "$@"
 printf '    (%ds)\n\nall checks passed in %ds\n' "$((SECONDS - last))" "$((SECONDS - started))"
