@@ -42,6 +42,10 @@ impl Lanes for Avx2Lanes {
     /// 4 keys × 2 `__m256` accumulators of one head (16 ymm registers in all).
     const KEY_GROUP: usize = 4;
     const SCORE_HEADS: usize = 1;
+    /// 3 heads × 2 vectors × 2 `__m256` accumulators + the 4 of a loaded value block: the
+    /// 16 ymm registers. (4 × 4, the AVX-512 blocking, spills: ~13% slower at 256 keys.)
+    const VALUE_VECTORS: usize = 2;
+    const VALUE_HEADS: usize = 3;
 
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {

@@ -25,6 +25,8 @@ impl Lanes for Avx512Lanes {
     /// heads did, and ran slower).
     const KEY_GROUP: usize = 4;
     const SCORE_HEADS: usize = 3;
+    const VALUE_VECTORS: usize = 4;
+    const VALUE_HEADS: usize = 4;
 
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {

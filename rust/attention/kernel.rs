@@ -23,6 +23,12 @@ pub(super) trait Lanes: Copy {
     const KEY_GROUP: usize;
     /// Query heads (1 to 3) scored together against each loaded key block.
     const SCORE_HEADS: usize;
+    /// Vectors of head dimensions (1 to 4) a value block accumulates, and query heads (1 to
+    /// 4) per value block: `VALUE_HEADS × VALUE_VECTORS` accumulators stay in registers.
+    /// (How the dimensions are blocked never changes a result: every output lane sums its
+    /// keys in sequence order.)
+    const VALUE_VECTORS: usize;
+    const VALUE_HEADS: usize;
 
     unsafe fn splat(x: f32) -> Self;
     unsafe fn load(ptr: *const f32) -> Self;
@@ -509,13 +515,13 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
     for g in 0..n_kv_heads {
         let (mut h0, end) = heads_of_group(g, group, &heads);
         while h0 < end {
-            let block_heads = (end - h0).min(4);
+            let block_heads = (end - h0).min(V::VALUE_HEADS);
             let mut d0 = 0;
             while d0 < head_dim {
-                let width = (head_dim - d0).min(4 * LANES);
+                let width = (head_dim - d0).min(V::VALUE_VECTORS * LANES);
                 macro_rules! block {
                     ($nh:literal) => {
-                        if width == 4 * LANES {
+                        if width == V::VALUE_VECTORS * LANES {
                             value_block::<V, E, $nh, true>(
                                 &values,
                                 dims,
@@ -578,11 +584,15 @@ unsafe fn value_segment<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
     let kv_row = dims.kv_row();
     let head_dim = dims.head_dim;
     for i in 0..segment.len() {
-        let prefetch_len = if FULL { 4 * LANES } else { width };
+        let prefetch_len = if FULL {
+            V::VALUE_VECTORS * LANES
+        } else {
+            width
+        };
         segment.prefetch_ahead(i, kv_row, g * head_dim + d0, prefetch_len);
         let v = segment.row(i, kv_row).add(g * head_dim + d0);
         let mut vv = [V::splat(0.0); 4];
-        for (c, lane) in vv.iter_mut().enumerate() {
+        for (c, lane) in vv.iter_mut().enumerate().take(V::VALUE_VECTORS) {
             if FULL {
                 *lane = E::lanes::<V>(v.add(c * LANES));
             } else {
@@ -594,7 +604,7 @@ unsafe fn value_segment<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
         }
         for (hh, acc_h) in acc.iter_mut().enumerate() {
             let p = V::splat(*scores.add((h0 + hh) * stride + j + i));
-            for c in 0..4 {
+            for c in 0..V::VALUE_VECTORS {
                 acc_h[c] = V::fma(p, vv[c], acc_h[c]);
             }
         }
@@ -661,7 +671,7 @@ unsafe fn value_block<V: Lanes, E: KvElem, const NH: usize, const FULL: bool>(
         let h = h0 + hh;
         let scale = V::splat(inv[h]);
         let dst = out.as_mut_ptr().add((h - first_head) * head_dim + d0);
-        for (c, lane) in acc_h.iter().enumerate() {
+        for (c, lane) in acc_h.iter().enumerate().take(V::VALUE_VECTORS) {
             let start = c * LANES;
             if start >= width {
                 break;

@@ -34,6 +34,8 @@ fn max_rule(a: f32, b: f32) -> f32 {
 impl Lanes for ScalarLanes {
     const KEY_GROUP: usize = 8;
     const SCORE_HEADS: usize = 3;
+    const VALUE_VECTORS: usize = 4;
+    const VALUE_HEADS: usize = 4;
 
     #[inline(always)]
     unsafe fn splat(x: f32) -> Self {
