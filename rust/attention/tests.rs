@@ -563,7 +563,8 @@ fn thread_count_and_row_grouping_never_change_a_bit() {
 
 #[test]
 fn rows_fewer_than_threads_split_their_heads_without_changing_a_bit() {
-    // Long enough for rows of 128+ keys, where a lone row's heads go to several threads.
+    // Long enough for rows of 128+ keys, where a lone row's heads go to several threads;
+    // odd chunks (a verify step's k + 1 rows) leave a thread fewer rows than the others.
     let cfg = RingConfig {
         slots: 300,
         ..stream_config()
@@ -579,7 +580,7 @@ fn rows_fewer_than_threads_split_their_heads_without_changing_a_bit() {
             .num_threads(threads)
             .build()
             .unwrap();
-        for (chunk, blocks) in [(1, threads), (1, 4), (2, 4)] {
+        for (chunk, blocks) in [(1, threads), (1, 4), (2, 4), (3, threads), (5, 4), (8, 3)] {
             let got = pool.install(|| run_stream(&cfg, &spans, chunk, blocks, true));
             assert!(
                 got == reference,
