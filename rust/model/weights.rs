@@ -388,9 +388,8 @@ impl LlamaWeights {
 }
 
 /// Copies every matrix of a 32-element format (16 rows or more) into one buffer in the
-/// interleaved layout, recording where in `TensorEntry::interleaved`; a tensor listed twice
-/// (a tied head) is copied once. Only where a SIMD kernel runs: the scalar kernel would have
-/// to undo the layout row by row.
+/// interleaved layout, recording where in `TensorEntry::interleaved`. Only where a SIMD kernel
+/// runs: the scalar kernel would have to undo the layout row by row.
 fn interleave_matrices<'e>(
     bytes: &[u8],
     entries: impl Iterator<Item = &'e mut TensorEntry>,
@@ -401,29 +400,22 @@ fn interleave_matrices<'e>(
     if chosen.is_empty() || crate::quant::Kernel::detect() == crate::quant::Kernel::Scalar {
         return Vec::new();
     }
-    let mut at: HashMap<usize, usize> = HashMap::new();
     let mut total = 0;
     for e in &mut chosen {
-        let start = *at.entry(e.start).or_insert_with(|| {
-            total += e.len;
-            total - e.len
-        });
-        e.interleaved = Some(start);
+        e.interleaved = Some(total);
+        total += e.len;
     }
     let mut out = vec![0u8; total];
-    let mut done = std::collections::HashSet::new();
     for e in chosen {
         let to = e.interleaved.expect("set above");
-        if done.insert(to) {
-            let ok = crate::quant::interleave_rows_into(
-                e.dtype,
-                e.rows,
-                e.cols,
-                &bytes[e.start..e.start + e.len],
-                &mut out[to..to + e.len],
-            );
-            assert!(ok, "a validated matrix of an interleavable type");
-        }
+        let ok = crate::quant::interleave_rows_into(
+            e.dtype,
+            e.rows,
+            e.cols,
+            &bytes[e.start..e.start + e.len],
+            &mut out[to..to + e.len],
+        );
+        assert!(ok, "a validated matrix of an interleavable type");
     }
     out
 }
