@@ -608,8 +608,8 @@ fn precision_name(refined: bool) -> &'static str {
     }
 }
 
-/// One cache-warm 1536×576 matrix per format, n tokens, one thread: kernel throughput
-/// without memory effects (GMAC/s), for both precisions.
+/// One cache-warm 1536×576 matrix per format (SmolLM2's Q4_1 and Q8_0, Gemma 3's Q5_0), n
+/// tokens, one thread: kernel throughput without memory effects (GMAC/s), both precisions.
 fn small_batch_kernel(c: &mut Criterion) {
     let mut rng = Rng(6);
     let pool = pool(1);
@@ -619,6 +619,8 @@ fn small_batch_kernel(c: &mut Criterion) {
         (GgmlType::Q4_1, true),
         (GgmlType::Q8_0, false),
         (GgmlType::Q8_0, true),
+        (GgmlType::Q5_0, false),
+        (GgmlType::Q5_0, true),
     ] {
         let data = random_weights(dtype, FFN, HIDDEN, &mut rng);
         let il_data = interleave_rows(dtype, FFN, HIDDEN, &data).unwrap();

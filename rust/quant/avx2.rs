@@ -27,19 +27,21 @@ unsafe fn broadcast4(a: *const i8) -> __m256i {
     unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(a as *const i32)) }
 }
 
-/// `Σ_v` of the code vectors' dot products with the activation words, `vpmaddwd` pair sums
-/// weighted by `pair_weight` (ones, or a group scale); two `vpmaddubsw` results are added in
-/// i16 first (codes below 64 keep 4 products inside i16).
+/// `Σ_v` of the code vectors' dot products with the activation words, `vpmaddwd` sums
+/// weighted by `pair_weight` (a group scale); the `vpmaddubsw` results of `run` consecutive
+/// vectors are added in i16 first (the caller's bound keeps them exact).
 #[inline(always)]
-unsafe fn pair_sums(codes: &[__m256i], a: *const i8, pair_weight: __m256i) -> __m256i {
+unsafe fn pair_sums(codes: &[__m256i], a: *const i8, pair_weight: __m256i, run: usize) -> __m256i {
     // SAFETY: 4·codes.len() readable bytes at `a` (caller).
     unsafe {
         let mut acc = _mm256_setzero_si256();
-        for (k, pair) in codes.chunks_exact(2).enumerate() {
-            let p0 = _mm256_maddubs_epi16(pair[0], broadcast4(a.add(8 * k)));
-            let p1 = _mm256_maddubs_epi16(pair[1], broadcast4(a.add(8 * k + 4)));
-            let p = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), pair_weight);
-            acc = _mm256_add_epi32(acc, p);
+        for (k, chunk) in codes.chunks(run).enumerate() {
+            let at = |j: usize| broadcast4(a.add(4 * (k * run + j)));
+            let mut p = _mm256_maddubs_epi16(chunk[0], at(0));
+            for (j, &c) in chunk.iter().enumerate().skip(1) {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(c, at(j)));
+            }
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pair_weight));
         }
         acc
     }
@@ -60,6 +62,11 @@ impl Isa for Avx2 {
     #[inline(always)]
     unsafe fn splat(v: i32) -> __m256i {
         _mm256_set1_epi32(v)
+    }
+    #[inline(always)]
+    unsafe fn splat_load(p: *const i32) -> __m256i {
+        // SAFETY: `p` is readable (caller).
+        unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p)) }
     }
     #[inline(always)]
     unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
@@ -164,9 +171,27 @@ impl Isa for Avx2 {
         }
     }
     #[inline(always)]
-    unsafe fn dot_codes_scaled(codes: &[__m256i], a: *const i8, scale: __m256i) -> __m256i {
+    unsafe fn pair_products(c: __m256i, a: *const i8) -> __m256i {
+        // SAFETY: 4 readable bytes at `a` (caller).
+        unsafe { _mm256_maddubs_epi16(c, broadcast4(a)) }
+    }
+    #[inline(always)]
+    unsafe fn add16(a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi16(a, b)
+    }
+    #[inline(always)]
+    unsafe fn widen16(a: __m256i) -> __m256i {
+        _mm256_madd_epi16(a, _mm256_set1_epi16(1))
+    }
+    #[inline(always)]
+    unsafe fn dot_codes_scaled(
+        codes: &[__m256i],
+        a: *const i8,
+        scale: __m256i,
+        run: usize,
+    ) -> __m256i {
         // SAFETY: as above.
-        unsafe { pair_sums(codes, a, scale) }
+        unsafe { pair_sums(codes, a, scale, run) }
     }
     #[inline(always)]
     unsafe fn scale_form(bytes: __m256i, k: u32, signed: bool) -> __m256i {

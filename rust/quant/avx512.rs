@@ -55,6 +55,11 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         _mm512_set1_epi32(v)
     }
     #[inline(always)]
+    unsafe fn splat_load(p: *const i32) -> __m512i {
+        // SAFETY: `p` is readable (caller).
+        unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p)) }
+    }
+    #[inline(always)]
     unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
         _mm512_and_si512(a, b)
     }
@@ -159,13 +164,31 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
         }
     }
     #[inline(always)]
-    unsafe fn dot_codes_scaled(codes: &[__m512i], a: *const i8, scale: __m512i) -> __m512i {
+    unsafe fn pair_products(c: __m512i, a: *const i8) -> __m512i {
+        // SAFETY: 4 readable bytes at `a` (caller).
+        unsafe { _mm512_maddubs_epi16(c, broadcast4(a)) }
+    }
+    #[inline(always)]
+    unsafe fn add16(a: __m512i, b: __m512i) -> __m512i {
+        _mm512_add_epi16(a, b)
+    }
+    #[inline(always)]
+    unsafe fn widen16(a: __m512i) -> __m512i {
+        _mm512_madd_epi16(a, _mm512_set1_epi16(1))
+    }
+    #[inline(always)]
+    unsafe fn dot_codes_scaled(
+        codes: &[__m512i],
+        a: *const i8,
+        scale: __m512i,
+        run: usize,
+    ) -> __m512i {
         // SAFETY: as above.
         unsafe {
             if VNNI {
-                _mm512_mullo_epi32(pair_sums::<VNNI>(codes, a, scale), scale)
+                _mm512_mullo_epi32(pair_sums::<VNNI>(codes, a, scale, run), scale)
             } else {
-                pair_sums::<VNNI>(codes, a, scale)
+                pair_sums::<VNNI>(codes, a, scale, run)
             }
         }
     }
@@ -268,15 +291,16 @@ impl<const VNNI: bool> Isa for Avx512<VNNI> {
     }
 }
 
-/// `Σ_v` of the code vectors' dot products with the activation words, each `vpmaddwd` pair
-/// sum multiplied by `pair_weight` (ones, or a group scale) without VNNI. Without VNNI two
-/// `vpmaddubsw` results are added in i16 first: codes below 64 keep 4 products
-/// (≤ 4·63·127) inside i16. With VNNI, `vpdpbusd` chains and `pair_weight` is unused.
+/// `Σ_v` of the code vectors' dot products with the activation words: with VNNI, chained
+/// `vpdpbusd` (`pair_weight` unused); without it, `vpmaddwd` sums weighted by `pair_weight`
+/// of the `vpmaddubsw` results of `run` consecutive vectors, added in i16 first (the
+/// caller's bound keeps them exact).
 #[inline(always)]
 unsafe fn pair_sums<const VNNI: bool>(
     codes: &[__m512i],
     a: *const i8,
     pair_weight: __m512i,
+    run: usize,
 ) -> __m512i {
     // SAFETY: 4·codes.len() readable bytes at `a` (caller).
     unsafe {
@@ -291,11 +315,13 @@ unsafe fn pair_sums<const VNNI: bool>(
             }
             acc = _mm512_add_epi32(acc, odd);
         } else {
-            for (k, pair) in codes.chunks_exact(2).enumerate() {
-                let p0 = _mm512_maddubs_epi16(pair[0], broadcast4(a.add(8 * k)));
-                let p1 = _mm512_maddubs_epi16(pair[1], broadcast4(a.add(8 * k + 4)));
-                let p = _mm512_madd_epi16(_mm512_add_epi16(p0, p1), pair_weight);
-                acc = _mm512_add_epi32(acc, p);
+            for (k, chunk) in codes.chunks(run).enumerate() {
+                let at = |j: usize| broadcast4(a.add(4 * (k * run + j)));
+                let mut p = _mm512_maddubs_epi16(chunk[0], at(0));
+                for (j, &c) in chunk.iter().enumerate().skip(1) {
+                    p = _mm512_add_epi16(p, _mm512_maddubs_epi16(c, at(j)));
+                }
+                acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, pair_weight));
             }
         }
         acc

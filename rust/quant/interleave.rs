@@ -9,8 +9,9 @@
 //! `field_start + (16k + i)·unit`: `d` (16 × 2 bytes), `m` (Q4_1, Q5_1), `qh` (Q5_0, Q5_1;
 //! 16 × 4 bytes), then the codes (4 or 8 words × 16 × 4 bytes). A group is exactly as many
 //! bytes as its 16 rows, so the matrix keeps its size; the rows after the last whole group
-//! keep the ggml row layout. Only the byte positions change: every kernel computes the same
-//! bits on either layout.
+//! keep the ggml row layout. Only the byte positions change — and, for Q5, the order of the
+//! bits in each `qh` word ([`spread_qh`]) — so every kernel computes the same bits on either
+//! layout.
 
 use super::format::GgmlType;
 
@@ -32,6 +33,47 @@ pub(crate) fn fields(dtype: GgmlType) -> Option<&'static [(usize, usize, usize)]
 /// Whether `dtype` has an interleaved layout.
 pub(crate) fn supports(dtype: GgmlType) -> bool {
     fields(dtype).is_some()
+}
+
+/// Where a Q5 format's `qh` word sits: in a ggml block, and in an interleaved group block.
+fn qh_offsets(dtype: GgmlType) -> Option<(usize, usize)> {
+    match dtype {
+        GgmlType::Q5_0 => Some((2, GROUP * 2)),
+        GgmlType::Q5_1 => Some((4, GROUP * 4)),
+        _ => None,
+    }
+}
+
+/// The interleaved order of a Q5 block's 32 fifth bits: bit `8k + v` is element `4v + k`'s
+/// (ggml: bit `e` is element `e`'s). The kernels unpack code vector `v` (elements `4v..4v+4`,
+/// one per byte `k` of a lane) with a shift and a mask, instead of a byte shuffle and a
+/// compare per vector: the unpacking is most of a decode step's cost for Q5.
+pub(crate) const fn spread_qh(qh: u32) -> u32 {
+    let mut out = 0;
+    let mut e = 0;
+    while e < 32 {
+        out |= ((qh >> e) & 1) << (8 * (e % 4) + e / 4);
+        e += 1;
+    }
+    out
+}
+
+/// The inverse of [`spread_qh`]: the ggml order back.
+pub(crate) const fn gather_qh(spread: u32) -> u32 {
+    let mut out = 0;
+    let mut e = 0;
+    while e < 32 {
+        out |= ((spread >> (8 * (e % 4) + e / 4)) & 1) << e;
+        e += 1;
+    }
+    out
+}
+
+/// Applies `f` to the 4-byte word at `at`.
+fn map_word(bytes: &mut [u8], at: usize, f: fn(u32) -> u32) {
+    let word = &mut bytes[at..at + 4];
+    let v = f(u32::from_le_bytes(word.try_into().expect("4 bytes")));
+    word.copy_from_slice(&v.to_le_bytes());
 }
 
 /// Calls `f(row_block_offset, group_block_offset, len)` for every piece of a block: the
@@ -89,6 +131,9 @@ pub fn interleave_rows_into(
                     for_each_piece(dtype, i, |f, t, len| {
                         dst[to + t..to + t + len].copy_from_slice(&src[from + f..from + f + len]);
                     });
+                    if let Some((_, qh)) = qh_offsets(dtype) {
+                        map_word(dst, to + qh + 4 * i, spread_qh);
+                    }
                 }
             }
         });
@@ -110,5 +155,8 @@ pub(crate) fn row_into(dtype: GgmlType, data: &[u8], row_bytes: usize, r: usize,
             out[b * bb + from..b * bb + from + len]
                 .copy_from_slice(&data[src + to..src + to + len]);
         });
+        if let Some((qh, _)) = qh_offsets(dtype) {
+            map_word(out, b * bb + qh, gather_qh);
+        }
     }
 }

@@ -16,7 +16,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::activation::{ActBlocks, SuperActBlocks};
-use super::format::{BlockFormat, QK};
+use super::format::{BlockFormat, GgmlType, QK};
 use super::interleave::GROUP;
 use super::kernel::OutPtr;
 use super::kquant::{SuperBlockFormat, QK_K};
@@ -44,6 +44,8 @@ pub(crate) trait Isa: Copy {
 
     unsafe fn zero() -> Self::I;
     unsafe fn splat(v: i32) -> Self::I;
+    /// The i32 at `p` in every lane.
+    unsafe fn splat_load(p: *const i32) -> Self::I;
     unsafe fn and(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn or(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn add32(a: Self::I, b: Self::I) -> Self::I;
@@ -69,8 +71,22 @@ pub(crate) trait Isa: Copy {
     /// `acc + Σ_k c0_k · a[k] + Σ_k c1_k · a[4 + k]` per lane (codes below 64, or any byte
     /// with VNNI).
     unsafe fn dot_pair(acc: Self::I, c0: Self::I, c1: Self::I, a: *const i8) -> Self::I;
+    /// The two i16 halves of every lane: `c_0·a[0] + c_1·a[1]` and `c_2·a[2] + c_3·a[3]`
+    /// (`vpmaddubsw`; unsigned codes below 64, so nothing saturates).
+    unsafe fn pair_products(c: Self::I, a: *const i8) -> Self::I;
+    /// Adds the i16 halves of the lanes.
+    unsafe fn add16(a: Self::I, b: Self::I) -> Self::I;
+    /// Every lane's two i16 halves summed, as an i32 lane (`vpmaddwd` by ones).
+    unsafe fn widen16(a: Self::I) -> Self::I;
     /// `scale · Σ_v Σ_k codes[v]_k · a[4v + k]` per lane, `scale` in [`Isa::scale_form`].
-    unsafe fn dot_codes_scaled(codes: &[Self::I], a: *const i8, scale: Self::I) -> Self::I;
+    /// Without VNNI the products of `run` consecutive code vectors are summed in i16 before
+    /// the scale widens them ([`k_run`]: as many as keep the sums exact).
+    unsafe fn dot_codes_scaled(
+        codes: &[Self::I],
+        a: *const i8,
+        scale: Self::I,
+        run: usize,
+    ) -> Self::I;
     /// A group scale's form for [`Isa::dot_codes_scaled`], from the byte at index `k` of
     /// every lane of `bytes` (sign-extended when `signed`).
     unsafe fn scale_form(bytes: Self::I, k: u32, signed: bool) -> Self::I;
@@ -676,17 +692,26 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
             }
             return out;
         }
+        // The fifth bits in the interleaved order (`interleave::spread_qh`): code vector v's
+        // are bits v, 8 + v, 16 + v, 24 + v, so one shift puts them at bit 4 of each byte.
         let qh = if F::QH_OFFSET.is_some() {
             S::loadu(g.add(qh_at + 4 * lane))
         } else {
             S::zero()
         };
+        let fifth = |v: u32| {
+            let at_bit4 = match v {
+                0..4 => S::sll32(qh, 4 - v),
+                4 => qh,
+                _ => S::srl32(qh, v - 4),
+            };
+            S::and(at_bit4, S::splat(0x1010_1010))
+        };
         for j in 0..4 {
             let (mut low, mut high) = nibbles::<S>(word(j));
             if F::QH_OFFSET.is_some() {
-                let mask = S::splat((0x0804_0201u32 << (4 * (j as u32 % 2))) as i32);
-                low = S::or(low, fifth_bits::<S>(qh, j as u32 / 2, mask));
-                high = S::or(high, fifth_bits::<S>(qh, 2 + j as u32 / 2, mask));
+                low = S::or(low, fifth(j as u32));
+                high = S::or(high, fifth(4 + j as u32));
             }
             out.codes[j] = low;
             out.codes[4 + j] = high;
@@ -712,8 +737,8 @@ unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
 /// its own dependency chain (two for fewer than 4 tokens, which would otherwise wait on the
 /// `vpdpbusd` latency), and small bodies with constant trip counts unroll fully, so the
 /// sums and the accumulators stay in registers (a loop over whole tokens kept them on the
-/// stack). `isum` starts at `−zero_point·Σa`: exact integers, the same value as subtracting
-/// the offset at the end.
+/// stack). `isum` includes `−zero_point·Σa`, added first or (i16 sums) last: exact
+/// integers either way, the same value as subtracting the offset from every code.
 #[inline(always)]
 unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
     blk: &SmallBlock<S>,
@@ -739,10 +764,21 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
         let a = |t: usize| a0.add(t * step * QK);
         let mut isum = [S::zero(); T];
         let mut odd = [S::zero(); T];
-        if zero_point != 0 {
-            for (t, s) in isum.iter_mut().enumerate() {
-                *s = S::splat(-(zero_point * *act.qsum.get_unchecked(i0 + t * step)));
+        // `isum −= zero_point·Σa`; the zero points are powers of two, so a shift of the
+        // broadcast sum (no scalar multiply and no move from a general register).
+        let zero_point_terms = |isum: &mut [S::I; T]| {
+            if zero_point != 0 {
+                debug_assert!(zero_point.count_ones() == 1);
+                let shift = zero_point.trailing_zeros();
+                for (t, s) in isum.iter_mut().enumerate() {
+                    let qsum = S::splat_load(act.qsum.as_ptr().add(i0 + t * step));
+                    *s = S::sub32(*s, S::sll32(qsum, shift));
+                }
             }
+        };
+        let late_zero_point = !S::VNNI && F::NIBBLES;
+        if !late_zero_point {
+            zero_point_terms(&mut isum);
         }
         if signed {
             for v in 0..8 {
@@ -755,6 +791,33 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                     *s = S::dot4_signed(*s, blk.codes[v], blk.signed[v], a(t).add(4 * v));
                 }
             }
+        } else if !S::VNNI && F::NIBBLES {
+            // Without VNNI every product pair needs a `vpmaddwd` to widen it to i32; nibble
+            // codes are small enough to sum in i16 first, which saves most of them and their
+            // adds. |a| ≤ 128, so a half-lane holds 16 products of 4-bit codes
+            // (16·15·128 < 2¹⁵) or 8 of 5-bit ones (8·31·128 < 2¹⁵): the sums stay exact.
+            // The zero point joins last, so only the i16 sums are live in the loop (a tile's
+            // accumulators then stay in registers).
+            let run = if F::QH_OFFSET.is_some() { 4 } else { 8 };
+            let mut half = [S::zero(); T];
+            let mut wide = [S::zero(); T];
+            for (v, &codes) in blk.codes.iter().enumerate() {
+                for (t, half) in half.iter_mut().enumerate() {
+                    let p = S::pair_products(codes, a(t).add(4 * v));
+                    *half = if v % run == 0 { p } else { S::add16(*half, p) };
+                }
+                if v % run == run - 1 {
+                    for (wide, &half) in wide.iter_mut().zip(&half) {
+                        *wide = if v < run {
+                            S::widen16(half)
+                        } else {
+                            S::add32(*wide, S::widen16(half))
+                        };
+                    }
+                }
+            }
+            isum = wide;
+            zero_point_terms(&mut isum);
         } else {
             for k in 0..4 {
                 let (c0, c1) = (blk.codes[2 * k], blk.codes[2 * k + 1]);
@@ -1088,6 +1151,17 @@ unsafe fn unpack_super<S: Isa, F: SuperBlockFormat>(blk: *const u8, rs: usize, o
     }
 }
 
+/// Code vectors of a k-quant whose `vpmaddubsw` products can be summed in i16: a half-lane
+/// then holds `2·run` products of codes below `2^bits` and activations of at most 128 in
+/// magnitude, which must stay below 2¹⁵ (Q6_K: 4·63·128; Q5_K: 8·31·128; the rest 16·15·128).
+pub(crate) const fn k_run<F: SuperBlockFormat>() -> usize {
+    match F::DTYPE {
+        GgmlType::Q6_K => 2,
+        GgmlType::Q5_K => 4,
+        _ => 8,
+    }
+}
+
 /// The tile of a k-quant: per super-block and token, `isum = Σ_g s_g·dot_g` from the codes,
 /// the pair term `Σ_g x_g·Σa_g` (mins, or scales times the zero point), then the canonical
 /// `term` and `acc = acc + term`.
@@ -1119,7 +1193,8 @@ unsafe fn tile_super<S: Isa, F: SuperBlockFormat, const T: usize>(
                     for (t, isum_t) in isum.iter_mut().enumerate() {
                         let i = act.index(t0 + t, b);
                         let a = act.qs.as_ptr().add(i * QK_K + 4 * v0);
-                        *isum_t = S::add32(*isum_t, S::dot_codes_scaled(&codes[..unit], a, scale));
+                        let dot = S::dot_codes_scaled(&codes[..unit], a, scale, k_run::<F>());
+                        *isum_t = S::add32(*isum_t, dot);
                     }
                 }
             }

@@ -648,7 +648,8 @@ fn every_simd_kernel_is_bit_identical_to_scalar() {
     }
 }
 
-/// The kernels without VNNI sum several `vpmaddubsw` products in i16 (`lanes::i16_run`): at
+/// The kernels without VNNI sum several `vpmaddubsw` products in i16 (the nibble formats'
+/// blocks in `lanes::small_terms`, the k-quants' groups in `Isa::dot_codes_scaled`): at
 /// the bound, every code at its largest value (bytes of all ones: `0xff` codes, Q8_0's −1,
 /// or `0x80`, its −128) times a block of activations all at ±127, the sums must still equal
 /// the scalar kernel's exact ones, for every format, layout and precision.
@@ -669,18 +670,18 @@ fn extreme_codes_and_activations_stay_exact_in_every_kernel() {
             let il = il_data
                 .as_ref()
                 .map(|d| QMatrix::new_interleaved(dtype, rows, cols, d).unwrap());
-            for sign in [1.0f32, -1.0] {
+            // 3 tokens take the direct passes, 20 the unpacked-block buffer's tiles.
+            for (sign, n) in [(1.0f32, 3), (-1.0, 3), (1.0, 20), (-1.0, 20)] {
                 // Constant blocks quantize to ±127 everywhere; the second token mixes in a
                 // tiny residual so the refined pass is at its bound too.
-                let mut x = vec![sign; 3 * cols];
+                let mut x = vec![sign; n * cols];
                 for v in &mut x[cols..2 * cols] {
                     *v *= 1.0 + 0.003 * rng.unit();
                 }
-                let n = 3;
                 let reference = bits(&run(Kernel::Scalar, &w, &x, n));
                 let refined_reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
                 for kernel in Kernel::available() {
-                    let what = format!("{dtype} {kernel} fill={fill:#x} sign={sign}");
+                    let what = format!("{dtype} {kernel} fill={fill:#x} sign={sign} n={n}");
                     assert_eq!(bits(&run(kernel, &w, &x, n)), reference, "{what}");
                     assert_eq!(
                         bits(&run_refined(kernel, &w, &x, n)),
@@ -689,6 +690,11 @@ fn extreme_codes_and_activations_stay_exact_in_every_kernel() {
                     );
                     if let Some(il) = &il {
                         assert_eq!(bits(&run(kernel, il, &x, n)), reference, "il {what}");
+                        assert_eq!(
+                            bits(&run_refined(kernel, il, &x, n)),
+                            refined_reference,
+                            "il refined {what}"
+                        );
                     }
                 }
             }
@@ -1201,6 +1207,20 @@ fn quantizing_for_some_types_gives_the_same_products_and_refuses_the_others() {
                 Err(QuantError::MissingBlocks { dtype: other })
             );
         }
+    }
+}
+
+#[test]
+fn the_interleaved_q5_bit_order_puts_element_4v_plus_k_at_bit_8k_plus_v() {
+    use super::interleave::{gather_qh, spread_qh};
+    for e in 0..32 {
+        assert_eq!(spread_qh(1 << e), 1 << (8 * (e % 4) + e / 4), "element {e}");
+    }
+    let mut rng = Rng(17);
+    for _ in 0..1000 {
+        let qh = rng.next_u64() as u32;
+        assert_eq!(gather_qh(spread_qh(qh)), qh);
+        assert_eq!(spread_qh(qh).count_ones(), qh.count_ones());
     }
 }
 
