@@ -573,3 +573,20 @@ def test_tiny_run_writes_plot_and_report(tiny_run: tuple[Path, dict[str, Any]]) 
     # Re-rendering the saved JSON without a plot says so instead of linking nothing.
     assert "no plot" in bench_report.markdown(r, out / "again.md", None)
     assert len(bench_report.summary_tables(r)) == 6
+
+
+def test_bench_serve_fails_only_on_our_errors() -> None:
+    from amplituhedron_rs.bench.serve import exit_status
+
+    def report(ours: int, peer: int) -> dict[str, object]:
+        return {
+            "systems": [
+                {"name": "amplituhedron", "levels": [{"errors": 0}, {"errors": ours}]},
+                {"name": "llama_cpp.server", "levels": [{"errors": peer}]},
+                {"name": "llama-server", "levels": [], "note": "not given"},
+            ]
+        }
+
+    assert exit_status(report(0, 0)) == 0
+    assert exit_status(report(0, 15)) == 0
+    assert exit_status(report(2, 0)) == 1

@@ -422,5 +422,11 @@ def main(a: argparse.Namespace) -> int:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
     if a.plot:
         write_plot(report, Path(a.plot))
-    errors = sum(lv["errors"] for s in report["systems"] for lv in s["levels"])
-    return 0 if errors == 0 else 1
+    return exit_status(report)
+
+
+def exit_status(report: dict[str, Any]) -> int:
+    """1 if our server failed any request, else 0. A peer's errors are reported in the table
+    (``llama_cpp.server`` breaks concurrent streams), not taken for a failure of this bench."""
+    ours = next(s for s in report["systems"] if s["name"] == "amplituhedron")
+    return 0 if all(lv["errors"] == 0 for lv in ours["levels"]) else 1
