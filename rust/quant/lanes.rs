@@ -776,8 +776,10 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                 }
             }
         };
-        let late_zero_point = !S::VNNI && F::NIBBLES;
-        if !late_zero_point {
+        // Without VNNI the nibble formats sum their products in i16 (below); the zero point
+        // then joins last.
+        let i16_sums = !S::VNNI && F::NIBBLES;
+        if !i16_sums {
             zero_point_terms(&mut isum);
         }
         if signed {
@@ -791,7 +793,7 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                     *s = S::dot4_signed(*s, blk.codes[v], blk.signed[v], a(t).add(4 * v));
                 }
             }
-        } else if !S::VNNI && F::NIBBLES {
+        } else if i16_sums {
             // Without VNNI every product pair needs a `vpmaddwd` to widen it to i32; nibble
             // codes are small enough to sum in i16 first, which saves most of them and their
             // adds. |a| ≤ 128, so a half-lane holds 16 products of 4-bit codes
