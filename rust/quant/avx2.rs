@@ -318,32 +318,52 @@ pub(crate) unsafe fn float_rect(
     }
 }
 
+/// Eight float weights (F16 or F32 bytes) at `p`, as f32.
+///
+/// A function, not a closure: a closure in an `#[inline(always)]` helper has no target
+/// features, so its intrinsics would become out-of-line calls.
+#[inline(always)]
+unsafe fn load_w8(f16: bool, p: *const u8) -> __m256 {
+    // SAFETY: 8 elements readable at p (callers below).
+    unsafe {
+        if f16 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+}
+
+/// `acc_low += w[0..8]·x[0..8]`, `acc_high += w[8..16]·x[8..16]` (elements of `elem` bytes).
+#[inline(always)]
+unsafe fn float_step16(
+    f16: bool,
+    acc: &mut (__m256, __m256),
+    w16: *const u8,
+    x16: *const f32,
+    elem: usize,
+) {
+    // SAFETY: 16 elements readable at w16 and x16 (caller).
+    unsafe {
+        acc.0 = _mm256_add_ps(
+            acc.0,
+            _mm256_mul_ps(load_w8(f16, w16), _mm256_loadu_ps(x16)),
+        );
+        let (w8, x8) = (w16.add(8 * elem), x16.add(8));
+        acc.1 = _mm256_add_ps(acc.1, _mm256_mul_ps(load_w8(f16, w8), _mm256_loadu_ps(x8)));
+    }
+}
+
 /// Canonical 16-lane float dot product with two 8-lane accumulators (lanes 0..7, 8..15).
 #[inline(always)]
 unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 {
-    let load_w = |p: *const u8| {
-        // SAFETY: 8 elements readable at p (callers below).
-        unsafe {
-            if f16 {
-                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-            } else {
-                _mm256_loadu_ps(p as *const f32)
-            }
-        }
-    };
     let elem = if f16 { 2 } else { 4 };
     let full = cols / 16 * 16;
-    let mut acc_low = _mm256_setzero_ps();
-    let mut acc_high = _mm256_setzero_ps();
+    let mut acc = (_mm256_setzero_ps(), _mm256_setzero_ps());
     // SAFETY: as in `avx512::float_dot`.
     unsafe {
-        let mut step = |w16: *const u8, x16: *const f32| {
-            acc_low = _mm256_add_ps(acc_low, _mm256_mul_ps(load_w(w16), _mm256_loadu_ps(x16)));
-            let (w8, x8) = (w16.add(8 * elem), x16.add(8));
-            acc_high = _mm256_add_ps(acc_high, _mm256_mul_ps(load_w(w8), _mm256_loadu_ps(x8)));
-        };
         for i in (0..full).step_by(16) {
-            step(w.add(i * elem), x.add(i));
+            float_step16(f16, &mut acc, w.add(i * elem), x.add(i), elem);
         }
         if full < cols {
             let n = cols - full;
@@ -351,9 +371,9 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
             let mut xt = [0.0f32; 16];
             std::ptr::copy_nonoverlapping(w.add(full * elem), wt.as_mut_ptr(), n * elem);
             std::ptr::copy_nonoverlapping(x.add(full), xt.as_mut_ptr(), n);
-            step(wt.as_ptr(), xt.as_ptr());
+            float_step16(f16, &mut acc, wt.as_ptr(), xt.as_ptr(), elem);
         }
-        let s8 = _mm256_add_ps(acc_low, acc_high);
+        let s8 = _mm256_add_ps(acc.0, acc.1);
         let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))

@@ -730,6 +730,34 @@ unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
     }
 }
 
+/// `isum[t] −= zero_point·Σa(t)` for block index `i0 + t·step`. The zero points are powers
+/// of two, so a shift of the broadcast sum (no scalar multiply, no move from a general
+/// register). A function, not a closure: a closure in an `#[inline(always)]` helper has no
+/// target features, so its intrinsics became out-of-line calls (a third of the AVX-512 time).
+///
+/// # Safety
+/// Every `i0 + t·step` indexes `act.qsum`.
+#[inline(always)]
+unsafe fn zero_point_terms<S: Isa, const T: usize>(
+    isum: &mut [S::I; T],
+    act: &ActBlocks<'_>,
+    i0: usize,
+    step: usize,
+    zero_point: i32,
+) {
+    if zero_point != 0 {
+        debug_assert!(zero_point.count_ones() == 1);
+        let shift = zero_point.trailing_zeros();
+        for (t, s) in isum.iter_mut().enumerate() {
+            // SAFETY: forwarded to the caller.
+            unsafe {
+                let qsum = S::splat_load(act.qsum.as_ptr().add(i0 + t * step));
+                *s = S::sub32(*s, S::sll32(qsum, shift));
+            }
+        }
+    }
+}
+
 /// Block `b`'s terms for tokens `t0..t0+T`: `isum` from the codes, then
 /// `term = (dw·da)·isum (+ m·s)` and `acc = acc + term`.
 ///
@@ -764,23 +792,11 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
         let a = |t: usize| a0.add(t * step * QK);
         let mut isum = [S::zero(); T];
         let mut odd = [S::zero(); T];
-        // `isum −= zero_point·Σa`; the zero points are powers of two, so a shift of the
-        // broadcast sum (no scalar multiply and no move from a general register).
-        let zero_point_terms = |isum: &mut [S::I; T]| {
-            if zero_point != 0 {
-                debug_assert!(zero_point.count_ones() == 1);
-                let shift = zero_point.trailing_zeros();
-                for (t, s) in isum.iter_mut().enumerate() {
-                    let qsum = S::splat_load(act.qsum.as_ptr().add(i0 + t * step));
-                    *s = S::sub32(*s, S::sll32(qsum, shift));
-                }
-            }
-        };
         // Without VNNI the nibble formats sum their products in i16 (below); the zero point
         // then joins last.
         let i16_sums = !S::VNNI && F::NIBBLES;
         if !i16_sums {
-            zero_point_terms(&mut isum);
+            zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
         }
         if signed {
             for v in 0..8 {
@@ -819,7 +835,7 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                 }
             }
             isum = wide;
-            zero_point_terms(&mut isum);
+            zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
         } else {
             for k in 0..4 {
                 let (c0, c1) = (blk.codes[2 * k], blk.codes[2 * k + 1]);
