@@ -36,10 +36,10 @@ unsafe fn pair_sums(codes: &[__m256i], a: *const i8, pair_weight: __m256i, run: 
     unsafe {
         let mut acc = _mm256_setzero_si256();
         for (k, chunk) in codes.chunks(run).enumerate() {
-            let at = |j: usize| broadcast4(a.add(4 * (k * run + j)));
-            let mut p = _mm256_maddubs_epi16(chunk[0], at(0));
+            let at = a.add(4 * k * run);
+            let mut p = _mm256_maddubs_epi16(chunk[0], broadcast4(at));
             for (j, &c) in chunk.iter().enumerate().skip(1) {
-                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(c, at(j)));
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(c, broadcast4(at.add(4 * j))));
             }
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, pair_weight));
         }
@@ -319,9 +319,6 @@ pub(crate) unsafe fn float_rect(
 }
 
 /// Eight float weights (F16 or F32 bytes) at `p`, as f32.
-///
-/// A function, not a closure: a closure in an `#[inline(always)]` helper has no target
-/// features, so its intrinsics would become out-of-line calls.
 #[inline(always)]
 unsafe fn load_w8(f16: bool, p: *const u8) -> __m256 {
     // SAFETY: 8 elements readable at p (callers below).

@@ -316,10 +316,10 @@ unsafe fn pair_sums<const VNNI: bool>(
             acc = _mm512_add_epi32(acc, odd);
         } else {
             for (k, chunk) in codes.chunks(run).enumerate() {
-                let at = |j: usize| broadcast4(a.add(4 * (k * run + j)));
-                let mut p = _mm512_maddubs_epi16(chunk[0], at(0));
+                let at = a.add(4 * k * run);
+                let mut p = _mm512_maddubs_epi16(chunk[0], broadcast4(at));
                 for (j, &c) in chunk.iter().enumerate().skip(1) {
-                    p = _mm512_add_epi16(p, _mm512_maddubs_epi16(c, at(j)));
+                    p = _mm512_add_epi16(p, _mm512_maddubs_epi16(c, broadcast4(at.add(4 * j))));
                 }
                 acc = _mm512_add_epi32(acc, _mm512_madd_epi16(p, pair_weight));
             }
@@ -369,19 +369,22 @@ pub(crate) unsafe fn float_rect(
     }
 }
 
+/// Sixteen float weights (F16 or F32 bytes) at `p`, as f32.
+#[inline(always)]
+unsafe fn load_w16(f16: bool, p: *const u8) -> __m512 {
+    // SAFETY: 16 elements readable at p (callers below).
+    unsafe {
+        if f16 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
+        }
+    }
+}
+
 /// Canonical 16-lane float dot product (see `scalar::float_row_dot`).
 #[inline(always)]
 unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 {
-    let load_w = |p: *const u8| {
-        // SAFETY: 16 elements readable at p (callers below).
-        unsafe {
-            if f16 {
-                _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-            } else {
-                _mm512_loadu_ps(p as *const f32)
-            }
-        }
-    };
     let elem = if f16 { 2 } else { 4 };
     let full = cols / 16 * 16;
     let mut acc = _mm512_setzero_ps();
@@ -389,7 +392,7 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
     // zero-padded buffers, whose +0.0 products leave the lanes unchanged.
     unsafe {
         for i in (0..full).step_by(16) {
-            let p = _mm512_mul_ps(load_w(w.add(i * elem)), _mm512_loadu_ps(x.add(i)));
+            let p = _mm512_mul_ps(load_w16(f16, w.add(i * elem)), _mm512_loadu_ps(x.add(i)));
             acc = _mm512_add_ps(acc, p);
         }
         if full < cols {
@@ -398,7 +401,7 @@ unsafe fn float_dot(f16: bool, w: *const u8, x: *const f32, cols: usize) -> f32 
             let mut xt = [0.0f32; 16];
             std::ptr::copy_nonoverlapping(w.add(full * elem), wt.as_mut_ptr(), n * elem);
             std::ptr::copy_nonoverlapping(x.add(full), xt.as_mut_ptr(), n);
-            let p = _mm512_mul_ps(load_w(wt.as_ptr()), _mm512_loadu_ps(xt.as_ptr()));
+            let p = _mm512_mul_ps(load_w16(f16, wt.as_ptr()), _mm512_loadu_ps(xt.as_ptr()));
             acc = _mm512_add_ps(acc, p);
         }
         let low = _mm512_castps512_ps256(acc);

@@ -679,10 +679,11 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
                 S::fzero()
             },
         };
-        let word = |k: usize| S::loadu(g.add(qs_at + 4 * (G * k + lane)));
+        // Word k of the codes: row `lane`'s four bytes of its k-th group of 16 words.
+        let word = |k: usize| g.add(qs_at + 4 * (G * k + lane));
         if !F::NIBBLES {
             for v in 0..8 {
-                let qv = word(v);
+                let qv = S::loadu(word(v));
                 if signed_path::<S, F>() {
                     out.codes[v] = S::abs8(qv);
                     out.signed[v] = qv;
@@ -699,24 +700,31 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
         } else {
             S::zero()
         };
-        let fifth = |v: u32| {
-            let at_bit4 = match v {
-                0..4 => S::sll32(qh, 4 - v),
-                4 => qh,
-                _ => S::srl32(qh, v - 4),
-            };
-            S::and(at_bit4, S::splat(0x1010_1010))
-        };
         for j in 0..4 {
-            let (mut low, mut high) = nibbles::<S>(word(j));
+            let (mut low, mut high) = nibbles::<S>(S::loadu(word(j)));
             if F::QH_OFFSET.is_some() {
-                low = S::or(low, fifth(j as u32));
-                high = S::or(high, fifth(4 + j as u32));
+                low = S::or(low, fifth_bit::<S>(qh, j as u32));
+                high = S::or(high, fifth_bit::<S>(qh, 4 + j as u32));
             }
             out.codes[j] = low;
             out.codes[4 + j] = high;
         }
         out
+    }
+}
+
+/// Code vector `v`'s fifth bits in the interleaved order (bits v, 8 + v, 16 + v, 24 + v of
+/// each lane of `qh`), moved to bit 4 of each byte by one shift.
+#[inline(always)]
+unsafe fn fifth_bit<S: Isa>(qh: S::I, v: u32) -> S::I {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe {
+        let at_bit4 = match v {
+            0..4 => S::sll32(qh, 4 - v),
+            4 => qh,
+            _ => S::srl32(qh, v - 4),
+        };
+        S::and(at_bit4, S::splat(0x1010_1010))
     }
 }
 
@@ -732,8 +740,7 @@ unsafe fn fifth_bits<S: Isa>(qh: S::I, byte: u32, mask: S::I) -> S::I {
 
 /// `isum[t] −= zero_point·Σa(t)` for block index `i0 + t·step`. The zero points are powers
 /// of two, so a shift of the broadcast sum (no scalar multiply, no move from a general
-/// register). A function, not a closure: a closure in an `#[inline(always)]` helper has no
-/// target features, so its intrinsics became out-of-line calls (a third of the AVX-512 time).
+/// register).
 ///
 /// # Safety
 /// Every `i0 + t·step` indexes `act.qsum`.
