@@ -727,3 +727,47 @@ fn a_session_of_other_weights_or_layers_is_refused_for_a_batch() {
     let same = LayerRange::new(Arc::clone(&w), 0, 2).unwrap();
     assert!(s.kv_for(&same).is_ok());
 }
+
+#[test]
+fn the_head_is_interleaved_with_16_lane_kernels_and_computes_the_same_bits() {
+    use crate::quant::{matmul, Kernel, QMatrix, QuantScratch, QuantizedInput};
+    let c = tiny_config();
+    let w = tiny_weights(11);
+    let head = w.lm_head().unwrap();
+    let sixteen_lanes = matches!(Kernel::detect(), Kernel::Avx512 | Kernel::Avx512Vnni);
+    assert_eq!(head.is_interleaved(), sixteen_lanes);
+    // The same matrix in the file's row layout: the tied embedding's rows and the head's
+    // products must not depend on which copy they come from.
+    let (bytes, table) = super::testing::synthetic_file(&c, 11);
+    let info = table
+        .iter()
+        .find(|t| t.name == "token_embd.weight")
+        .unwrap();
+    let len = head.rows() * head.row_bytes();
+    let at = info.offset as usize;
+    let raw = QMatrix::from_gguf(info.ggml_type, &info.dims, &bytes[at..at + len]).unwrap();
+    let ids: Vec<u32> = vec![0, 5, 17, 95, 40];
+    let (mut from_weights, mut from_file) = (
+        vec![0.0; ids.len() * c.hidden],
+        vec![0.0; ids.len() * c.hidden],
+    );
+    w.embedding()
+        .unwrap()
+        .embed(&ids, &mut from_weights)
+        .unwrap();
+    raw.embed(&ids, &mut from_file).unwrap();
+    assert_eq!(bits(&from_weights), bits(&from_file));
+    let mut scratch = QuantScratch::new();
+    let input = QuantizedInput::quantize(&from_file, ids.len(), c.hidden, &mut scratch).unwrap();
+    let (mut a, mut b) = (
+        vec![0.0; ids.len() * c.vocab],
+        vec![0.0; ids.len() * c.vocab],
+    );
+    matmul(&head, &input, &mut a).unwrap();
+    matmul(&raw, &input, &mut b).unwrap();
+    assert_eq!(bits(&a), bits(&b));
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}

@@ -5,8 +5,9 @@
 //! this module a tensor table (name, ggml type, dims, absolute byte offset). The file is
 //! mapped read-only and every matrix is a borrowed [`QMatrix`], so the quantized weights are
 //! what the kernels run on (no f32 copy of any matrix). The layers' matrices of the 32-element
-//! formats are copied once, at load, into the interleaved layout (the same bytes grouped by
-//! 16 rows, so the SIMD kernels skip per-call transposes; the products are bit-identical).
+//! formats (and, with AVX-512, the LM head) are copied once, at load, into the interleaved
+//! layout (the same bytes grouped by 16 rows, so the SIMD kernels skip per-call transposes;
+//! the products are bit-identical), and the mapping's pages of the copied bytes are dropped.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -198,9 +199,9 @@ impl LlamaWeights {
                 Ok(None)
             }
         };
-        let token_embd = take("token_embd.weight", c.vocab, hidden)?;
+        let mut token_embd = take("token_embd.weight", c.vocab, hidden)?;
         let output_norm = vector("output_norm.weight", hidden)?;
-        let output = if by_name.contains_key("output.weight") {
+        let mut output = if by_name.contains_key("output.weight") {
             Some(take("output.weight", c.vocab, hidden)?)
         } else {
             None
@@ -252,26 +253,36 @@ impl LlamaWeights {
             });
         }
         let fingerprint = fingerprint(&config, precision, kv_dtype, table, storage.bytes());
-        // The LM head (and the embedding, tied to it or only ever gathered from) stays in row
-        // layout: it only ever multiplies a few rows (the last of a prompt, a decode row, a
-        // verify step's k + 1), where interleaving gains nothing, and a huge matrix streamed
-        // from the interleaved copy ran slower here (Gemma 3's 262,144×640 head: decode
-        // ~10 % faster without it, on an AVX2 host), besides costing a copy of its bytes
-        // (178 MB for Gemma 3).
+        // The LM head only ever multiplies a few rows (the last of a prompt, a decode row, a
+        // verify step's k + 1), but it is the largest matrix (Gemma 3: 262,144×640, 178 MB).
+        // Whether it streams faster interleaved depends on the row group: with 8-lane AVX2 it
+        // ran ~10 % slower interleaved (Gemma 3 decode, a Zen 3 host), while with 16-lane
+        // AVX-512 the row layout costs a 16-row gather per block (`vinserti32x4`, with
+        // spills) and interleaved ran ~9 % faster (Gemma 3 decode, a Zen 5 host). So it
+        // follows the kernel. A tied embedding then gathers its rows from the copy.
+        let head_interleaved = matches!(
+            crate::quant::Kernel::detect(),
+            crate::quant::Kernel::Avx512 | crate::quant::Kernel::Avx512Vnni
+        );
+        let head = output.as_mut().unwrap_or(&mut token_embd);
         let interleaved = interleave_matrices(
             storage.bytes(),
-            layers.iter_mut().flat_map(|l| {
-                [
-                    &mut l.wq,
-                    &mut l.wk,
-                    &mut l.wv,
-                    &mut l.wo,
-                    &mut l.w_gate,
-                    &mut l.w_up,
-                    &mut l.w_down,
-                ]
-            }),
+            layers
+                .iter_mut()
+                .flat_map(|l| {
+                    [
+                        &mut l.wq,
+                        &mut l.wk,
+                        &mut l.wv,
+                        &mut l.wo,
+                        &mut l.w_gate,
+                        &mut l.w_up,
+                        &mut l.w_down,
+                    ]
+                })
+                .chain(head_interleaved.then_some(head)),
         );
+        release_copied_pages(&storage, &layers, output.as_ref().unwrap_or(&token_embd));
         let weights = LlamaWeights {
             config,
             storage: Arc::new(storage),
@@ -418,6 +429,32 @@ fn interleave_matrices<'e>(
         assert!(ok, "a validated matrix of an interleavable type");
     }
     out
+}
+
+/// Drops this process's pages of the file mapping that hold interleaved matrices: they are
+/// never read again (the kernels read the copy), so keeping them mapped would count every
+/// such byte twice in the resident set. The pages stay in the page cache; a stray read
+/// (say of a norm sharing a page with a matrix) faults its page back in from the file.
+fn release_copied_pages(storage: &Storage, layers: &[LayerTensors], head: &TensorEntry) {
+    let Storage::Mapped(map) = storage else {
+        return;
+    };
+    let copied = layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+        .chain([head])
+        .filter(|e| e.interleaved.is_some());
+    for e in copied {
+        // SAFETY: the mapping is private and read-only, so `MADV_DONTNEED` only drops our
+        // view of clean file pages; nothing borrowed from it changes (a later read faults
+        // the same bytes back in).
+        #[cfg(unix)]
+        let _ = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, e.start, e.len)
+        };
+        #[cfg(not(unix))]
+        let _ = (map, e);
+    }
 }
 
 fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
