@@ -99,6 +99,10 @@ impl LayerRange {
                 "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
             )));
         }
+        if layer_hi == n {
+            // The exit range makes the head's copy now, not in its first request.
+            weights.lm_head()?;
+        }
         Ok(LayerRange {
             weights,
             layer_lo,

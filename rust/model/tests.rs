@@ -729,13 +729,17 @@ fn a_session_of_other_weights_or_layers_is_refused_for_a_batch() {
 }
 
 #[test]
-fn the_head_is_interleaved_with_16_lane_kernels_and_computes_the_same_bits() {
+fn the_head_is_copied_interleaved_on_first_use_with_16_lane_kernels_and_computes_the_same_bits() {
     use crate::quant::{matmul, Kernel, QMatrix, QuantScratch, QuantizedInput};
     let c = tiny_config();
     let w = tiny_weights(11);
+    // Only a range that runs the head makes its copy (a middle station never does).
+    LayerRange::new(Arc::clone(&w), 0, 1).unwrap();
+    assert!(!w.head_is_copied());
     let head = w.lm_head().unwrap();
     let sixteen_lanes = matches!(Kernel::detect(), Kernel::Avx512 | Kernel::Avx512Vnni);
     assert_eq!(head.is_interleaved(), sixteen_lanes);
+    assert_eq!(w.head_is_copied(), sixteen_lanes);
     // The same matrix in the file's row layout: the tied embedding's rows and the head's
     // products must not depend on which copy they come from.
     let (bytes, table) = super::testing::synthetic_file(&c, 11);

@@ -5,14 +5,15 @@
 //! this module a tensor table (name, ggml type, dims, absolute byte offset). The file is
 //! mapped read-only and every matrix is a borrowed [`QMatrix`], so the quantized weights are
 //! what the kernels run on (no f32 copy of any matrix). The layers' matrices of the 32-element
-//! formats (and, with AVX-512, the LM head) are copied once, at load, into the interleaved
-//! layout (the same bytes grouped by 16 rows, so the SIMD kernels skip per-call transposes;
-//! the products are bit-identical), and the mapping's pages of the copied bytes are dropped.
+//! formats are copied once, at load, into the interleaved layout (the same bytes grouped by
+//! 16 rows, so the SIMD kernels skip per-call transposes; the products are bit-identical);
+//! with AVX-512 so is the LM head, on first use. The mapping's pages of copied bytes are
+//! dropped.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
 
@@ -93,6 +94,10 @@ pub struct LlamaWeights {
     /// `None` when the LM head is tied to `token_embd` (SmolLM2).
     output: Option<TensorEntry>,
     layers: Vec<LayerTensors>,
+    /// The LM head's interleaved copy, made on first use ([`LlamaWeights::lm_head`]): a
+    /// station whose range ends before the last layer never pays for it. `None` inside when
+    /// the head stays in row layout.
+    head_copy: OnceLock<Option<Vec<u8>>>,
     precision: Precision,
     kv_dtype: KvDtype,
     fingerprint: u64,
@@ -199,9 +204,9 @@ impl LlamaWeights {
                 Ok(None)
             }
         };
-        let mut token_embd = take("token_embd.weight", c.vocab, hidden)?;
+        let token_embd = take("token_embd.weight", c.vocab, hidden)?;
         let output_norm = vector("output_norm.weight", hidden)?;
-        let mut output = if by_name.contains_key("output.weight") {
+        let output = if by_name.contains_key("output.weight") {
             Some(take("output.weight", c.vocab, hidden)?)
         } else {
             None
@@ -253,36 +258,27 @@ impl LlamaWeights {
             });
         }
         let fingerprint = fingerprint(&config, precision, kv_dtype, table, storage.bytes());
-        // The LM head only ever multiplies a few rows (the last of a prompt, a decode row, a
-        // verify step's k + 1), but it is the largest matrix (Gemma 3: 262,144×640, 178 MB).
-        // Whether it streams faster interleaved depends on the row group: with 8-lane AVX2 it
-        // ran ~10 % slower interleaved (Gemma 3 decode, a Zen 3 host), while with 16-lane
-        // AVX-512 the row layout costs a 16-row gather per block (`vinserti32x4`, with
-        // spills) and interleaved ran ~9 % faster (Gemma 3 decode, a Zen 5 host). So it
-        // follows the kernel. A tied embedding then gathers its rows from the copy.
-        let head_interleaved = matches!(
-            crate::quant::Kernel::detect(),
-            crate::quant::Kernel::Avx512 | crate::quant::Kernel::Avx512Vnni
-        );
-        let head = output.as_mut().unwrap_or(&mut token_embd);
         let interleaved = interleave_matrices(
             storage.bytes(),
-            layers
-                .iter_mut()
-                .flat_map(|l| {
-                    [
-                        &mut l.wq,
-                        &mut l.wk,
-                        &mut l.wv,
-                        &mut l.wo,
-                        &mut l.w_gate,
-                        &mut l.w_up,
-                        &mut l.w_down,
-                    ]
-                })
-                .chain(head_interleaved.then_some(head)),
+            layers.iter_mut().flat_map(|l| {
+                [
+                    &mut l.wq,
+                    &mut l.wk,
+                    &mut l.wv,
+                    &mut l.wo,
+                    &mut l.w_gate,
+                    &mut l.w_up,
+                    &mut l.w_down,
+                ]
+            }),
         );
-        release_copied_pages(&storage, &layers, output.as_ref().unwrap_or(&token_embd));
+        let copied = layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .filter(|e| e.interleaved.is_some());
+        for e in copied {
+            release_pages(&storage, e);
+        }
         let weights = LlamaWeights {
             config,
             storage: Arc::new(storage),
@@ -291,6 +287,7 @@ impl LlamaWeights {
             output_norm,
             output,
             layers,
+            head_copy: OnceLock::new(),
             precision,
             kv_dtype,
             fingerprint,
@@ -300,7 +297,7 @@ impl LlamaWeights {
             weights.layer(i)?;
         }
         weights.embedding()?;
-        weights.lm_head()?;
+        weights.matrix(weights.head_entry())?;
         Ok(weights)
     }
 
@@ -361,8 +358,49 @@ impl LlamaWeights {
     }
 
     /// The LM head: `output.weight`, or the tied `token_embd`.
+    ///
+    /// It only ever multiplies a few rows (the last of a prompt, a decode row, a verify
+    /// step's k + 1), but it is the largest matrix (Gemma 3: 262,144×640, 178 MB). Whether it
+    /// streams faster interleaved depends on the row group: with 8-lane AVX2 it ran ~10 %
+    /// slower interleaved (Gemma 3 decode, a Zen 3 host), while with 16-lane AVX-512 the row
+    /// layout costs a 16-row gather per block (`vinserti32x4`, with spills) and interleaved
+    /// ran ~10 % faster (a Zen 5 host). So with AVX-512 the first call copies it interleaved
+    /// (the exit range calls it when it is built); a tied embedding keeps gathering its rows
+    /// from the file.
     pub fn lm_head(&self) -> Result<QMatrix<'_>, ModelError> {
-        self.matrix(self.output.as_ref().unwrap_or(&self.token_embd))
+        let e = self.head_entry();
+        match self.head_copy.get_or_init(|| self.interleaved_head(e)) {
+            Some(bytes) => QMatrix::new_interleaved(e.dtype, e.rows, e.cols, bytes)
+                .map_err(|err| ModelError::Weights(err.to_string())),
+            None => self.matrix(e),
+        }
+    }
+
+    /// Whether the head's interleaved copy exists.
+    #[cfg(test)]
+    pub(crate) fn head_is_copied(&self) -> bool {
+        matches!(self.head_copy.get(), Some(Some(_)))
+    }
+
+    fn head_entry(&self) -> &TensorEntry {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
+    /// The head's interleaved copy, if this kernel gains from one (see [`Self::lm_head`]).
+    fn interleaved_head(&self, e: &TensorEntry) -> Option<Vec<u8>> {
+        let sixteen_lanes = matches!(
+            crate::quant::Kernel::detect(),
+            crate::quant::Kernel::Avx512 | crate::quant::Kernel::Avx512Vnni
+        );
+        if !sixteen_lanes || !QMatrix::interleavable(e.dtype) || e.rows < 16 {
+            return None;
+        }
+        let mut out = vec![0u8; e.len];
+        let bytes = &self.storage.bytes()[e.start..e.start + e.len];
+        crate::quant::interleave_rows_into(e.dtype, e.rows, e.cols, bytes, &mut out).then(|| {
+            release_pages(&self.storage, e);
+            out
+        })
     }
 
     /// The final RMSNorm weight.
@@ -431,30 +469,22 @@ fn interleave_matrices<'e>(
     out
 }
 
-/// Drops this process's pages of the file mapping that hold interleaved matrices: they are
-/// never read again (the kernels read the copy), so keeping them mapped would count every
-/// such byte twice in the resident set. The pages stay in the page cache; a stray read
-/// (say of a norm sharing a page with a matrix) faults its page back in from the file.
-fn release_copied_pages(storage: &Storage, layers: &[LayerTensors], head: &TensorEntry) {
+/// Drops this process's pages of the file mapping under `e`, a matrix the kernels now read
+/// from an interleaved copy: keeping them mapped would count its bytes twice in the resident
+/// set. The pages stay in the page cache; a later read (an embedding row of a tied head, a
+/// norm sharing a page) faults its page back in from the file.
+fn release_pages(storage: &Storage, e: &TensorEntry) {
     let Storage::Mapped(map) = storage else {
         return;
     };
-    let copied = layers
-        .iter()
-        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
-        .chain([head])
-        .filter(|e| e.interleaved.is_some());
-    for e in copied {
-        // SAFETY: the mapping is private and read-only, so `MADV_DONTNEED` only drops our
-        // view of clean file pages; nothing borrowed from it changes (a later read faults
-        // the same bytes back in).
-        #[cfg(unix)]
-        let _ = unsafe {
-            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, e.start, e.len)
-        };
-        #[cfg(not(unix))]
-        let _ = (map, e);
-    }
+    // SAFETY: the mapping is private and read-only, so `MADV_DONTNEED` only drops our view of
+    // clean file pages; nothing borrowed from it changes (a later read faults the same bytes
+    // back in).
+    #[cfg(unix)]
+    let _ =
+        unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, e.start, e.len) };
+    #[cfg(not(unix))]
+    let _ = (map, e);
 }
 
 fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
