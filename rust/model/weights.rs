@@ -259,7 +259,7 @@ impl LlamaWeights {
         }
         let fingerprint = fingerprint(&config, precision, kv_dtype, table, storage.bytes());
         let interleaved = interleave_matrices(
-            storage.bytes(),
+            &storage,
             layers.iter_mut().flat_map(|l| {
                 [
                     &mut l.wq,
@@ -272,13 +272,6 @@ impl LlamaWeights {
                 ]
             }),
         );
-        let copied = layers
-            .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
-            .filter(|e| e.interleaved.is_some());
-        for e in copied {
-            release_pages(&storage, e);
-        }
         let weights = LlamaWeights {
             config,
             storage: Arc::new(storage),
@@ -392,15 +385,12 @@ impl LlamaWeights {
             crate::quant::Kernel::detect(),
             crate::quant::Kernel::Avx512 | crate::quant::Kernel::Avx512Vnni
         );
-        if !sixteen_lanes || !QMatrix::interleavable(e.dtype) || e.rows < 16 {
+        if !sixteen_lanes || !interleavable(e) {
             return None;
         }
         let mut out = vec![0u8; e.len];
-        let bytes = &self.storage.bytes()[e.start..e.start + e.len];
-        crate::quant::interleave_rows_into(e.dtype, e.rows, e.cols, bytes, &mut out).then(|| {
-            release_pages(&self.storage, e);
-            out
-        })
+        interleave_entry(&self.storage, e, &mut out);
+        Some(out)
     }
 
     /// The final RMSNorm weight.
@@ -436,16 +426,29 @@ impl LlamaWeights {
     }
 }
 
+/// Whether a matrix has an interleaved layout worth making (a 32-element format, one whole
+/// row group or more).
+fn interleavable(e: &TensorEntry) -> bool {
+    QMatrix::interleavable(e.dtype) && e.rows >= 16
+}
+
+/// Writes `e`'s bytes from `storage` into `out` in the interleaved layout, then drops the
+/// mapping's pages under them ([`release_pages`]).
+fn interleave_entry(storage: &Storage, e: &TensorEntry, out: &mut [u8]) {
+    let bytes = &storage.bytes()[e.start..e.start + e.len];
+    let ok = crate::quant::interleave_rows_into(e.dtype, e.rows, e.cols, bytes, out);
+    assert!(ok, "a validated matrix of an interleavable type");
+    release_pages(storage, e);
+}
+
 /// Copies every matrix of a 32-element format (16 rows or more) into one buffer in the
 /// interleaved layout, recording where in `TensorEntry::interleaved`. Only where a SIMD kernel
 /// runs: the scalar kernel would have to undo the layout row by row.
 fn interleave_matrices<'e>(
-    bytes: &[u8],
+    storage: &Storage,
     entries: impl Iterator<Item = &'e mut TensorEntry>,
 ) -> Vec<u8> {
-    let mut chosen: Vec<&mut TensorEntry> = entries
-        .filter(|e| QMatrix::interleavable(e.dtype) && e.rows >= 16)
-        .collect();
+    let mut chosen: Vec<&mut TensorEntry> = entries.filter(|e| interleavable(e)).collect();
     if chosen.is_empty() || crate::quant::Kernel::detect() == crate::quant::Kernel::Scalar {
         return Vec::new();
     }
@@ -457,14 +460,7 @@ fn interleave_matrices<'e>(
     let mut out = vec![0u8; total];
     for e in chosen {
         let to = e.interleaved.expect("set above");
-        let ok = crate::quant::interleave_rows_into(
-            e.dtype,
-            e.rows,
-            e.cols,
-            &bytes[e.start..e.start + e.len],
-            &mut out[to..to + e.len],
-        );
-        assert!(ok, "a validated matrix of an interleavable type");
+        interleave_entry(storage, e, &mut out[to..to + e.len]);
     }
     out
 }
