@@ -13,7 +13,7 @@
 //!   of as many bytes in the same run;
 //! - `small_batch`: the 210 layer matmuls of all 30 layers for n = 1, 2, 4, 8, 16 tokens
 //!   (continuous batching, speculative decoding), all-Q4_1 and all-Q8_0 layers, with inputs
-//!   quantized fast (one 8-bit pass) or refined (value + residual, folded) as the model does;
+//!   quantized fast (one 8-bit pass) or refined (16-bit codes; k-quants: value + residual, folded) as the model does;
 //! - `small_batch_formats`: one 640×2048 matmul per format (SmolLM2's and Gemma 3 Q4_K_M's)
 //!   for n = 1, 2, 3, 4, 6, 8, 16 tokens, weights streamed from memory, both precisions.
 //!
@@ -516,8 +516,8 @@ fn formats(c: &mut Criterion) {
 /// Token counts of the small-batch bench.
 const SMALL_BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
 
-/// Buffers of the model's projections: quantization scratch, the refined residual and the
-/// refined product's `2n` rows before folding.
+/// Buffers of the model's projections: quantization scratch, the refined residual and a
+/// refined k-quant product's `2n` rows before folding.
 #[derive(Default)]
 struct Projection {
     scratch: QuantScratch,
@@ -548,7 +548,7 @@ impl Projection {
         }
         .unwrap();
         for (w, out) in targets.iter_mut() {
-            if refined {
+            if input.product_tokens(w.dtype()) > n {
                 full.resize(2 * out.len(), 0.0);
                 matmul(w, &input, full).unwrap();
                 fold_refined(full, out);

@@ -253,7 +253,7 @@ def test_matmul_of_every_format_matches_numpy_within_the_bound(qtype: int) -> No
     assert (err / bound).max() > 0.01  # the bound is not vacuous
     for kernel in _core.quant_kernels():
         assert_bit_equal(_core.quant_matmul(qtype, data, rows, cols, x, kernel=kernel), full)
-    # Refined: the residual pass removes most of the activation error.
+    # Refined: the 16-bit codes (residual on a 256× finer step) remove most of the error.
     refined = _core.quant_matmul(qtype, data, rows, cols, x, refined=True).astype(np.float64)
     assert np.abs(refined - reference).max() * 30 < err.max()
 

@@ -128,7 +128,7 @@ impl PyModelWeights {
         self.inner.fingerprint()
     }
 
-    /// Activation precision: "refined" (two 8-bit passes) or "fast" (one).
+    /// Activation precision: "refined" (16-bit codes in two byte planes) or "fast" (8-bit).
     #[getter]
     fn precision(&self) -> &'static str {
         self.inner.precision().name()

@@ -67,7 +67,8 @@ fn quant_dequantize<'py>(
 }
 
 /// `x (n, cols) @ W.T` for a `(rows, cols)` matrix of ggml type id `qtype` → `(n, rows)`;
-/// `refined` uses the two-pass activation quantization (value + residual, folded).
+/// `refined` uses the two-level activation quantization (16-bit codes, or a residual pass for
+/// the k-quants).
 #[pyfunction]
 #[pyo3(signature = (qtype, data, rows, cols, x, kernel = None, refined = false))]
 #[allow(clippy::too_many_arguments)]
@@ -111,9 +112,15 @@ fn quant_matmul<'py>(
         if refined {
             let mut stacked = Vec::new();
             let input = QuantizedInput::quantize_refined(x, n, cols, &mut stacked, &mut scratch)?;
-            let mut full = vec![0.0f32; 2 * n * rows];
-            quant::matmul_with_kernel(kernel, &m, &input, &mut full)?;
-            quant::fold_refined(&full, &mut out);
+            let tokens = input.product_tokens(m.dtype());
+            if tokens == n {
+                quant::matmul_with_kernel(kernel, &m, &input, &mut out)?;
+            } else {
+                // A k-quant's residual rows, folded into the value rows.
+                let mut full = vec![0.0f32; tokens * rows];
+                quant::matmul_with_kernel(kernel, &m, &input, &mut full)?;
+                quant::fold_refined(&full, &mut out);
+            }
         } else {
             let input = QuantizedInput::quantize(x, n, cols, &mut scratch)?;
             quant::matmul_with_kernel(kernel, &m, &input, &mut out)?;

@@ -21,9 +21,7 @@ use super::ops::{
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
 use crate::attention::{attend_batch, AttnScratch, PendingChunk};
-use crate::quant::{
-    fold_refined, matmul, matmul_many, GgmlType, QMatrix, QuantScratch, QuantizedInput,
-};
+use crate::quant::{fold_refined, matmul_many, GgmlType, QMatrix, QuantScratch, QuantizedInput};
 use crate::ring::SpanType;
 
 /// What a range consumes: token ids at the entry range, hidden states elsewhere.
@@ -734,7 +732,6 @@ struct MatmulScratch {
 /// One quantized input applied to several matrices (q/k/v share one, gate/up share one).
 struct Projector<'a> {
     input: QuantizedInput<'a>,
-    refined: bool,
     full: &'a mut Vec<f32>,
 }
 
@@ -763,11 +760,7 @@ impl<'a> Projector<'a> {
         let residual = refined.then_some(stacked);
         let input = QuantizedInput::quantize_for(x, n, cols, dtypes, residual, quant)
             .map_err(|e| ModelError::Weights(e.to_string()))?;
-        Ok(Projector {
-            input,
-            refined,
-            full,
-        })
+        Ok(Projector { input, full })
     }
 
     /// `out_i = W_i·x` for every pair, as one parallel region.
@@ -776,45 +769,48 @@ impl<'a> Projector<'a> {
         products: &mut [(&QMatrix<'_>, &mut [f32])],
     ) -> Result<(), ModelError> {
         let err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
-        if !self.refined {
+        let folded = |w: &QMatrix<'_>| self.input.product_tokens(w.dtype()) > self.input.n_tokens();
+        if !products.iter().any(|(w, _)| folded(w)) {
             return matmul_many(products, &self.input).map_err(err);
         }
-        // The refined product has two rows per token (value, residual) per output: one
-        // stretch of the scratch per matrix, folded into its output afterwards.
-        let need: usize = products.iter().map(|(_, out)| 2 * out.len()).sum();
+        // A refined input's product with a k-quant has two rows per token (value, residual):
+        // those go to a stretch of the scratch each, folded into their outputs afterwards;
+        // the other matrices write their outputs directly.
+        let need: usize = products
+            .iter()
+            .filter(|(w, _)| folded(w))
+            .map(|(_, out)| 2 * out.len())
+            .sum();
         if self.full.len() < need {
             self.full.resize(need, 0.0);
         }
         let mut rest = &mut self.full[..need];
-        let mut fulls = Vec::with_capacity(products.len());
-        for (w, out) in products.iter() {
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(2 * out.len());
-            fulls.push((*w, mine));
-            rest = tail;
+        let mut targets = Vec::with_capacity(products.len());
+        for (w, out) in products.iter_mut() {
+            if folded(w) {
+                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(2 * out.len());
+                targets.push((*w, mine));
+                rest = tail;
+            } else {
+                targets.push((*w, &mut **out));
+            }
         }
-        matmul_many(&mut fulls, &self.input).map_err(err)?;
-        for ((_, full), (_, out)) in fulls.iter().zip(products.iter_mut()) {
-            fold_refined(full, out);
+        matmul_many(&mut targets, &self.input).map_err(err)?;
+        drop(targets);
+        let mut rest = &self.full[..need];
+        for (w, out) in products.iter_mut() {
+            if folded(w) {
+                let (mine, tail) = rest.split_at(2 * out.len());
+                fold_refined(mine, out);
+                rest = tail;
+            }
         }
         Ok(())
     }
 
     /// `out = W·x` (`n × rows`).
     fn apply(&mut self, w: &QMatrix<'_>, out: &mut [f32]) -> Result<(), ModelError> {
-        let err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
-        if self.refined {
-            // Grown (zero-filled) once, then used through a slice: no fill per call.
-            let need = 2 * out.len();
-            if self.full.len() < need {
-                self.full.resize(need, 0.0);
-            }
-            let full = &mut self.full[..need];
-            matmul(w, &self.input, full).map_err(err)?;
-            fold_refined(full, out);
-            Ok(())
-        } else {
-            matmul(w, &self.input, out).map_err(err)
-        }
+        self.apply_many(&mut [(w, out)])
     }
 }
 

@@ -541,6 +541,10 @@ fn fingerprint(
     h.update(config.canonical().as_bytes());
     // The precision changes every KV value, so volumes of one must never serve the other.
     h.update(precision.name().as_bytes());
+    // And so does any change of a precision's canonical arithmetic: volumes a build with
+    // other kernels saved to a cache directory must miss. (2: refined 32-element blocks use
+    // 16-bit activation codes.)
+    h.update(b"\0arithmetic=2");
     // So does the KV storage type (through every later position's attention).
     h.update(b"\0kv=");
     h.update(kv_dtype.name().as_bytes());

@@ -12,6 +12,14 @@
 //! Scales stay f32 (ggml rounds the 32-block ones to f16), which costs nothing and is more
 //! accurate. A block with a non-finite element gets `d = NaN` (and zero codes), so every
 //! output it touches is NaN rather than a silently wrong finite number.
+//!
+//! The refined precision ([`QuantizedInput::quantize_refined`]) gives the 32-element blocks
+//! 16-bit codes, `a = 256·hi + lo` on a step of `d/256`: `hi` is the 8-bit code above, `lo`
+//! the rounded residual `(x − hi·d)·256/d` (clamped to ±127). They are kept as two byte planes,
+//! so the kernels dot each weight block with both and combine the two exact integer sums
+//! before the block's single float epilogue. The k-quants' super-blocks instead get a second
+//! set of 8-bit rows for the residual (their group-scaled sums would overflow an i32 with
+//! 16-bit codes), multiplied as rows `n..2n` and added by [`fold_refined`].
 
 use rayon::prelude::*;
 
@@ -24,6 +32,7 @@ use super::{GgmlType, Kernel, QuantError};
 #[derive(Debug, Default, Clone)]
 pub struct QuantScratch {
     pub(crate) qs: Vec<i8>,
+    lo: Vec<i8>,
     scale: Vec<f32>,
     scaled_sum: Vec<f32>,
     qsum: Vec<i32>,
@@ -45,6 +54,7 @@ impl QuantScratch {
         let (blocks, k_blocks) = (len / QK, len / QK_K);
         Self {
             qs: Vec::with_capacity(len),
+            lo: Vec::with_capacity(len),
             scale: Vec::with_capacity(blocks),
             scaled_sum: Vec::with_capacity(blocks),
             qsum: Vec::with_capacity(blocks),
@@ -57,9 +67,14 @@ impl QuantScratch {
 }
 
 /// The 32-element 8-bit blocks of an input, `blocks_per_token` blocks per token row.
+///
+/// A refined ("wide") input has a second byte plane `lo` of the same layout: its codes are
+/// `256·qs + lo`, and `scale`, `qsum` and `scaled_sum` are those of the 16-bit codes. `lo` is
+/// empty otherwise.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ActBlocks<'a> {
     pub(crate) qs: &'a [i8],
+    pub(crate) lo: &'a [i8],
     pub(crate) scale: &'a [f32],
     pub(crate) scaled_sum: &'a [f32],
     pub(crate) qsum: &'a [i32],
@@ -67,11 +82,24 @@ pub(crate) struct ActBlocks<'a> {
 }
 
 impl ActBlocks<'_> {
-    /// The 32 quantized values of block `b` of token `t`.
+    /// The 32 quantized values of block `b` of token `t` (the high bytes of a wide input).
     #[inline(always)]
     pub(crate) fn block(&self, t: usize, b: usize) -> &[i8] {
         let i = (t * self.blocks_per_token + b) * QK;
         &self.qs[i..i + QK]
+    }
+
+    /// The low bytes of block `b` of token `t` of a wide input.
+    #[inline(always)]
+    pub(crate) fn lo_block(&self, t: usize, b: usize) -> &[i8] {
+        let i = (t * self.blocks_per_token + b) * QK;
+        &self.lo[i..i + QK]
+    }
+
+    /// Whether the codes are 16-bit (`256·qs + lo`): a refined input.
+    #[inline(always)]
+    pub(crate) fn is_wide(&self) -> bool {
+        !self.lo.is_empty()
     }
 
     /// Index of block `b` of token `t` in the per-block arrays.
@@ -166,6 +194,127 @@ fn quantize_rows(
     } else {
         quantize_blocks(kernel, x, qs, scale, scaled_sum, qsum);
     }
+}
+
+/// Quantizes `x` (whole 32-blocks) into wide 16-bit codes (`256·hi + lo`, see the module
+/// docs), on the pool for large inputs.
+fn quantize_wide_rows(
+    x: &[f32],
+    hi: &mut [i8],
+    lo: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    if x.len() >= PARALLEL_QUANTIZE_MIN_ELEMENTS {
+        const CHUNK: usize = 64;
+        x.par_chunks(CHUNK * QK)
+            .zip(
+                hi.par_chunks_mut(CHUNK * QK)
+                    .zip(lo.par_chunks_mut(CHUNK * QK)),
+            )
+            .zip(scale.par_chunks_mut(CHUNK))
+            .zip(
+                scaled_sum
+                    .par_chunks_mut(CHUNK)
+                    .zip(qsum.par_chunks_mut(CHUNK)),
+            )
+            .for_each(|(((x, (hi, lo)), scale), (scaled_sum, qsum))| {
+                quantize_wide_blocks(x, hi, lo, scale, scaled_sum, qsum)
+            });
+    } else {
+        quantize_wide_blocks(x, hi, lo, scale, scaled_sum, qsum);
+    }
+}
+
+/// Quantizes whole 32-element blocks into wide codes: per block the step `d/256` (NaN for a
+/// non-finite block), `Σ(256·hi + lo)` and `s = (d/256)·Σ`. The widest vectors this CPU has
+/// run the same IEEE operations as the scalar code, so every ISA gives identical bits.
+pub(crate) fn quantize_wide_blocks(
+    x: &[f32],
+    hi: &mut [i8],
+    lo: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    assert!(
+        x.len() == scale.len() * QK
+            && hi.len() == x.len()
+            && lo.len() == x.len()
+            && scaled_sum.len() == scale.len()
+            && qsum.len() == scale.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+        // SAFETY: the CPU has AVX-512 F + BW (checked above).
+        return unsafe { quantize_wide_avx512(x, hi, lo, scale, scaled_sum, qsum) };
+    }
+    quantize_wide_body(x, hi, lo, scale, scaled_sum, qsum)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quantize_wide_avx512(
+    x: &[f32],
+    hi: &mut [i8],
+    lo: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    quantize_wide_body(x, hi, lo, scale, scaled_sum, qsum)
+}
+
+#[inline(always)]
+fn quantize_wide_body(
+    x: &[f32],
+    hi: &mut [i8],
+    lo: &mut [i8],
+    scale: &mut [f32],
+    scaled_sum: &mut [f32],
+    qsum: &mut [i32],
+) {
+    for ((((xb, hb), lb), (d, s)), sum) in x
+        .chunks_exact(QK)
+        .zip(hi.chunks_exact_mut(QK))
+        .zip(lo.chunks_exact_mut(QK))
+        .zip(scale.iter_mut().zip(scaled_sum.iter_mut()))
+        .zip(qsum.iter_mut())
+    {
+        let (step, total) = quantize_wide_span(xb, hb, lb);
+        (*d, *sum, *s) = (step, total, step * total as f32);
+    }
+}
+
+/// The canonical wide quantization of one block into `hi` and `lo`: `hi` as
+/// [`quantize_span`] rounds it, then the residual `r = x − hi·d` rounded on the step `d/256`
+/// (as `(r·(1/d))·256`, ties to even, clamped to ±127 — `|r| ≤ d/2` up to rounding, and the
+/// kernels without VNNI negate activation bytes, which −128 would not survive).
+/// Returns `(d/256, Σ(256·hi + lo))`; a non-finite block gets `(NaN, 0)` and zero codes.
+#[inline(always)]
+pub(crate) fn quantize_wide_span(x: &[f32], hi: &mut [i8], lo: &mut [i8]) -> (f32, i32) {
+    let amax_bits = x
+        .iter()
+        .map(|v| v.to_bits() & 0x7fff_ffff)
+        .max()
+        .unwrap_or(0);
+    let Some((d, id)) = block_scale(amax_bits) else {
+        hi.fill(0);
+        lo.fill(0);
+        return (f32::NAN, 0);
+    };
+    let magic = ROUNDING_MAGIC.to_bits() as i32;
+    let mut sum = 0i32;
+    for ((h, l), &v) in hi.iter_mut().zip(lo.iter_mut()).zip(x) {
+        let q = (v * id + ROUNDING_MAGIC).to_bits() as i32 - magic;
+        let r = v - q as f32 * d;
+        let p = ((r * id) * 256.0 + ROUNDING_MAGIC).to_bits() as i32 - magic;
+        let p = p.clamp(-127, 127);
+        (*h, *l) = (q as i8, p as i8);
+        sum += 256 * q + p;
+    }
+    (d / 256.0, sum)
 }
 
 /// Quantizes `x` (whole 256-blocks) into the given slices, on the pool for large inputs.
@@ -263,14 +412,14 @@ impl<'a> QuantizedInput<'a> {
     }
 
     /// Two-level ("refined") quantization for near-f32 accuracy on the exact integer
-    /// kernels: quantizes `x` and then, per block format, the residual `r = x −
-    /// dequant(quant(x))` that the first 8-bit pass loses, as `2·n_tokens` rows (`x` first,
-    /// `r` after; `stacked` holds the residual). Multiplying by a matrix and adding output rows
-    /// `t` and `n_tokens + t` ([`fold_refined`]) gives `W·(dq(x) + dq(r))`, whose activation
-    /// error is ~1/254 of the single pass — about 14 bits — at twice the arithmetic but the
-    /// same weight traffic (the kernels dot each unpacked weight block with both passes of a
-    /// token). Float weights use `x` itself, so their residual rows are zero. Deterministic
-    /// and batch-invariant like `quantize`.
+    /// kernels: the 32-element blocks get 16-bit codes (`256·hi + lo` on a step of `d/256`,
+    /// see the module docs), and the k-quants' super-blocks get the residual
+    /// `r = x − dequant(quant(x))` quantized as `n_tokens` more rows (`stacked` holds it),
+    /// whose product [`fold_refined`] adds to the value rows' ([`Self::product_tokens`]). The
+    /// activation error is ~1/256 of the single pass — about 14 bits — at twice the integer
+    /// work but the same weight traffic (the kernels dot each unpacked weight block with both
+    /// byte planes of a token). Float weights use `x` itself. Deterministic and
+    /// batch-invariant like `quantize`.
     pub fn quantize_refined(
         x: &'a [f32],
         n_tokens: usize,
@@ -301,8 +450,8 @@ impl<'a> QuantizedInput<'a> {
         Self::build_some(x, n_tokens, cols, residual, scratch, blocks, super_blocks)
     }
 
-    /// Quantizes `x`, and with `residual` scratch also the residual of each format (rows
-    /// `n_tokens..2·n_tokens` of the blocks).
+    /// Quantizes `x`, and with `residual` scratch refined (wide 32-element blocks, and the
+    /// residual of the super-blocks as rows `n_tokens..2·n_tokens`).
     fn build(
         x: &'a [f32],
         n_tokens: usize,
@@ -319,7 +468,7 @@ impl<'a> QuantizedInput<'a> {
         x: &'a [f32],
         n_tokens: usize,
         cols: usize,
-        mut residual: Option<&mut Vec<f32>>,
+        residual: Option<&mut Vec<f32>>,
         scratch: &'a mut QuantScratch,
         want_blocks: bool,
         want_super: bool,
@@ -327,11 +476,11 @@ impl<'a> QuantizedInput<'a> {
         check_input(x, n_tokens, cols)?;
         let refined = residual.is_some();
         let len = x.len();
-        let rows_len = if refined { 2 * len } else { len };
         let has_blocks = want_blocks && cols.is_multiple_of(QK);
         let has_super = want_super && cols.is_multiple_of(QK_K);
         let QuantScratch {
             qs,
+            lo,
             scale,
             scaled_sum,
             qsum,
@@ -342,37 +491,30 @@ impl<'a> QuantizedInput<'a> {
         } = scratch;
         // The buffers only grow (zero-filled once), and are used through slices of the exact
         // length: an input narrower than the last one pays no fill.
-        let blocks_len = if has_blocks { rows_len } else { 0 };
+        let blocks_len = if has_blocks { len } else { 0 };
         let qs = grown(qs, blocks_len);
+        let lo = grown(lo, if refined { blocks_len } else { 0 });
         let scale = grown(scale, blocks_len / QK);
         let scaled_sum = grown(scaled_sum, blocks_len / QK);
         let qsum = grown(qsum, blocks_len / QK);
-        let super_len = if has_super { rows_len } else { 0 };
+        if has_blocks {
+            if refined {
+                quantize_wide_rows(x, qs, lo, scale, scaled_sum, qsum);
+            } else {
+                quantize_rows(x, qs, scale, scaled_sum, qsum);
+            }
+        }
+        let super_len = if !has_super {
+            0
+        } else if refined {
+            2 * len
+        } else {
+            len
+        };
         let k_qs = grown(k_qs, super_len);
         let k_scale = grown(k_scale, super_len / QK_K);
         let k_sums16 = grown(k_sums16, super_len / 16);
         let k_sums32 = grown(k_sums32, super_len / 32);
-        if has_blocks {
-            let (b0, b1) = (len / QK, rows_len / QK);
-            quantize_rows(
-                x,
-                &mut qs[..len],
-                &mut scale[..b0],
-                &mut scaled_sum[..b0],
-                &mut qsum[..b0],
-            );
-            if let Some(r) = residual.as_deref_mut() {
-                let r = resize_residual(r, len);
-                residual_into(r, x, &qs[..len], &scale[..b0], QK);
-                quantize_rows(
-                    r,
-                    &mut qs[len..],
-                    &mut scale[b0..b1],
-                    &mut scaled_sum[b0..b1],
-                    &mut qsum[b0..b1],
-                );
-            }
-        }
         if has_super {
             let b0 = len / QK_K;
             quantize_super_rows(
@@ -394,14 +536,14 @@ impl<'a> QuantizedInput<'a> {
                 );
             }
         }
-        let input_tokens = if refined { 2 * n_tokens } else { n_tokens };
         Ok(Self {
             x,
-            n_tokens: input_tokens,
+            n_tokens,
             cols,
             refined,
             blocks: has_blocks.then_some(ActBlocks {
                 qs,
+                lo,
                 scale,
                 scaled_sum,
                 qsum,
@@ -417,9 +559,19 @@ impl<'a> QuantizedInput<'a> {
         })
     }
 
-    /// Number of token rows of the product (`2·n` for a refined input of `n` tokens).
+    /// Number of token rows of the input.
     pub fn n_tokens(&self) -> usize {
         self.n_tokens
+    }
+
+    /// Token rows of its product with a `dtype` matrix: `2·n` (value rows, then residual
+    /// rows, for [`fold_refined`]) for a k-quant and a refined input, else `n`.
+    pub fn product_tokens(&self, dtype: GgmlType) -> usize {
+        if self.refined && dtype.is_k_quant() {
+            2 * self.n_tokens
+        } else {
+            self.n_tokens
+        }
     }
 
     /// Elements per token row.
@@ -427,12 +579,13 @@ impl<'a> QuantizedInput<'a> {
         self.cols
     }
 
-    /// Whether this is a refined input (rows `n..2n` are the residual pass of rows `0..n`).
+    /// Whether this is a refined input (16-bit codes for the 32-element formats, a residual
+    /// pass for the k-quants).
     pub fn is_refined(&self) -> bool {
         self.refined
     }
 
-    /// The f32 input rows, row-major (`n` rows, also for a refined input of `2n`).
+    /// The f32 input rows, row-major (`n_tokens` rows).
     pub fn f32_rows(&self) -> &'a [f32] {
         self.x
     }
@@ -442,6 +595,17 @@ impl<'a> QuantizedInput<'a> {
     /// multiple of 32.
     pub fn dequantized(&self) -> Option<Vec<f32>> {
         let blocks = self.blocks?;
+        if blocks.is_wide() {
+            let wide: Vec<i32> = (blocks.qs.iter().zip(blocks.lo))
+                .map(|(&hi, &lo)| 256 * hi as i32 + lo as i32)
+                .collect();
+            return Some(
+                wide.chunks_exact(QK)
+                    .zip(blocks.scale)
+                    .flat_map(|(q, d)| q.iter().map(move |&v| v as f32 * d))
+                    .collect(),
+            );
+        }
         Some(dequantize_codes(blocks.qs, blocks.scale, QK))
     }
 

@@ -159,7 +159,7 @@ pub(crate) fn matmul_with(
     out: &mut [f32],
 ) -> Result<(), QuantError> {
     let job = Job::new(kernel, w, input, out)?;
-    run_jobs(&[job], input.n_tokens());
+    run_jobs(&[job]);
     Ok(())
 }
 
@@ -177,33 +177,33 @@ pub(crate) fn matmul_many_with(
         .iter_mut()
         .map(|(w, out)| Job::new(kernel, w, input, out))
         .collect::<Result<Vec<_>, _>>()?;
-    run_jobs(&jobs, input.n_tokens());
+    run_jobs(&jobs);
     Ok(())
 }
 
 /// Runs every job's whole rectangle: on the calling thread when the total work is small,
 /// else as one set of pool tasks (rows split first — each thread then streams only its share
 /// of the weights — tokens only when a matrix has too few row units for its share of tasks).
-fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
+fn run_jobs(jobs: &[Job<'_>]) {
     let threads = rayon::current_num_threads();
-    let work = |job: &Job<'_>| job.w.data().len().saturating_mul(n_tokens);
+    let work = |job: &Job<'_>| job.w.data().len().saturating_mul(job.tokens);
     let total: usize = jobs.iter().map(work).sum();
     if threads == 1 || total < PARALLEL_MIN_WORK {
         for job in jobs {
             // SAFETY: each job's whole output, owned by its caller through `out`.
-            unsafe { job.run(0..job.w.rows(), 0..n_tokens) };
+            unsafe { job.run(0..job.w.rows(), 0..job.tokens) };
         }
         return;
     }
     // Tasks per thread for each matrix: matrices of unequal sizes (q beside k and v) then
     // cut into tasks of similar size, which the pool balances.
     let target = threads * TASKS_PER_THREAD * jobs.len();
-    let token_units = n_tokens.div_ceil(TOKEN_UNIT);
     // A job's (row chunks, token chunks): its share of the tasks by its share of the work (at
     // least one). Recomputed where needed — there are a few jobs — so a call allocates nothing.
     let chunks = |job: &Job<'_>| {
         let share = (target * work(job)).div_ceil(total.max(1)).max(1);
         let row_chunks = job.w.rows().div_ceil(ROW_UNIT).min(share);
+        let token_units = job.tokens.div_ceil(TOKEN_UNIT);
         (row_chunks, share.div_ceil(row_chunks).min(token_units))
     };
     let span = |chunk: usize, chunks: usize, units: usize, unit: usize, len: usize| {
@@ -228,9 +228,9 @@ fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
             let tokens = span(
                 task % token_chunks,
                 token_chunks,
-                token_units,
+                job.tokens.div_ceil(TOKEN_UNIT),
                 TOKEN_UNIT,
-                n_tokens,
+                job.tokens,
             );
             // SAFETY: the tasks of a job partition its output (`span` splits rows and tokens
             // into disjoint ranges), jobs write distinct outputs, and every `out` is borrowed
@@ -244,9 +244,8 @@ fn run_jobs(jobs: &[Job<'_>], n_tokens: usize) {
 /// The activations a matmul multiplies by, in the form its weight type needs.
 #[derive(Clone, Copy)]
 pub(crate) enum Act<'a> {
-    /// f32 rows for float weights; token rows from `tokens` on (the residual half of a
-    /// refined input) are zero.
-    Float { x: &'a [f32], tokens: usize },
+    /// f32 rows for float weights.
+    Float(&'a [f32]),
     /// 32-element blocks for `Q4_0`…`Q8_0`.
     Blocks(ActBlocks<'a>),
     /// 256-element super-blocks for the k-quants.
@@ -258,6 +257,8 @@ pub(crate) struct Job<'a> {
     pub(crate) kernel: Kernel,
     pub(crate) w: &'a QMatrix<'a>,
     pub(crate) act: Act<'a>,
+    /// Token rows of the product ([`QuantizedInput::product_tokens`]).
+    pub(crate) tokens: usize,
     pub(crate) out: OutPtr,
 }
 
@@ -278,13 +279,6 @@ impl<'a> Job<'a> {
                 input_cols: input.cols(),
             });
         }
-        let expected = input.n_tokens() * w.rows();
-        if out.len() != expected {
-            return Err(QuantError::OutputLength {
-                expected,
-                actual: out.len(),
-            });
-        }
         // Quantized weights need the matching 8-bit blocks, which exist because cols matched
         // and a quantized matrix's cols is a multiple of its block size.
         // (An input built for other weight types only lacks them: an error, not a panic.)
@@ -294,11 +288,16 @@ impl<'a> Job<'a> {
         } else if w.dtype().is_quantized() {
             Act::Blocks(input.blocks().ok_or(missing)?)
         } else {
-            Act::Float {
-                x: input.f32_rows(),
-                tokens: input.f32_rows().len() / w.cols(),
-            }
+            Act::Float(input.f32_rows())
         };
+        let tokens = input.product_tokens(w.dtype());
+        let expected = tokens * w.rows();
+        if out.len() != expected {
+            return Err(QuantError::OutputLength {
+                expected,
+                actual: out.len(),
+            });
+        }
         let out = OutPtr {
             ptr: out.as_mut_ptr(),
             stride: w.rows(),
@@ -307,6 +306,7 @@ impl<'a> Job<'a> {
             kernel,
             w,
             act,
+            tokens,
             out,
         })
     }
@@ -331,28 +331,17 @@ impl Job<'_> {
         // `Kernel::is_available` in `matmul_with`.
         unsafe {
             match self.act {
-                Act::Float {
+                Act::Float(x) => float_rect(
+                    self.kernel,
+                    dtype,
+                    data,
+                    row_bytes,
                     x,
-                    tokens: x_tokens,
-                } => {
-                    let computed = tokens.start..tokens.end.min(x_tokens).max(tokens.start);
-                    float_rect(
-                        self.kernel,
-                        dtype,
-                        data,
-                        row_bytes,
-                        x,
-                        w.cols(),
-                        rows.clone(),
-                        computed,
-                        self.out,
-                    );
-                    for t in tokens.start.max(x_tokens)..tokens.end {
-                        for r in rows.clone() {
-                            self.out.write(t, r, 0.0);
-                        }
-                    }
-                }
+                    w.cols(),
+                    rows,
+                    tokens,
+                    self.out,
+                ),
                 Act::Blocks(act) => quant_rect(
                     self.kernel,
                     dtype,

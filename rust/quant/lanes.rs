@@ -141,10 +141,11 @@ macro_rules! lane_entries {
             use $crate::quant::lanes::{rect, Small};
             // SAFETY: forwarded to the caller; the kernels' features are enabled here.
             unsafe {
-                $crate::quant::format::with_small_format!(dtype, F => if interleaved {
-                    rect::<$isa, Small<F>, true>(data, row_bytes, act, rows, tokens, out)
-                } else {
-                    rect::<$isa, Small<F>, false>(data, row_bytes, act, rows, tokens, out)
+                $crate::quant::format::with_small_format!(dtype, F => match (interleaved, act.is_wide()) {
+                    (true, true) => rect::<$isa, Small<F, true>, true>(data, row_bytes, act, rows, tokens, out),
+                    (true, false) => rect::<$isa, Small<F, false>, true>(data, row_bytes, act, rows, tokens, out),
+                    (false, true) => rect::<$isa, Small<F, true>, false>(data, row_bytes, act, rows, tokens, out),
+                    (false, false) => rect::<$isa, Small<F, false>, false>(data, row_bytes, act, rows, tokens, out),
                 })
             }
         }
@@ -768,44 +769,89 @@ unsafe fn zero_point_terms<S: Isa, const T: usize>(
 /// Block `b`'s terms for tokens `t0..t0+T`: `isum` from the codes, then
 /// `term = (dw·da)·isum (+ m·s)` and `acc = acc + term`.
 ///
-/// The loops run code pair by code pair with the tokens innermost: each token's `isum` is
-/// its own dependency chain (two for fewer than 4 tokens, which would otherwise wait on the
-/// `vpdpbusd` latency), and small bodies with constant trip counts unroll fully, so the
-/// sums and the accumulators stay in registers (a loop over whole tokens kept them on the
-/// stack). `isum` includes `−zero_point·Σa`, added first or (i16 sums) last: exact
-/// integers either way, the same value as subtracting the offset from every code.
+/// `isum` includes `−zero_point·Σa`, added first or (i16 sums, wide codes) last: exact
+/// integers either way, the same value as subtracting the offset from every code. With wide
+/// codes (`WIDE`: a refined input, `a = 256·hi + lo`) the high plane's sums, shifted left by 8,
+/// start the low plane's: `isum = 256·Σ u·hi + Σ u·lo − zero_point·Σa`, exact in an i32.
 #[inline(always)]
-unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
+unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const WIDE: bool>(
     blk: &SmallBlock<S>,
     b: usize,
     act: &ActBlocks<'_>,
     t0: usize,
     acc: &mut [S::F; T],
 ) {
-    let signed = signed_path::<S, F>();
     let zero_point = if F::NIBBLES {
         F::ZERO
-    } else if signed {
+    } else if signed_path::<S, F>() {
         0
     } else {
         128
     };
-    let split = T < 4;
     // SAFETY: every activation index is below n_tokens · blocks_per_token (caller).
     unsafe {
         let i0 = act.index(t0, b);
         let step = act.blocks_per_token;
-        let a0 = act.qs.as_ptr().add(i0 * QK);
-        let a = |t: usize| a0.add(t * step * QK);
+        // The zero point joins first where the products go straight into i32 sums.
+        let zero_point_first = !WIDE && !i16_sums::<S, F>();
         let mut isum = [S::zero(); T];
-        let mut odd = [S::zero(); T];
-        // Without VNNI the nibble formats sum their products in i16 (below); the zero point
-        // then joins last.
-        let i16_sums = !S::VNNI && F::NIBBLES;
-        if !i16_sums {
+        if zero_point_first {
             zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
         }
-        if signed {
+        isum = plane_dots::<S, F, T>(blk, act.qs.as_ptr().add(i0 * QK), step * QK, isum);
+        if WIDE {
+            for s in &mut isum {
+                *s = S::sll32(*s, 8);
+            }
+            isum = plane_dots::<S, F, T>(blk, act.lo.as_ptr().add(i0 * QK), step * QK, isum);
+        }
+        if !zero_point_first {
+            zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
+        }
+        for (t, (acc, &isum)) in acc.iter_mut().zip(&isum).enumerate() {
+            let i = i0 + t * step;
+            let da = S::fsplat(*act.scale.get_unchecked(i));
+            let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
+            if F::HAS_MIN {
+                let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
+                term = S::fadd(term, S::fmul(blk.m, s));
+            }
+            *acc = S::fadd(*acc, term);
+        }
+    }
+}
+
+/// Whether format `F` sums its products in i16 on ISA `S` (without VNNI every product pair
+/// needs a `vpmaddwd` to widen it to i32; nibble codes are small enough to sum in i16 first).
+const fn i16_sums<S: Isa, F: BlockFormat>() -> bool {
+    !S::VNNI && F::NIBBLES
+}
+
+/// `init[t] + Σ u·a(t)` over one block for tokens `t0..t0+T`, whose activation bytes start at
+/// `a0` (token `t` at `a0 + t·stride`), without the zero point.
+///
+/// The loops run code pair by code pair with the tokens innermost: each token's sum is its
+/// own dependency chain (two for fewer than 4 tokens, which would otherwise wait on the
+/// `vpdpbusd` latency), and small bodies with constant trip counts unroll fully, so the
+/// sums and the accumulators stay in registers (a loop over whole tokens kept them on the
+/// stack).
+///
+/// # Safety
+/// Every token's 32 bytes are readable.
+#[inline(always)]
+unsafe fn plane_dots<S: Isa, F: BlockFormat, const T: usize>(
+    blk: &SmallBlock<S>,
+    a0: *const i8,
+    stride: usize,
+    init: [S::I; T],
+) -> [S::I; T] {
+    let split = T < 4;
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        let a = |t: usize| a0.add(t * stride);
+        let mut isum = init;
+        let mut odd = [S::zero(); T];
+        if signed_path::<S, F>() {
             for v in 0..8 {
                 for t in 0..T {
                     let s = if split && v % 2 == 1 {
@@ -816,13 +862,10 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                     *s = S::dot4_signed(*s, blk.codes[v], blk.signed[v], a(t).add(4 * v));
                 }
             }
-        } else if i16_sums {
-            // Without VNNI every product pair needs a `vpmaddwd` to widen it to i32; nibble
-            // codes are small enough to sum in i16 first, which saves most of them and their
-            // adds. |a| ≤ 128, so a half-lane holds 16 products of 4-bit codes
-            // (16·15·128 < 2¹⁵) or 8 of 5-bit ones (8·31·128 < 2¹⁵): the sums stay exact.
-            // The zero point joins last, so only the i16 sums are live in the loop (a tile's
-            // accumulators then stay in registers).
+        } else if i16_sums::<S, F>() {
+            // |a| ≤ 128, so a half-lane holds 16 products of 4-bit codes (16·15·128 < 2¹⁵) or
+            // 8 of 5-bit ones (8·31·128 < 2¹⁵): the sums stay exact. Only the i16 sums are
+            // live in the loop (a tile's accumulators then stay in registers).
             let run = if F::QH_OFFSET.is_some() { 4 } else { 8 };
             let mut half = [S::zero(); T];
             let mut wide = [S::zero(); T];
@@ -841,8 +884,10 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                     }
                 }
             }
-            isum = wide;
-            zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
+            for (s, &w) in isum.iter_mut().zip(&wide) {
+                *s = S::add32(*s, w);
+            }
+            return isum;
         } else {
             for k in 0..4 {
                 let (c0, c1) = (blk.codes[2 * k], blk.codes[2 * k + 1]);
@@ -856,21 +901,12 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize>(
                 }
             }
         }
-        for t in 0..T {
-            let i = i0 + t * step;
-            let isum = if split {
-                S::add32(isum[t], odd[t])
-            } else {
-                isum[t]
-            };
-            let da = S::fsplat(*act.scale.get_unchecked(i));
-            let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
-            if F::HAS_MIN {
-                let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
-                term = S::fadd(term, S::fmul(blk.m, s));
+        if split {
+            for (s, &o) in isum.iter_mut().zip(&odd) {
+                *s = S::add32(*s, o);
             }
-            acc[t] = S::fadd(acc[t], term);
         }
+        isum
     }
 }
 
@@ -882,10 +918,11 @@ unsafe fn f_bits<S: Isa>(v: S::F) -> S::I {
     unsafe { std::mem::transmute_copy(&v) }
 }
 
-/// A 32-element format as a lane format.
-pub(crate) struct Small<F>(std::marker::PhantomData<F>);
+/// A 32-element format as a lane format, for 8-bit activation codes or (`WIDE`) a refined
+/// input's 16-bit ones.
+pub(crate) struct Small<F, const WIDE: bool>(std::marker::PhantomData<F>);
 
-impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
+impl<S: Isa, F: BlockFormat, const WIDE: bool> LaneFormat<S> for Small<F, WIDE> {
     type Act<'a> = ActBlocks<'a>;
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
     const SLOTS: usize = small_slots::<S, F>();
@@ -920,7 +957,7 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
             } else {
                 unpack_small::<S, F>(blk, row_bytes)
             };
-            small_terms::<S, F, T>(&unpacked, b, act, t0, acc)
+            small_terms::<S, F, T, WIDE>(&unpacked, b, act, t0, acc)
         }
     }
 
@@ -936,7 +973,7 @@ impl<S: Isa, F: BlockFormat> LaneFormat<S> for Small<F> {
         unsafe {
             for (slot, b) in blocks.enumerate() {
                 let unpacked = SmallBlock::<S>::load::<F>(buf.add(slot * small_slots::<S, F>()));
-                small_terms::<S, F, T>(&unpacked, b, act, t0, acc);
+                small_terms::<S, F, T, WIDE>(&unpacked, b, act, t0, acc);
             }
         }
     }

@@ -31,18 +31,22 @@
 //! `Σ|w_i|·|x_i|` per block). The 256-element blocks of the k-quants are coarser where the
 //! input has outliers (one large value sets the step of 256 elements, not 32): that is
 //! llama.cpp's trade too. Its block scales are f16 (32-element) or f32 (Q8_K); ours are f32.
-//! The refined precision ([`QuantizedInput::quantize_refined`]) quantizes the residual
-//! `x − dq(q(x))` of each format in a second pass and adds the two products
-//! ([`fold_refined`]): the activation error becomes ~1/254 of the bound above (about 14
-//! bits), at twice the integer work but the same weight traffic. Float (F32/F16) weights use
-//! the f32 input as is.
+//! The refined precision ([`QuantizedInput::quantize_refined`]) also quantizes the residual
+//! `x − dq(q(x))`, on a step of `d_b/256`: the activation error becomes ~1/256 of the bound
+//! above (about 14 bits), at twice the integer work but the same weight traffic. For the
+//! 32-element formats the two are one 16-bit code `256·hi + lo` per element, in two byte
+//! planes: a block's two exact integer dots combine into one (`isum = 256·isum_hi +
+//! isum_lo`) before its single float epilogue, so the canonical sequence above holds with
+//! `da = d_b/256`. The k-quants multiply the residual as `n` more token rows, added by
+//! [`fold_refined`] ([`QuantizedInput::product_tokens`]). Float (F32/F16) weights use the f32
+//! input as is.
 //!
 //! # Speed
 //! Rows sit in vector lanes (16 for AVX-512, 8 for AVX2). Each block of a row group is
 //! unpacked once into dword-interleaved code vectors (lane = row, four codes per lane), so a
 //! token's dot product is one `vpdpbusd` per four elements with the activation word
 //! broadcast, straight into the row lanes (`lanes`). Up to 8 activation rows (4 with AVX2;
-//! a refined input has two per token) consume each block as it is unpacked, with their
+//! a refined token dots both of its byte planes) consume each block as it is unpacked, with their
 //! accumulators in registers; more rows share the unpacked blocks of a column chunk from an
 //! L1 buffer, 8 (4) at a time.
 //! The next row group is prefetched into L2; `matmul` splits rows (and tokens for large
@@ -445,8 +449,9 @@ impl<'a> QMatrix<'a> {
 }
 
 /// `out[t, r] = Σ_c input[t, c] · w[r, c]` for every token `t` and row `r`, with the fastest
-/// kernel this CPU has, split over the current rayon pool. `out` is `(n_tokens, rows)`
-/// row-major. Bit-identical to [`matmul_with_kernel`] with any other kernel and to computing
+/// kernel this CPU has, split over the current rayon pool. `out` is `(tokens, rows)`
+/// row-major, `tokens` being [`QuantizedInput::product_tokens`] (the input's `n_tokens`, or
+/// twice that for a k-quant and a refined input: fold it with [`fold_refined`]). Bit-identical to [`matmul_with_kernel`] with any other kernel and to computing
 /// any subset of the tokens separately.
 pub fn matmul(
     w: &QMatrix<'_>,

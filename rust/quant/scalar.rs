@@ -3,7 +3,8 @@
 //!
 //! - 32-element formats: per (row, token), `acc = 0.0; for each block b in order:
 //!   acc = acc + term_b` with `term_b = (dw·da)·(isum as f32)` (+ `m·s` for Q4_1/Q5_1), where
-//!   `isum = Σ u·a − zero·Σa` is the block's exact integer dot product;
+//!   `isum = Σ u·a − zero·Σa` is the block's exact integer dot product (for a refined input's
+//!   16-bit codes `a = 256·hi + lo`: `256·Σ u·hi + Σ u·lo − zero·Σa`);
 //! - k-quants: per (row, token), `acc = acc + term_b` over the super-blocks with
 //!   `term_b = (d·da)·(isum as f32)` (− `(dmin·da)·(msum as f32)` for the min formats), where
 //!   `isum = Σ_g s_g·(Σ_{i∈g} u_i·a_i − zero·Σ_{i∈g} a_i)` and `msum = Σ_g m_g·Σ_{i∈g} a_i`
@@ -43,6 +44,21 @@ pub(crate) fn block_term<F: BlockFormat>(dw: f32, m: f32, da: f32, s: f32, isum:
     }
 }
 
+/// Exact integer dot product of one weight block with the wide codes `256·hi + lo` of one
+/// activation block, including the zero point (`a_sum` is `Σ(256·hi + lo)`).
+#[inline(always)]
+pub(crate) fn wide_block_isum<F: BlockFormat>(blk: &[u8], hi: &[i8], lo: &[i8], a_sum: i32) -> i32 {
+    let codes = F::codes(blk);
+    let dot = |a: &[i8]| -> i32 {
+        codes
+            .iter()
+            .zip(a)
+            .map(|(&u, &v)| u as i32 * v as i32)
+            .sum()
+    };
+    256 * dot(hi) + dot(lo) - F::ZERO * a_sum
+}
+
 /// Canonical dot product of one quantized weight row with token `t` of `act`.
 #[inline]
 pub(crate) fn quant_row_dot<F: BlockFormat>(row: &[u8], act: &ActBlocks<'_>, t: usize) -> f32 {
@@ -51,7 +67,11 @@ pub(crate) fn quant_row_dot<F: BlockFormat>(row: &[u8], act: &ActBlocks<'_>, t: 
         let i = act.index(t, b);
         let dw = f16_at(blk);
         let m = if F::HAS_MIN { f16_at(&blk[2..]) } else { 0.0 };
-        let isum = block_isum::<F>(blk, act.block(t, b), act.qsum[i]);
+        let isum = if act.is_wide() {
+            wide_block_isum::<F>(blk, act.block(t, b), act.lo_block(t, b), act.qsum[i])
+        } else {
+            block_isum::<F>(blk, act.block(t, b), act.qsum[i])
+        };
         acc += block_term::<F>(dw, m, act.scale[i], act.scaled_sum[i], isum);
     }
     acc

@@ -77,14 +77,28 @@ fn run(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
-/// The refined product's `2n` rows (value pass, then residual pass), unfolded.
+/// The refined product's rows as the kernels write them: `n` (16-bit codes, float weights),
+/// or `2n` for a k-quant (value rows, then residual rows, unfolded).
 fn run_refined(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
     let mut scratch = QuantScratch::new();
     let mut stacked = Vec::new();
     let input =
         QuantizedInput::quantize_refined(x, n, w.cols(), &mut stacked, &mut scratch).unwrap();
-    let mut out = vec![f32::NAN; 2 * n * w.rows()];
+    let tokens = input.product_tokens(w.dtype());
+    assert_eq!(tokens, if w.dtype().is_k_quant() { 2 * n } else { n });
+    let mut out = vec![f32::NAN; tokens * w.rows()];
     matmul_with_kernel(kernel, w, &input, &mut out).unwrap();
+    out
+}
+
+/// The refined product folded to `n` rows, as the model uses it.
+fn run_refined_folded(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], n: usize) -> Vec<f32> {
+    let full = run_refined(kernel, w, x, n);
+    if full.len() == n * w.rows() {
+        return full;
+    }
+    let mut out = vec![f32::NAN; n * w.rows()];
+    fold_refined(&full, &mut out);
     out
 }
 
@@ -713,8 +727,8 @@ fn this_cpu_tests_every_kernel_it_has() {
     }
 }
 
-/// Output rows of one token computed alone: its value pass, and for `refined` its residual
-/// pass after it.
+/// Output rows of one token computed alone (for a refined k-quant product: its value row,
+/// then its residual row).
 fn single(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], t: usize, refined: bool) -> Vec<u32> {
     let cols = w.cols();
     let xt = &x[t * cols..(t + 1) * cols];
@@ -725,10 +739,11 @@ fn single(kernel: Kernel, w: &QMatrix<'_>, x: &[f32], t: usize, refined: bool) -
     })
 }
 
-/// Rows of token `t` in the output of an `n`-token matmul (both passes when `refined`).
-fn token_rows(out: &[f32], t: usize, n: usize, rows: usize, refined: bool) -> Vec<u32> {
+/// Rows of token `t` in the output of an `n`-token matmul (value and residual rows when the
+/// output has `2n` rows: a refined k-quant product).
+fn token_rows(out: &[f32], t: usize, n: usize, rows: usize) -> Vec<u32> {
     let mut v = bits(&out[t * rows..(t + 1) * rows]);
-    if refined {
+    if out.len() == 2 * n * rows {
         v.extend(bits(&out[(n + t) * rows..(n + t + 1) * rows]));
     }
     v
@@ -769,7 +784,7 @@ fn batch_invariance_any_size_position_and_thread_count() {
                         let out = pool.install(|| product(n, &x[..n * cols]));
                         for (t, expected) in alone.iter().enumerate().take(n) {
                             assert_eq!(
-                                &token_rows(&out, t, n, rows, refined),
+                                &token_rows(&out, t, n, rows),
                                 expected,
                                 "{dtype} {kernel} refined={refined} n={n} t={t}"
                             );
@@ -787,7 +802,7 @@ fn batch_invariance_any_size_position_and_thread_count() {
                 let out = pools[1].install(|| product(n, &shuffled));
                 for (pos, &t) in order.iter().enumerate() {
                     assert_eq!(
-                        token_rows(&out, pos, n, rows, refined),
+                        token_rows(&out, pos, n, rows),
                         alone[t],
                         "{dtype} {kernel} refined={refined} shuffled"
                     );
@@ -797,42 +812,67 @@ fn batch_invariance_any_size_position_and_thread_count() {
     }
 }
 
+/// The refined product of a 32-element format is the canonical product with the 16-bit
+/// codes `256·hi + lo` on the step `d/256` (recomputed here from the dequantized wide codes
+/// and the weights, in f64); `hi` is the fast codes; a k-quant's has the value rows (the
+/// fast product) and the residual's rows; float weights ignore the refinement. Folded, the
+/// error shrinks more than 30-fold against the fast product.
 #[test]
-fn refined_product_is_the_value_pass_then_the_residual_pass() {
-    // Rows 0..n of a refined product are bit for bit the plain product of x; rows n..2n are
-    // the plain product of the residual x − dq(q(x)) of the weights' activation format (zero
-    // for float weights, which use x itself); folded, the error shrinks ~100-fold.
+fn refined_product_is_the_wide_codes_product() {
     let mut rng = Rng(13);
     let (rows, cols, n) = (21, 512, 3);
     for dtype in GgmlType::ALL {
         let data = random_weights(dtype, rows, cols, &mut rng, false);
         let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
         let x = rng.floats(n * cols, 2.0);
-        let full = run_refined(Kernel::detect(), &w, &x, n);
-        assert_eq!(
-            bits(&full[..n * rows]),
-            bits(&run(Kernel::detect(), &w, &x, n))
-        );
-        let mut scratch = QuantScratch::new();
-        let input = QuantizedInput::quantize(&x, n, cols, &mut scratch).unwrap();
-        let deq = match act_block(dtype) {
-            Some(256) => input.dequantized_super().unwrap(),
-            Some(_) => input.dequantized().unwrap(),
-            None => x.clone(),
-        };
-        let residual: Vec<f32> = x.iter().zip(&deq).map(|(a, b)| a - b).collect();
-        assert_eq!(
-            bits(&full[n * rows..]),
-            bits(&run(Kernel::detect(), &w, &residual, n)),
-            "{dtype}"
-        );
+        let kernel = Kernel::detect();
+        let fast = run(kernel, &w, &x, n);
+        let refined = run_refined_folded(kernel, &w, &x, n);
         if !dtype.is_quantized() {
-            assert!(full[n * rows..].iter().all(|&v| v == 0.0));
+            assert_eq!(bits(&refined), bits(&fast), "{dtype}");
             continue;
         }
-        let mut folded = vec![0.0; n * rows];
-        fold_refined(&full, &mut folded);
+        let (mut scratch, mut stacked) = (QuantScratch::new(), Vec::new());
+        let input =
+            QuantizedInput::quantize_refined(&x, n, cols, &mut stacked, &mut scratch).unwrap();
+        let mut fast_scratch = QuantScratch::new();
+        let fast_input = QuantizedInput::quantize(&x, n, cols, &mut fast_scratch).unwrap();
         let wf = w.dequantize();
+        if dtype.is_k_quant() {
+            // Value rows: the fast product, bit for bit; residual rows: the product of the
+            // residual x − dq(q(x)).
+            let full = run_refined(kernel, &w, &x, n);
+            assert_eq!(bits(&full[..n * rows]), bits(&fast), "{dtype}");
+            let deq = fast_input.dequantized_super().unwrap();
+            let residual: Vec<f32> = x.iter().zip(&deq).map(|(a, b)| a - b).collect();
+            assert_eq!(
+                bits(&full[n * rows..]),
+                bits(&run(kernel, &w, &residual, n)),
+                "{dtype}"
+            );
+        } else {
+            // The wide codes' high bytes are the fast codes, and the product is the weights
+            // times the dequantized wide codes up to f32 rounding of the block terms.
+            let blocks = input.blocks().unwrap();
+            assert_eq!(blocks.qs, fast_input.blocks().unwrap().qs, "{dtype}");
+            assert!(blocks.lo.iter().all(|&l| (-127..=127).contains(&l)));
+            let deq = input.dequantized().unwrap();
+            for t in 0..n {
+                for r in 0..rows {
+                    let (mut exact, mut scale) = (0.0f64, 0.0f64);
+                    for c in 0..cols {
+                        let p = wf[r * cols + c] as f64 * deq[t * cols + c] as f64;
+                        exact += p;
+                        scale += p.abs();
+                    }
+                    let got = refined[t * rows + r] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * scale + 1e-6,
+                        "{dtype} t={t} r={r}: {got} vs {exact}"
+                    );
+                }
+            }
+        }
         let (mut fast_err, mut refined_err) = (0.0f64, 0.0f64);
         for t in 0..n {
             for r in 0..rows {
@@ -841,14 +881,73 @@ fn refined_product_is_the_value_pass_then_the_residual_pass() {
                     .zip(&x[t * cols..(t + 1) * cols])
                     .map(|(a, b)| *a as f64 * *b as f64)
                     .sum();
-                fast_err = fast_err.max((full[t * rows + r] as f64 - exact).abs());
-                refined_err = refined_err.max((folded[t * rows + r] as f64 - exact).abs());
+                fast_err = fast_err.max((fast[t * rows + r] as f64 - exact).abs());
+                refined_err = refined_err.max((refined[t * rows + r] as f64 - exact).abs());
             }
         }
         assert!(
             refined_err * 30.0 < fast_err,
             "{dtype}: refined {refined_err} vs fast {fast_err}"
         );
+    }
+}
+
+/// Wide codes at their extremes: a block whose residuals all sit at half a step (codes
+/// exactly between two 8-bit values) gets low bytes of ±127 or ±128 before the clamp, and the
+/// kernels (including the i16 sums and the signed path without VNNI) still equal the scalar
+/// kernel; a non-finite block makes every output it touches NaN.
+#[test]
+fn wide_codes_at_their_bounds_stay_exact_and_nan_propagates() {
+    let mut rng = Rng(17);
+    for dtype in GgmlType::ALL
+        .into_iter()
+        .filter(|d| d.is_quantized() && !d.is_k_quant())
+    {
+        let (rows, cols, n) = (32, 64, 5);
+        let data = random_weights(dtype, rows, cols, &mut rng, true);
+        let w = QMatrix::new(dtype, rows, cols, &data).unwrap();
+        // Block max 127: the step is 1, so x = k + 0.5 has residual ±0.5 (low byte ±128 →
+        // clamped), and x = k + 0.49 gives ±125.
+        let mut x: Vec<f32> = (0..n * cols)
+            .map(|i| {
+                let k = (i * 37 % 200) as f32 - 100.0;
+                k + [0.5, -0.5, 0.49, -0.49, 0.0][i % 5]
+            })
+            .collect();
+        for b in x.chunks_exact_mut(32) {
+            b[0] = 127.0;
+        }
+        let reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
+        for kernel in Kernel::available() {
+            assert_eq!(
+                bits(&run_refined(kernel, &w, &x, n)),
+                reference,
+                "{dtype} {kernel}"
+            );
+        }
+        let mut scratch = QuantScratch::new();
+        let mut stacked = Vec::new();
+        let input =
+            QuantizedInput::quantize_refined(&x, n, cols, &mut stacked, &mut scratch).unwrap();
+        let lo = input.blocks().unwrap().lo;
+        assert!(
+            lo.contains(&127) && lo.contains(&-127),
+            "{dtype}: the clamp is reached"
+        );
+        // A NaN in token 1's second block.
+        let mut bad = x.clone();
+        bad[cols + 40] = f32::NAN;
+        for kernel in Kernel::available() {
+            let out = run_refined(kernel, &w, &bad, n);
+            for t in 0..n {
+                let row = &out[t * rows..(t + 1) * rows];
+                if t == 1 {
+                    assert!(row.iter().all(|v| v.is_nan()), "{dtype} {kernel}");
+                } else {
+                    assert_eq!(bits(row), reference[t * rows..(t + 1) * rows], "{dtype}");
+                }
+            }
+        }
     }
 }
 
@@ -944,11 +1043,11 @@ fn many_matrices_in_one_region_equal_their_own_matmuls() {
                 QuantizedInput::quantize(&x, n, cols, &mut scratch)
             }
             .unwrap();
-            let rows_out = if refined { 2 * n } else { n };
+            let rows_out = |w: &QMatrix<'_>| input.product_tokens(w.dtype());
             let alone: Vec<Vec<u32>> = ws
                 .iter()
                 .map(|w| {
-                    let mut out = vec![f32::NAN; rows_out * w.rows()];
+                    let mut out = vec![f32::NAN; rows_out(w) * w.rows()];
                     matmul(w, &input, &mut out).unwrap();
                     bits(&out)
                 })
@@ -960,7 +1059,7 @@ fn many_matrices_in_one_region_equal_their_own_matmuls() {
                     .unwrap();
                 let mut outs: Vec<Vec<f32>> = ws
                     .iter()
-                    .map(|w| vec![f32::NAN; rows_out * w.rows()])
+                    .map(|w| vec![f32::NAN; rows_out(w) * w.rows()])
                     .collect();
                 let mut products: Vec<(&QMatrix<'_>, &mut [f32])> = ws
                     .iter()
@@ -973,8 +1072,8 @@ fn many_matrices_in_one_region_equal_their_own_matmuls() {
                 }
             }
             // One output of the wrong length: an error, and nothing written anywhere.
-            let mut good = vec![f32::NAN; rows_out * ws[0].rows()];
-            let mut bad = vec![f32::NAN; rows_out * ws[1].rows() - 1];
+            let mut good = vec![f32::NAN; rows_out(&ws[0]) * ws[0].rows()];
+            let mut bad = vec![f32::NAN; rows_out(&ws[1]) * ws[1].rows() - 1];
             let err = matmul_many(&mut [(&ws[0], &mut good), (&ws[1], &mut bad)], &input);
             assert!(matches!(err, Err(QuantError::OutputLength { .. })));
             assert!(good.iter().chain(&bad).all(|v| v.is_nan()));
@@ -1187,7 +1286,7 @@ fn quantizing_for_some_types_gives_the_same_products_and_refuses_the_others() {
         let other_data = random_weights(other, rows, cols, &mut rng, false);
         let wo = QMatrix::new(other, rows, cols, &other_data).unwrap();
         for refined in [false, true] {
-            let m = if refined { 2 } else { 1 };
+            let m = if refined && dtype.is_k_quant() { 2 } else { 1 };
             let want = if refined {
                 run_refined(Kernel::detect(), &w, &x, n)
             } else {
@@ -1279,10 +1378,13 @@ fn large_refined_inputs_split_over_the_pool_give_the_same_bits() {
         let xt = &x[t * cols..(t + 1) * cols];
         let one = QuantizedInput::quantize_refined(xt, 1, cols, &mut st1, &mut s1).unwrap();
         let (b1, k1) = (one.dequantized().unwrap(), one.dequantized_super().unwrap());
+        // The wide 32-element codes: one row per token.
+        let r = t * cols..(t + 1) * cols;
+        assert_eq!(bits(&blocks[r]), bits(&b1), "token {t}");
+        // The super-blocks: the value row, then the residual row.
         for (pass, row) in [(0, t), (1, n + t)] {
             let r = row * cols..(row + 1) * cols;
             let r1 = pass * cols..(pass + 1) * cols;
-            assert_eq!(bits(&blocks[r.clone()]), bits(&b1[r1.clone()]), "token {t}");
             assert_eq!(bits(&supers[r]), bits(&k1[r1]), "token {t}");
         }
     }

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--precision",
         choices=["refined", "fast"],
         default="refined",
-        help="activations: two 8-bit passes (near-f32 logits) or one (llama.cpp)",
+        help="activations: 16-bit codes in two byte planes (near-f32 logits) or 8-bit (llama.cpp)",
     )
     add_kv_dtype(p)
     p.add_argument(
