@@ -408,10 +408,24 @@ fn run_heads(
 
 // ----- chunk helper ------------------------------------------------------------------------
 
-/// Keys a row must attend to before [`attend_batch`] splits its heads over threads when it
-/// has fewer rows than threads: below this, handing work to another thread costs more than
-/// it saves.
+/// Keys a row must attend to before [`attend_batch`] splits its heads over threads when its
+/// rows do not divide evenly over them: below this, handing work to another thread costs
+/// more than it saves.
 const SPLIT_HEADS_MIN_KEYS: usize = 128;
+
+/// Ranges each row's query heads are cut into so that `rows × parts` units divide evenly over
+/// `threads` (1: whole rows, when they already do, when there is one thread, or when the rows
+/// are too short to be worth splitting).
+fn head_parts(rows: usize, threads: usize, n_q_heads: usize, worst_keys: usize) -> usize {
+    if threads <= 1 || rows.is_multiple_of(threads) || worst_keys < SPLIT_HEADS_MIN_KEYS {
+        return 1;
+    }
+    let (mut a, mut b) = (rows, threads);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    (threads / a).min(n_q_heads)
+}
 
 /// Per-thread scratch for [`attend_chunk`], sized once for a ring (no allocation per call).
 #[derive(Debug)]
@@ -620,32 +634,53 @@ pub fn attend_batch(
         }
     };
     let per_block = scratch.per_block;
-    let blocks = scratch.blocks().min(total);
+    let threads = scratch.blocks();
+    let parts = head_parts(total, threads, dims.n_q_heads, worst_keys_seen);
     use rayon::prelude::*;
-    if blocks < scratch.blocks() && worst_keys_seen >= SPLIT_HEADS_MIN_KEYS {
-        // Fewer rows than threads (decoding one or a few sequences): each row's query heads
-        // are split over the threads instead. A head's arithmetic is the same whichever
-        // heads share its call, so the output is too.
-        let parts = (scratch.blocks() / total).min(dims.n_q_heads);
+    if parts > 1 {
+        // Rows do not divide evenly over the threads (one row decoding alone, an odd batch,
+        // a verify step of k + 1 rows): each row's query heads are cut into `parts` ranges
+        // and the threads take equal runs of those units, in order. A head's arithmetic is
+        // the same whichever heads share its call, so the output is too.
         let hd = dims.head_dim;
-        let mut units = Vec::with_capacity(total * parts);
+        let units = total * parts;
+        let heads_of = |u: usize| {
+            let p = u % parts;
+            p * dims.n_q_heads / parts..(p + 1) * dims.n_q_heads / parts
+        };
+        let mut groups = Vec::with_capacity(threads);
         let mut rest = out;
-        for r in 0..total {
-            for p in 0..parts {
-                let heads = p * dims.n_q_heads / parts..(p + 1) * dims.n_q_heads / parts;
-                let (mine, tail) = std::mem::take(&mut rest).split_at_mut(heads.len() * hd);
-                units.push((r, heads, mine));
-                rest = tail;
-            }
+        for g in 0..threads {
+            let (u0, u1) = (g * units / threads, (g + 1) * units / threads);
+            let len: usize = (u0..u1).map(|u| heads_of(u).len() * hd).sum();
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            groups.push((u0..u1, mine));
+            rest = tail;
         }
-        units
+        groups
             .into_par_iter()
             .zip(scratch.buf.par_chunks_mut(per_block))
-            .for_each(|((r, heads, out), scratch)| {
-                run_heads(isa, &row_inputs(r), dims, scale, heads, scratch, out)
+            .for_each(|((units, out), scratch)| {
+                let mut at = 0;
+                for u in units {
+                    let heads = heads_of(u);
+                    let len = heads.len() * hd;
+                    let inputs = row_inputs(u / parts);
+                    run_heads(
+                        isa,
+                        &inputs,
+                        dims,
+                        scale,
+                        heads,
+                        scratch,
+                        &mut out[at..at + len],
+                    );
+                    at += len;
+                }
             });
         return Ok(());
     }
+    let blocks = threads.min(total);
     if blocks == 1 {
         run(0, out, &mut scratch.buf[..per_block]);
         return Ok(());

@@ -562,9 +562,10 @@ fn thread_count_and_row_grouping_never_change_a_bit() {
 }
 
 #[test]
-fn rows_fewer_than_threads_split_their_heads_without_changing_a_bit() {
-    // Long enough for rows of 128+ keys, where a lone row's heads go to several threads;
-    // odd chunks (a verify step's k + 1 rows) leave a thread fewer rows than the others.
+fn rows_that_do_not_divide_over_the_threads_split_their_heads_without_changing_a_bit() {
+    // Long enough for rows of 128+ keys, where a lone row's heads go to several threads, and
+    // the rows of chunks that do not divide over the threads (a verify step's k + 1 rows) are
+    // cut into head ranges shared out evenly.
     let cfg = RingConfig {
         slots: 300,
         ..stream_config()
