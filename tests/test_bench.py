@@ -590,3 +590,35 @@ def test_bench_serve_fails_only_on_our_errors() -> None:
     assert exit_status(report(0, 0)) == 0
     assert exit_status(report(0, 15)) == 0
     assert exit_status(report(2, 0)) == 1
+
+
+def test_bench_serve_rounds_combine_into_medians_and_per_round_ratios() -> None:
+    from amplituhedron_rs.bench.serve import LevelResult, combine, median_ratio
+
+    def level(tps: float, ttft: float, errors: int = 0) -> LevelResult:
+        return LevelResult(
+            clients=8,
+            requests=16,
+            errors=errors,
+            wall_s=2.0,
+            output_tokens=1000,
+            tokens_per_s=tps,
+            ttft_p50_ms=ttft,
+            ttft_p99_ms=2 * ttft,
+            itl_p50_ms=10.0,
+            itl_p99_ms=30.0,
+            error_messages=["boom"] if errors else [],
+        )
+
+    rounds = [level(300.0, 90.0), level(500.0, 70.0, errors=1), level(400.0, 80.0)]
+    c = combine(rounds)
+    assert (c.tokens_per_s, c.ttft_p50_ms, c.ttft_p99_ms) == (400.0, 80.0, 160.0)
+    assert (c.requests, c.errors, c.output_tokens, c.wall_s) == (48, 1, 3000, 6.0)
+    assert c.rounds_tokens_per_s == [300.0, 500.0, 400.0]
+    assert c.error_messages == ["boom"]
+    # A slow round slows both sides of a ratio: the per-round ratios are all 2, although the
+    # ratio of the medians (400 / 150) is not.
+    ours, one = [300.0, 500.0, 400.0], [150.0, 250.0, 200.0]
+    assert median_ratio(ours, one) == 2.0
+    assert median_ratio([1.0, 3.0, 2.0], [1.0, 1.0, 1.0]) == 2.0
+    assert median_ratio([1.0], [0.0]) is None

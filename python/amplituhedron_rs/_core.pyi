@@ -694,7 +694,8 @@ def quant_matmul(
     (32 elements, or 256 for the k-quants).
 
     ``kernel`` picks one of :func:`quant_kernels` (default: the fastest); all give
-    bit-identical results. ``refined`` quantizes them to 16-bit codes (k-quants: adds a residual pass).
+    bit-identical results. ``refined`` quantizes them to 16-bit codes (k-quants: adds a
+    residual pass).
     """
 
 def quant_embed(

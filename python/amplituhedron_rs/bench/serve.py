@@ -12,6 +12,13 @@ with one request first. ``--stations K`` adds the same server serving through a 
 of K station processes (the engine's mesh executor, one request per station per step), so
 mesh and single process are measured side by side. ``--json`` writes every figure,
 ``--plot`` throughput against concurrency.
+
+The machines this runs on are noisy (the same command varies by tens of percent from one
+minute to the next), so ``--rounds R`` repeats the whole sweep R times with every system's
+server kept up and the systems and levels interleaved (round 1: each system at each level,
+round 2: again, ...). Each figure is then the median over the rounds, and every ratio — a
+level against one client, ours against a peer at the same level — is the median of the
+ratios measured within one round, so a slow minute hits both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import importlib.util
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,6 +79,14 @@ class LevelResult:
     itl_p99_ms: float
     #: The distinct errors seen (the first few), so a failing peer says why.
     error_messages: list[str] = field(default_factory=list)
+    #: tok/s of each round (the figures above are medians over them).
+    rounds_tokens_per_s: list[float] = field(default_factory=list)
+    #: tok/s over the same system's one-client level, median of the per-round ratios (when
+    #: the sweep has one client).
+    over_one_client: float | None = None
+    #: Our tok/s over this system's at the same level, median of the per-round ratios (peers
+    #: only).
+    ours_over_this: float | None = None
 
 
 @dataclass
@@ -322,44 +338,101 @@ def _port_of(cmd: list[str]) -> int:
     return int(cmd[cmd.index("--port") + 1])
 
 
+def combine(rounds: list[LevelResult]) -> LevelResult:
+    """One level's rounds as one result: counts summed, figures the medians over rounds."""
+
+    def median(xs: Sequence[float]) -> float:
+        return float(statistics.median(xs)) if xs else float("nan")
+
+    first = rounds[0]
+    return LevelResult(
+        clients=first.clients,
+        requests=sum(r.requests for r in rounds),
+        errors=sum(r.errors for r in rounds),
+        wall_s=sum(r.wall_s for r in rounds),
+        output_tokens=sum(r.output_tokens for r in rounds),
+        tokens_per_s=median([r.tokens_per_s for r in rounds]),
+        ttft_p50_ms=median([r.ttft_p50_ms for r in rounds]),
+        ttft_p99_ms=median([r.ttft_p99_ms for r in rounds]),
+        itl_p50_ms=median([r.itl_p50_ms for r in rounds]),
+        itl_p99_ms=median([r.itl_p99_ms for r in rounds]),
+        error_messages=sorted({m for r in rounds for m in r.error_messages})[:5],
+        rounds_tokens_per_s=[r.tokens_per_s for r in rounds],
+    )
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float | None:
+    """Median of the per-round ratios ``num[i] / den[i]`` (None without a usable pair)."""
+    ratios = [n / d for n, d in zip(num, den, strict=False) if d > 0]
+    return float(statistics.median(ratios)) if ratios else None
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     mf = read_model_file(a.model)
     tok = Tokenizer(mf)
     ids = tok.encode(reference_text(8 * a.system_tokens))[: a.system_tokens]
     system = tok.decode(ids)
     levels = [int(x) for x in a.concurrency.split(",") if x]
+    rounds = max(1, a.rounds)
     results: list[SystemResult] = []
-    for name, cmd in systems(a, str(mf.path)):
-        if isinstance(cmd, str):
-            results.append(SystemResult(name, note=cmd))
-            continue
-        srv = Server(name, cmd, _port_of(cmd), "model")
-        try:
-            srv.start()
-        except RuntimeError as exc:
-            # A peer that cannot start is reported, not fatal: the others still run.
-            results.append(SystemResult(name, note=str(exc)))
-            print(f"{name}: {exc}", file=sys.stderr)
-            continue
-        with srv:
+    live: list[tuple[SystemResult, Server]] = []
+    try:
+        for name, cmd in systems(a, str(mf.path)):
+            if isinstance(cmd, str):
+                results.append(SystemResult(name, note=cmd))
+                continue
+            srv = Server(name, cmd, _port_of(cmd), "model")
+            try:
+                srv.start()
+            except RuntimeError as exc:
+                # A peer that cannot start is reported, not fatal: the others still run.
+                results.append(SystemResult(name, note=str(exc)))
+                print(f"{name}: {exc}", file=sys.stderr)
+                continue
             srv.model = asyncio.run(_served_model(srv))  # each server's own id for its model
             asyncio.run(run_level(srv, system, 1, 1, 8))  # warm-up: caches, pages, threads
             res = SystemResult(name)
-            for c in levels:
-                level = asyncio.run(run_level(srv, system, c, a.requests, a.max_tokens))
-                res.levels.append(level)
-                print(
-                    f"{name:>24} · {c:>2} clients: {level.tokens_per_s:7.1f} tok/s · TTFT p50 "
-                    f"{level.ttft_p50_ms:6.1f} ms p99 {level.ttft_p99_ms:6.1f} · ITL p50 "
-                    f"{level.itl_p50_ms:5.1f} p99 {level.itl_p99_ms:5.1f} · errors {level.errors}",
-                    file=sys.stderr,
-                )
             results.append(res)
+            live.append((res, srv))
+        per_level: dict[str, dict[int, list[LevelResult]]] = {
+            res.name: {c: [] for c in levels} for res, _ in live
+        }
+        for r in range(rounds):
+            for res, srv in live:
+                for c in levels:
+                    level = asyncio.run(run_level(srv, system, c, a.requests, a.max_tokens))
+                    per_level[res.name][c].append(level)
+                    print(
+                        f"{res.name:>24} · {c:>2} clients: {level.tokens_per_s:7.1f} tok/s · "
+                        f"TTFT p50 {level.ttft_p50_ms:6.1f} ms p99 {level.ttft_p99_ms:6.1f} · "
+                        f"ITL p50 {level.itl_p50_ms:5.1f} p99 {level.itl_p99_ms:5.1f} · "
+                        f"errors {level.errors}"
+                        + (f" · round {r + 1}/{rounds}" if rounds > 1 else ""),
+                        file=sys.stderr,
+                    )
+    finally:
+        for _, srv in live:
+            srv.__exit__()
+    ours = per_level.get("amplituhedron", {}) if live else {}
+    for res, _ in live:
+        mine = per_level[res.name]
+        for c in levels:
+            level = combine(mine[c])
+            if 1 in mine:
+                level.over_one_client = median_ratio(
+                    level.rounds_tokens_per_s, [x.tokens_per_s for x in mine[1]]
+                )
+            if res.name != "amplituhedron" and c in ours:
+                level.ours_over_this = median_ratio(
+                    [x.tokens_per_s for x in ours[c]], level.rounds_tokens_per_s
+                )
+            res.levels.append(level)
     return {
         "workload": {
             "system_tokens": a.system_tokens,
             "max_tokens": a.max_tokens,
             "requests_per_client": a.requests,
+            "rounds": rounds,
             "concurrency": levels,
             "precision": a.precision,
             "kv_dtype": a.kv_dtype,
@@ -401,20 +474,32 @@ def main(a: argparse.Namespace) -> int:
     report = run(a)
     ours = next(s for s in report["systems"] if s["name"] == "amplituhedron")
     base = ours["levels"][0]["tokens_per_s"] if ours["levels"] else float("nan")
+    rounds = report["workload"]["rounds"]
+    if rounds > 1:
+        print(
+            f"\n{rounds} rounds, systems and levels interleaved: medians over the rounds; "
+            "× own@1 and ours × are medians of per-round ratios."
+        )
     print(
-        "\n| system | clients | tok/s | × ours@1 | × own@1 | TTFT p50/p99 ms | ITL p50/p99 ms "
-        "| errors |"
+        "\n| system | clients | tok/s | × ours@1 | × own@1 | ours × | TTFT p50/p99 ms "
+        "| ITL p50/p99 ms | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f}"
+
     for s in report["systems"]:
         if not s["levels"]:
-            print(f"| {s['name']} | – | – | – | – | – | – | {s['note']} |")
+            print(f"| {s['name']} | – | – | – | – | – | – | – | {s['note']} |")
         for lv in s["levels"]:
-            own = s["levels"][0]["tokens_per_s"]
+            own = lv["over_one_client"]
+            if own is None:
+                own = lv["tokens_per_s"] / s["levels"][0]["tokens_per_s"]
             print(
                 f"| {s['name']} | {lv['clients']} | {lv['tokens_per_s']:.1f} | "
-                f"{lv['tokens_per_s'] / base:.2f} | {lv['tokens_per_s'] / own:.2f} | "
-                f"{lv['ttft_p50_ms']:.1f} / "
+                f"{lv['tokens_per_s'] / base:.2f} | {own:.2f} | "
+                f"{ratio(lv['ours_over_this'])} | {lv['ttft_p50_ms']:.1f} / "
                 f"{lv['ttft_p99_ms']:.1f} | {lv['itl_p50_ms']:.1f} / {lv['itl_p99_ms']:.1f} | "
                 f"{lv['errors']} |"
             )

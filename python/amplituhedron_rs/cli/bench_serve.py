@@ -18,6 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="client counts to sweep (default 1,2,4,8,16)",
     )
     p.add_argument("--requests", type=int, default=2, metavar="R", help="requests per client")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="repeat the sweep N times, systems and levels interleaved; report medians",
+    )
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
     p.add_argument("--system-tokens", type=int, default=200, metavar="N")
     p.add_argument("--precision", choices=["refined", "fast"], default="refined")

@@ -286,8 +286,9 @@ def load_model(
     (``"smollm2-135m"``, ``"gemma3-270m"``), or the bundled SmolLM2-135M-Instruct by default.
     An unsupported architecture or tensor type is refused with a message naming it.
 
-    ``precision="refined"`` (default) quantizes activations to 16-bit codes (two byte planes) for logits
-    within a few hundredths of an f32 implementation; ``"fast"`` uses one pass, as llama.cpp.
+    ``precision="refined"`` (default) quantizes activations to 16-bit codes (two byte planes)
+    for logits within a few hundredths of an f32 implementation; ``"fast"`` to 8-bit codes, as
+    llama.cpp.
     ``kv_dtype="f16"`` (default) stores K and V in half precision, as llama.cpp does: half the
     memory per session and half the bytes attention reads; ``"f32"`` keeps them exact.
 
