@@ -25,14 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from amplituhedron_rs.bench.servers import Server, port_of, served_model, systems
 from amplituhedron_rs.bench.textsource import reference_text
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
@@ -102,67 +98,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[k]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class Server:
-    """A server process speaking the OpenAI wire format on loopback."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, model: str) -> None:
-        self.name = name
-        self.cmd = cmd
-        self.url = f"http://127.0.0.1:{port}"
-        self.model = model
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by __exit__
-
-    def __enter__(self) -> Server:
-        if self.proc is None:
-            self.start()
-        return self
-
-    def start(self) -> None:
-        """Starts the server and waits for its health check; RuntimeError (with the end of
-        its output) if it exits or does not come up."""
-        # Its output goes to a file, so a server that fails to start can say why.
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy()
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode}: {' / '.join(tail)}"
-                )
-            try:
-                import urllib.request
-
-                # /v1/models: every OpenAI-compatible server has it (llama_cpp.server has
-                # no /health).
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        self.__exit__()
-        raise RuntimeError(f"{self.name} did not come up in 300 s")
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 async def one_request(
@@ -247,97 +182,6 @@ async def run_level(
     )
 
 
-def systems(a: argparse.Namespace, model_path: str) -> list[tuple[str, list[str] | str]]:
-    """(name, command) of every system to run, or (name, why it is skipped)."""
-    out: list[tuple[str, list[str] | str]] = []
-
-    def ours(*extra: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "amplituhedron_rs.cli",
-            "serve",
-            "--model",
-            model_path,
-            "--port",
-            str(free_port()),
-            "--max-batch",
-            str(a.max_batch),
-            "--max-queue",
-            "256",
-            "--step-tokens",
-            str(a.step_tokens),
-            "--precision",
-            a.precision,
-            "--kv-dtype",
-            a.kv_dtype,
-            *extra,
-        ]
-
-    out.append(("amplituhedron", ours()))
-    if a.stations:
-        out.append(
-            (f"amplituhedron {a.stations}-station mesh", ours("--stations", str(a.stations)))
-        )
-    if a.llama_server:
-        port = free_port()
-        out.append(
-            (
-                f"llama-server -np {a.llama_parallel}",
-                [
-                    a.llama_server,
-                    "-m",
-                    model_path,
-                    "--port",
-                    str(port),
-                    "-np",
-                    str(a.llama_parallel),
-                    "-c",
-                    str(2048 * a.llama_parallel),
-                    "-t",
-                    str(os.cpu_count() or 2),
-                ],
-            )
-        )
-    else:
-        out.append(("llama-server", "not given (--llama-server PATH)"))
-    if a.no_llama_cpp_python:
-        pass
-    elif importlib.util.find_spec("llama_cpp") is None:
-        out.append(("llama_cpp.server", "llama-cpp-python is not installed (peers extra)"))
-    elif importlib.util.find_spec("sse_starlette") is None:
-        out.append(
-            (
-                "llama_cpp.server",
-                "llama-cpp-python's server extra is missing: "
-                "pip install 'llama-cpp-python[server]' (or the peers extra)",
-            )
-        )
-    else:
-        port = free_port()
-        out.append(
-            (
-                "llama_cpp.server",
-                [
-                    sys.executable,
-                    "-m",
-                    "llama_cpp.server",
-                    "--model",
-                    model_path,
-                    "--port",
-                    str(port),
-                    "--n_ctx",
-                    "4096",
-                ],
-            )
-        )
-    return out
-
-
-def _port_of(cmd: list[str]) -> int:
-    return int(cmd[cmd.index("--port") + 1])
-
-
 def combine(rounds: list[LevelResult]) -> LevelResult:
     """One level's rounds as one result: counts summed, figures the medians over rounds."""
 
@@ -381,7 +225,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if isinstance(cmd, str):
                 results.append(SystemResult(name, note=cmd))
                 continue
-            srv = Server(name, cmd, _port_of(cmd), "model")
+            srv = Server(name, cmd, port_of(cmd), "model")
             try:
                 srv.start()
             except RuntimeError as exc:
@@ -389,7 +233,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 results.append(SystemResult(name, note=str(exc)))
                 print(f"{name}: {exc}", file=sys.stderr)
                 continue
-            srv.model = asyncio.run(_served_model(srv))  # each server's own id for its model
+            srv.model = asyncio.run(served_model(srv))  # each server's own id for its model
             asyncio.run(run_level(srv, system, 1, 1, 8))  # warm-up: caches, pages, threads
             res = SystemResult(name)
             results.append(res)
@@ -439,11 +283,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         },
         "systems": [asdict(r) for r in results],
     }
-
-
-async def _served_model(srv: Server) -> str:
-    async with aiohttp.ClientSession() as http, http.get(f"{srv.url}/v1/models") as r:
-        return str((await r.json())["data"][0]["id"])
 
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
