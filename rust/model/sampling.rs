@@ -294,7 +294,13 @@ fn check_logits(logits: &[f32]) -> Result<(), SamplingError> {
     if logits.is_empty() {
         return Err(SamplingError("cannot sample from empty logits".into()));
     }
-    if let Some(i) = logits.iter().position(|v| !v.is_finite()) {
+    // A branch-free pass first (it vectorizes): the search for the culprit runs only on error.
+    let exponent = f32::INFINITY.to_bits();
+    let any_bad = logits.iter().fold(0u32, |b, v| {
+        b | u32::from(v.to_bits() & exponent == exponent)
+    });
+    if any_bad != 0 {
+        let i = logits.iter().position(|v| !v.is_finite()).unwrap_or(0);
         return Err(SamplingError(format!(
             "logit {i} is not finite ({})",
             logits[i]
@@ -303,15 +309,25 @@ fn check_logits(logits: &[f32]) -> Result<(), SamplingError> {
     Ok(())
 }
 
-/// Index of the largest value; ties go to the lowest index.
+/// Lanes of [`argmax`]'s running maxima (what one vector holds).
+const LANES: usize = 16;
+
+/// Index of the largest value; ties go to the lowest index, and a NaN is never the largest. A
+/// pass of per-lane maxima (it vectorizes), then the first index holding their maximum.
 pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in values.iter().enumerate() {
-        if v > values[best] {
-            best = i;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let whole = values.len() / LANES * LANES;
+    for c in values[..whole].chunks_exact(LANES) {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
         }
     }
-    best as u32
+    let mut best = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(&values[whole..]) {
+        best = if v > best { v } else { best };
+    }
+    // No value equals it only when every value is NaN (or there are none): then index 0.
+    values.iter().position(|&v| v == best).unwrap_or(0) as u32
 }
 
 #[cfg(test)]

@@ -250,3 +250,45 @@ fn sampled_verification_emits_plain_sampling_tokens() {
         }
     }
 }
+
+/// The vectorized argmax is the first-largest scan: ties to the lowest index (also ±0 and
+/// −∞), any length (a tail shorter than a vector), and a NaN never wins.
+#[test]
+fn argmax_is_the_first_largest_value() {
+    fn scan(values: &[f32]) -> u32 {
+        let mut best: Option<usize> = None;
+        for (i, &v) in values.iter().enumerate() {
+            if !v.is_nan() && best.is_none_or(|b| v > values[b]) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or(0) as u32
+    }
+    let mut state = 0x9e37_79b9_u32;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        state
+    };
+    for len in [1, 2, 15, 16, 17, 33, 100, 49_152] {
+        for round in 0..20 {
+            // Few distinct values, so ties are common.
+            let mut v: Vec<f32> = (0..len).map(|_| (next() % 7) as f32 - 3.0).collect();
+            match round % 5 {
+                1 => v.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+                2 => v[next() as usize % len] = f32::NAN,
+                3 => {
+                    v.iter_mut().for_each(|x| *x = 0.0);
+                    v[next() as usize % len] = -0.0;
+                }
+                4 => v[len - 1] = 10.0,
+                _ => {}
+            }
+            assert_eq!(argmax(&v), scan(&v), "len {len} round {round}: {v:?}");
+        }
+    }
+    assert_eq!(argmax(&[f32::NAN, 1.0, 2.0, 2.0]), 2);
+    assert_eq!(argmax(&[f32::NAN; 5]), 0);
+    assert_eq!(argmax(&[]), 0);
+}
