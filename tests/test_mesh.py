@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 import re
+import socket
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,13 @@ import pytest
 
 from amplituhedron_rs import MeshError, Model
 from amplituhedron_rs.mesh.coordinator import Coordinator, MeshGeneration
-from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec, split_layers
+from amplituhedron_rs.mesh.launcher import (
+    LocalMesh,
+    MeshSpec,
+    get_json,
+    split_layers,
+    wait_healthy,
+)
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
 
@@ -253,3 +261,25 @@ def test_speculation_over_the_mesh_equals_plain_decoding(mesh: MeshSpec, model: 
     assert spec.output_ids == plain.output_ids == single.output_ids
     assert 0 < spec.draft_accepted < spec.draft_proposed, (spec.draft_accepted, spec.draft_proposed)
     assert spec.verify_steps < len(spec.output_ids) - 1  # fewer hops than tokens
+
+
+def test_a_reply_that_is_not_http_is_a_station_not_yet_healthy() -> None:
+    """A socket polling an ephemeral loopback port before its station listens can connect to
+    itself and read back its own request line: health polls treat that as "not up yet" and
+    keep polling (a clear MeshError at the deadline), never an unhandled BadStatusLine."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+
+        def echo_requests() -> None:
+            # Answers every connection with the bytes it sent, as a self-connected socket does.
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = server.accept()
+                    with conn:
+                        conn.sendall(conn.recv(4096))
+
+        threading.Thread(target=echo_requests, daemon=True).start()
+        with pytest.raises(ConnectionError, match="did not answer in HTTP"):
+            get_json(f"{url}/healthz", timeout=2)
+        with pytest.raises(MeshError, match="not healthy after"):
+            wait_healthy([url], timeout=0.5)

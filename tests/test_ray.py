@@ -36,9 +36,11 @@ def cluster() -> Iterator[None]:
 
 def consecutive_free_ports(k: int) -> int:
     """A base port such that base … base+k-1 are all free now (a Ray station listens on
-    ``base_port + i``)."""
+    ``base_port + i``), below Linux's ephemeral ports (32768 and up): polling an ephemeral
+    port before its station listens can connect the poll's socket to itself, which then
+    holds the port the station is about to bind."""
     for _ in range(100):
-        base = random.randrange(20000, 60000)
+        base = random.randrange(20000, 32768 - k)
         socks: list[socket.socket] = []
         try:
             for i in range(k):

@@ -5,6 +5,7 @@ and ``python -m llama_cpp.server``."""
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import os
 import socket
@@ -62,7 +63,7 @@ class Server:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=1) as r:
                     if r.status == 200:
                         return
-            except OSError:
+            except (OSError, http.client.HTTPException):  # see mesh.launcher.get_json
                 time.sleep(0.3)
         self.__exit__()
         raise RuntimeError(f"{self.name} did not come up in 300 s")

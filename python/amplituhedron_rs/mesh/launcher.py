@@ -11,6 +11,7 @@ until each answers its health check, and stops them all on exit.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -33,9 +34,16 @@ from amplituhedron_rs.runtime.weights import write_model_index
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
-    """GET ``url`` and parse JSON (start-up and discovery only; not a hot path)."""
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+    """GET ``url`` and parse JSON (start-up and discovery only; not a hot path).
+
+    A reply that is not HTTP raises ``ConnectionError`` (an ``OSError``, as a refused
+    connection does): polling a loopback port in the ephemeral range that nobody listens on
+    yet can connect the socket to itself, and then the "reply" is our own request line."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except http.client.HTTPException as exc:
+        raise ConnectionError(f"{url} did not answer in HTTP: {exc!r}") from exc
 
 
 @dataclass(frozen=True)
