@@ -622,3 +622,52 @@ def test_bench_serve_rounds_combine_into_medians_and_per_round_ratios() -> None:
     assert median_ratio(ours, one) == 2.0
     assert median_ratio([1.0, 3.0, 2.0], [1.0, 1.0, 1.0]) == 2.0
     assert median_ratio([1.0], [0.0]) is None
+
+
+def test_bench_serve_counts_a_stream_cut_short_as_an_error() -> None:
+    """A streamed reply that ends without a finish_reason (a server that abandoned it) is an
+    error, not a served request with a zero time to first token; a whole reply is not."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from amplituhedron_rs.bench.serve import one_request
+    from amplituhedron_rs.bench.servers import Server
+
+    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+    async def scenario() -> list[Any]:
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            await reply.write(chunk({"role": "assistant"}))
+            for word in ("a", "b", "c"):
+                await reply.write(chunk({"content": word}))
+            if body["messages"][-1]["content"].startswith("#whole"):
+                await reply.write(chunk({}, "length"))
+            await reply.write(b"data: [DONE]\n\n")
+            return reply
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        server = Server("fake", [], port, "m")
+        try:
+            async with aiohttp.ClientSession() as http:
+                return [await one_request(http, server, "sys", q, 3) for q in ("#whole", "#cut")]
+        finally:
+            server.log.close()
+            await runner.cleanup()
+
+    whole, cut = asyncio.run(scenario())
+    assert whole.error is None and whole.tokens == 3 and len(whole.gaps_s) == 2
+    assert whole.ttft_s > 0
+    assert cut.error == "the stream ended without a finish_reason" and cut.tokens == 3

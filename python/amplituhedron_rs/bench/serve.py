@@ -118,6 +118,7 @@ async def one_request(
     last = started
     gaps: list[float] = []
     tokens = 0
+    finish_reason = None
     try:
         async with http.post(f"{server.url}/v1/chat/completions", json=body) as r:
             if r.status != 200:
@@ -129,7 +130,9 @@ async def one_request(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return RequestRecord(0.0, [], tokens, str(chunk["error"]))
-                delta = chunk["choices"][0].get("delta", {}) if chunk.get("choices") else {}
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                finish_reason = choice.get("finish_reason") or finish_reason
+                delta = choice.get("delta") or {}
                 if not delta.get("content"):
                     continue
                 now = time.perf_counter()
@@ -141,6 +144,10 @@ async def one_request(
                 tokens += 1
     except (aiohttp.ClientError, TimeoutError) as exc:
         return RequestRecord(0.0, [], tokens, repr(exc))
+    if finish_reason is None:
+        # A reply cut short is not a served request (llama_cpp.server, by default, abandons
+        # a streaming request when another arrives: it ends the stream without one).
+        return RequestRecord(0.0, [], tokens, "the stream ended without a finish_reason")
     return RequestRecord((first or last) - started, gaps, tokens)
 
 

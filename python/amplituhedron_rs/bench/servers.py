@@ -159,6 +159,10 @@ def systems(a: argparse.Namespace, model_path: str) -> list[tuple[str, list[str]
                     str(port),
                     "--n_ctx",
                     "4096",
+                    # Its default abandons a streaming request whenever another arrives:
+                    # queue them instead, so every client gets its whole reply.
+                    "--interrupt_requests",
+                    "False",
                 ],
             )
         )
