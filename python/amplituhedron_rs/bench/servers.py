@@ -5,10 +5,8 @@ and ``python -m llama_cpp.server``."""
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,12 +14,12 @@ import time
 
 import aiohttp
 
+from amplituhedron_rs.mesh.launcher import free_ports, get_json
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port free on loopback right now."""
+    return free_ports(1)[0]
 
 
 class Server:
@@ -56,14 +54,11 @@ class Server:
                     f"{self.name} exited with {self.proc.returncode}: {' / '.join(tail)}"
                 )
             try:
-                import urllib.request
-
                 # /v1/models: every OpenAI-compatible server has it (llama_cpp.server has
-                # no /health).
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, http.client.HTTPException):  # see mesh.launcher.get_json
+                # no /health). Any failure (refused, an HTTP error, not HTTP) is "not up yet".
+                get_json(f"{self.url}/v1/models", timeout=1)
+                return
+            except (OSError, ValueError):
                 time.sleep(0.3)
         self.__exit__()
         raise RuntimeError(f"{self.name} did not come up in 300 s")
