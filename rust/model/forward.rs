@@ -21,8 +21,11 @@ use super::ops::{
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
 use crate::attention::{attend_batch, AttnScratch, PendingChunk};
-use crate::quant::{fold_refined, matmul_many, GgmlType, QMatrix, QuantScratch, QuantizedInput};
-use crate::ring::SpanType;
+use crate::quant::{
+    fold_refined, matmul_many_prefetching, GgmlType, QMatrix, QuantScratch, QuantizedInput,
+    SidePrefetch,
+};
+use crate::ring::{DynamicRingBuffer, KvSlice, SpanType};
 
 /// What a range consumes: token ids at the entry range, hidden states elsewhere.
 #[derive(Clone, Copy, Debug)]
@@ -515,6 +518,19 @@ impl LayerRange {
                 c.rms_eps,
                 &mut b.h[..n * hidden],
             );
+            // With several rows the FFN is compute-bound and the next layer's attention
+            // memory-bound: its K/V history comes into cache while the FFN computes.
+            b.kv_ahead.clear();
+            if n >= PREFETCH_KV_FROM_ROWS && layer + 1 < self.layer_hi {
+                list_history(
+                    &mut b.kv_ahead,
+                    segments,
+                    round,
+                    ring_layer + 1,
+                    c.window_of(layer + 1),
+                );
+                b.kv_ahead.spread_over(2 * ffn + hidden);
+            }
             {
                 let mut p = Projector::new(
                     &b.h[..n * hidden],
@@ -523,17 +539,23 @@ impl LayerRange {
                     &mut b.mm,
                     &[&lw.w_gate, &lw.w_up],
                 )?;
-                p.apply_many(&mut [
-                    (&lw.w_gate, &mut b.gate[..n * ffn]),
-                    (&lw.w_up, &mut b.up[..n * ffn]),
-                ])?;
+                p.apply_many_prefetching(
+                    &mut [
+                        (&lw.w_gate, &mut b.gate[..n * ffn]),
+                        (&lw.w_up, &mut b.up[..n * ffn]),
+                    ],
+                    &b.kv_ahead,
+                )?;
             }
             match recipe.activation {
                 Activation::Silu => swiglu(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
                 Activation::GeluTanh => geglu_tanh(&mut b.gate[..n * ffn], &b.up[..n * ffn]),
             }
             Projector::new(&b.gate[..n * ffn], n, precision, &mut b.mm, &[&lw.w_down])?
-                .apply(&lw.w_down, &mut b.proj[..n * hidden])?;
+                .apply_many_prefetching(
+                    &mut [(&lw.w_down, &mut b.proj[..n * hidden])],
+                    &b.kv_ahead,
+                )?;
             if let Some(w) = lw.post_ffn_norm {
                 rms_norm_in_place(&mut b.proj[..n * hidden], w, c.rms_eps);
             }
@@ -652,6 +674,8 @@ pub struct StepBuffers {
     logits: Vec<f32>,
     mm: MatmulScratch,
     attn_scratch: AttnScratch,
+    /// The next layer's K/V rows, prefetched during this layer's FFN.
+    kv_ahead: SidePrefetch,
 }
 
 impl StepBuffers {
@@ -679,6 +703,7 @@ impl StepBuffers {
             logits: Vec::new(),
             mm: MatmulScratch::default(),
             attn_scratch: AttnScratch::new(1, c.n_heads, 1),
+            kv_ahead: SidePrefetch::new(),
         };
         super::runtime_pool().install(|| b.reserve(c, rows, max_keys));
         b
@@ -768,10 +793,19 @@ impl<'a> Projector<'a> {
         &mut self,
         products: &mut [(&QMatrix<'_>, &mut [f32])],
     ) -> Result<(), ModelError> {
+        self.apply_many_prefetching(products, &SidePrefetch::new())
+    }
+
+    /// [`Projector::apply_many`], prefetching `side` as the kernels go.
+    fn apply_many_prefetching(
+        &mut self,
+        products: &mut [(&QMatrix<'_>, &mut [f32])],
+        side: &SidePrefetch,
+    ) -> Result<(), ModelError> {
         let err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
         let folded = |w: &QMatrix<'_>| self.input.product_tokens(w.dtype()) > self.input.n_tokens();
         if !products.iter().any(|(w, _)| folded(w)) {
-            return matmul_many(products, &self.input).map_err(err);
+            return matmul_many_prefetching(products, &self.input, side).map_err(err);
         }
         // A refined input's product with a k-quant has two rows per token (value, residual):
         // those go to a stretch of the scratch each, folded into their outputs afterwards;
@@ -795,7 +829,7 @@ impl<'a> Projector<'a> {
                 targets.push((*w, &mut **out));
             }
         }
-        matmul_many(&mut targets, &self.input).map_err(err)?;
+        matmul_many_prefetching(&mut targets, &self.input, side).map_err(err)?;
         drop(targets);
         let mut rest = &self.full[..need];
         for (w, out) in products.iter_mut() {
@@ -811,6 +845,71 @@ impl<'a> Projector<'a> {
     /// `out = W·x` (`n × rows`).
     fn apply(&mut self, w: &QMatrix<'_>, out: &mut [f32]) -> Result<(), ModelError> {
         self.apply_many(&mut [(w, out)])
+    }
+}
+
+/// Rows of a round from which the FFN prefetches the next layer's K/V history. With fewer,
+/// the matmuls stream weights at the memory's rate and the prefetches only compete with
+/// them (measured: 2 rows −5 %, 4 rows +2–4 %, 8 rows +4–11 % tokens/s).
+const PREFETCH_KV_FROM_ROWS: usize = 4;
+
+/// Lists the K/V rows that ring layer `ring_layer` of every piece's sequence holds for its
+/// attention.
+fn list_history(
+    side: &mut SidePrefetch,
+    segments: &[Segment<'_>],
+    round: &[Piece],
+    ring_layer: usize,
+    window: Option<usize>,
+) {
+    for p in round {
+        let (ring, index) = segments[p.index].kv.rings().layer(ring_layer);
+        list_ring_history(side, ring, index, window);
+    }
+}
+
+/// Lists the K and V rows of `ring`'s layer `index` that attention reads: the fixed slots,
+/// then the window's (a sliding layer's last `window` of them), as runs of consecutive slots.
+pub(super) fn list_ring_history(
+    side: &mut SidePrefetch,
+    ring: &DynamicRingBuffer,
+    index: usize,
+    window: Option<usize>,
+) {
+    let (k, v) = ring.layer_kv(index);
+    let (k, v, value_bytes) = match (k, v) {
+        (KvSlice::F16(k), KvSlice::F16(v)) => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), 2),
+        (KvSlice::F32(k), KvSlice::F32(v)) => (k.as_ptr().cast::<u8>(), v.as_ptr().cast::<u8>(), 4),
+        _ => return,
+    };
+    let row_bytes = ring.config().row_len() * value_bytes;
+    let window_slots = ring.window_slots();
+    let visible = window.map_or(window_slots.len(), |w| w.min(window_slots.len()));
+    let slots = ring
+        .fixed_slots()
+        .iter()
+        .chain(&window_slots[window_slots.len() - visible..]);
+    let mut push = |first: u32, end: u32| {
+        let (at, bytes) = (
+            first as usize * row_bytes,
+            (end - first) as usize * row_bytes,
+        );
+        side.push(k.wrapping_add(at), bytes);
+        side.push(v.wrapping_add(at), bytes);
+    };
+    let mut run: Option<(u32, u32)> = None;
+    for &s in slots {
+        run = match run {
+            Some((first, end)) if s == end => Some((first, end + 1)),
+            Some((first, end)) => {
+                push(first, end);
+                Some((s, s + 1))
+            }
+            None => Some((s, s + 1)),
+        };
+    }
+    if let Some((first, end)) = run {
+        push(first, end);
     }
 }
 

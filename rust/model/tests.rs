@@ -775,3 +775,59 @@ fn the_head_is_copied_interleaved_on_first_use_with_16_lane_kernels_and_computes
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+#[test]
+fn the_prefetched_history_is_every_kv_row_attention_reads_and_nothing_else() {
+    use crate::quant::SidePrefetch;
+    use crate::ring::{DynamicRingBuffer, KvDtype, RingConfig};
+    use std::collections::BTreeSet;
+
+    for kv_dtype in [KvDtype::F16, KvDtype::F32] {
+        let mut cfg = RingConfig::new(2, 1, 32);
+        (cfg.slots, cfg.recall, cfg.n_sys, cfg.max_chunk) = (40, 4, 3, 16);
+        cfg.kv_dtype = kv_dtype;
+        let mut ring = DynamicRingBuffer::new(cfg.clone()).unwrap();
+        let row = cfg.row_len();
+        // 3 anchors, then 45 window positions in a 33-slot window: it has wrapped.
+        let keys = vec![0.5f32; 2 * row * 8];
+        for _ in 0..6 {
+            ring.append_slab(8, &keys, &keys, SpanType::Thought, true)
+                .unwrap();
+        }
+        let value_bytes = if kv_dtype == KvDtype::F16 { 2 } else { 4 };
+        let row_bytes = row * value_bytes;
+        let (k, v) = ring.layer_kv(1);
+        let base = |s: &crate::ring::KvSlice<'_>| match s {
+            crate::ring::KvSlice::F16(x) => x.as_ptr() as usize,
+            crate::ring::KvSlice::F32(x) => x.as_ptr() as usize,
+        };
+        let (kb, vb) = (base(&k), base(&v));
+        for window in [None, Some(10)] {
+            let window_slots = ring.window_slots();
+            let visible = window.map_or(window_slots.len(), |w| w.min(window_slots.len()));
+            let read: Vec<u32> = ring
+                .fixed_slots()
+                .iter()
+                .chain(&window_slots[window_slots.len() - visible..])
+                .copied()
+                .collect();
+            assert!(read.windows(2).any(|w| w[1] != w[0] + 1) || window.is_some());
+            let mut expected = BTreeSet::new();
+            for &s in &read {
+                for b in [kb, vb] {
+                    let start = b + s as usize * row_bytes;
+                    for line in start / 64..(start + row_bytes).div_ceil(64) {
+                        expected.insert(line * 64);
+                    }
+                }
+            }
+            let mut side = SidePrefetch::new();
+            super::forward::list_ring_history(&mut side, &ring, 1, window);
+            let listed: Vec<usize> = side.line_addresses().collect();
+            let unique: BTreeSet<usize> = listed.iter().copied().collect();
+            assert_eq!(unique, expected, "{kv_dtype:?} window {window:?}");
+            // Runs of slots overlap only where a run ends and the next starts mid-line.
+            assert!(listed.len() <= expected.len() + 4 * read.len());
+        }
+    }
+}

@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use super::activation::{ActBlocks, QuantizedInput, SuperActBlocks};
 use super::format::{with_small_format, GgmlType};
 use super::kquant::with_k_format;
+use super::side::{with_current, SidePrefetch};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, avx512};
 use super::{interleave, scalar, QMatrix, QuantError};
@@ -159,7 +160,7 @@ pub(crate) fn matmul_with(
     out: &mut [f32],
 ) -> Result<(), QuantError> {
     let job = Job::new(kernel, w, input, out)?;
-    run_jobs(&[job]);
+    run_jobs(&[job], None);
     Ok(())
 }
 
@@ -167,32 +168,35 @@ pub(crate) fn matmul_with(
 /// parallel region: one hand-off to the pool instead of one per matrix, and the small
 /// matrices of a decode step no longer leave a thread idle. Every output is what
 /// [`matmul_with`] would write (each element's arithmetic is the same). Shapes are all
-/// checked before anything is computed.
+/// checked before anything is computed. The kernels prefetch `side`, if given, as they go.
 pub(crate) fn matmul_many_with(
     kernel: Kernel,
     products: &mut [(&QMatrix<'_>, &mut [f32])],
     input: &QuantizedInput<'_>,
+    side: Option<&SidePrefetch>,
 ) -> Result<(), QuantError> {
     let jobs = products
         .iter_mut()
         .map(|(w, out)| Job::new(kernel, w, input, out))
         .collect::<Result<Vec<_>, _>>()?;
-    run_jobs(&jobs);
+    run_jobs(&jobs, side);
     Ok(())
 }
 
 /// Runs every job's whole rectangle: on the calling thread when the total work is small,
 /// else as one set of pool tasks (rows split first — each thread then streams only its share
 /// of the weights — tokens only when a matrix has too few row units for its share of tasks).
-fn run_jobs(jobs: &[Job<'_>]) {
+fn run_jobs(jobs: &[Job<'_>], side: Option<&SidePrefetch>) {
     let threads = rayon::current_num_threads();
     let work = |job: &Job<'_>| job.w.data().len().saturating_mul(job.tokens);
     let total: usize = jobs.iter().map(work).sum();
     if threads == 1 || total < PARALLEL_MIN_WORK {
-        for job in jobs {
-            // SAFETY: each job's whole output, owned by its caller through `out`.
-            unsafe { job.run(0..job.w.rows(), 0..job.tokens) };
-        }
+        with_current(side, || {
+            for job in jobs {
+                // SAFETY: each job's whole output, owned by its caller through `out`.
+                unsafe { job.run(0..job.w.rows(), 0..job.tokens) };
+            }
+        });
         return;
     }
     // Tasks per thread for each matrix: matrices of unequal sizes (q beside k and v) then
@@ -235,7 +239,7 @@ fn run_jobs(jobs: &[Job<'_>]) {
             // SAFETY: the tasks of a job partition its output (`span` splits rows and tokens
             // into disjoint ranges), jobs write distinct outputs, and every `out` is borrowed
             // until they all finish.
-            unsafe { job.run(rows, tokens) };
+            with_current(side, || unsafe { job.run(rows, tokens) });
             return;
         }
     });

@@ -285,6 +285,7 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>, const IL: bool>(
     let simd_end = simd_rows.start + simd_rows.len() / S::LANES * S::LANES;
     assert!(!IL || (rows.start.is_multiple_of(GROUP) && S::LANES <= GROUP));
     for r in (rows.start..simd_end).step_by(S::LANES) {
+        super::side::claim_group(nb);
         // Row layout: row r's blocks, row i at `+ i·row_bytes`. Interleaved: r's group and
         // r's lane in it (passed where the row stride goes).
         let (first_row, lane_arg) = if IL {
@@ -346,6 +347,7 @@ pub(crate) unsafe fn rect<S: Isa, F: LaneFormat<S>, const IL: bool>(
                         if let (Some(next), true) = (next, chunk_start == tokens.start) {
                             prefetch_slice(next, b, span);
                         }
+                        super::side::issue_block();
                         F::unpack::<IL>(blk, lane_arg, buf.add((b - c0) * F::SLOTS));
                     }
                 }
@@ -452,6 +454,7 @@ unsafe fn direct<S: Isa, F: LaneFormat<S>, const T: usize, const IL: bool>(
             if let Some(next) = next {
                 prefetch_slice(next, b, span);
             }
+            super::side::issue_block();
             F::direct_block::<T, IL>(
                 w.add(b * block_stride),
                 row_bytes,

@@ -71,6 +71,7 @@ mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
 mod scalar;
+mod side;
 #[cfg(test)]
 mod tests;
 
@@ -79,6 +80,7 @@ pub use format::{ggml_type_name, quantize_weights, GgmlType, QK};
 pub use interleave::{interleave_rows, interleave_rows_into};
 pub use kernel::Kernel;
 pub use kquant::QK_K;
+pub use side::SidePrefetch;
 
 /// The supported ggml types and their ids, for error messages (in [`GgmlType::ALL`] order).
 pub const SUPPORTED_TYPES: &str =
@@ -468,7 +470,18 @@ pub fn matmul_many(
     products: &mut [(&QMatrix<'_>, &mut [f32])],
     input: &QuantizedInput<'_>,
 ) -> Result<(), QuantError> {
-    kernel::matmul_many_with(Kernel::detect(), products, input)
+    kernel::matmul_many_with(Kernel::detect(), products, input, None)
+}
+
+/// [`matmul_many`] that also brings `side`'s cache lines into L2, a share per row group, so
+/// the next stage's reads overlap this one's arithmetic. The outputs are those of
+/// [`matmul_many`].
+pub fn matmul_many_prefetching(
+    products: &mut [(&QMatrix<'_>, &mut [f32])],
+    input: &QuantizedInput<'_>,
+    side: &SidePrefetch,
+) -> Result<(), QuantError> {
+    kernel::matmul_many_with(Kernel::detect(), products, input, Some(side))
 }
 
 /// [`matmul`] with an explicit kernel (errors if this CPU cannot run it).
