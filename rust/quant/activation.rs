@@ -33,6 +33,7 @@ use super::{GgmlType, Kernel, QuantError};
 pub struct QuantScratch {
     pub(crate) qs: Vec<i8>,
     lo: Vec<i8>,
+    pairs: Vec<i16>,
     scale: Vec<f32>,
     scaled_sum: Vec<f32>,
     qsum: Vec<i32>,
@@ -55,6 +56,7 @@ impl QuantScratch {
         Self {
             qs: Vec::with_capacity(len),
             lo: Vec::with_capacity(len),
+            pairs: Vec::with_capacity(len),
             scale: Vec::with_capacity(blocks),
             scaled_sum: Vec::with_capacity(blocks),
             qsum: Vec::with_capacity(blocks),
@@ -70,11 +72,14 @@ impl QuantScratch {
 ///
 /// A refined ("wide") input has a second byte plane `lo` of the same layout: its codes are
 /// `256·qs + lo`, and `scale`, `qsum` and `scaled_sum` are those of the 16-bit codes. `lo` is
-/// empty otherwise.
+/// empty otherwise. `pairs` holds the same 16-bit codes as whole i16s, in the order the
+/// kernels without VNNI dot them with `Q8_0` weights (see [`wide_pairs`]); it is empty for a
+/// narrow input and for one built without `Q8_0` among its weight types.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ActBlocks<'a> {
     pub(crate) qs: &'a [i8],
     pub(crate) lo: &'a [i8],
+    pub(crate) pairs: &'a [i16],
     pub(crate) scale: &'a [f32],
     pub(crate) scaled_sum: &'a [f32],
     pub(crate) qsum: &'a [i32],
@@ -100,6 +105,12 @@ impl ActBlocks<'_> {
     #[inline(always)]
     pub(crate) fn is_wide(&self) -> bool {
         !self.lo.is_empty()
+    }
+
+    /// Whether the 16-bit codes are also laid out as i16 pairs ([`wide_pairs`]).
+    #[inline(always)]
+    pub(crate) fn has_pairs(&self) -> bool {
+        !self.pairs.is_empty()
     }
 
     /// Index of block `b` of token `t` in the per-block arrays.
@@ -445,9 +456,12 @@ impl<'a> QuantizedInput<'a> {
         residual: Option<&'a mut Vec<f32>>,
         scratch: &'a mut QuantScratch,
     ) -> Result<Self, QuantError> {
-        let blocks = dtypes.iter().any(|d| d.is_quantized() && !d.is_k_quant());
-        let super_blocks = dtypes.iter().any(|d| d.is_k_quant());
-        Self::build_some(x, n_tokens, cols, residual, scratch, blocks, super_blocks)
+        let wants = BlockWants {
+            blocks: dtypes.iter().any(|d| d.is_quantized() && !d.is_k_quant()),
+            super_blocks: dtypes.iter().any(|d| d.is_k_quant()),
+            pairs: dtypes.contains(&GgmlType::Q8_0),
+        };
+        Self::build_some(x, n_tokens, cols, residual, scratch, wants)
     }
 
     /// Quantizes `x`, and with `residual` scratch refined (wide 32-element blocks, and the
@@ -459,28 +473,33 @@ impl<'a> QuantizedInput<'a> {
         residual: Option<&mut Vec<f32>>,
         scratch: &'a mut QuantScratch,
     ) -> Result<Self, QuantError> {
-        Self::build_some(x, n_tokens, cols, residual, scratch, true, true)
+        let wants = BlockWants {
+            blocks: true,
+            super_blocks: true,
+            pairs: true,
+        };
+        Self::build_some(x, n_tokens, cols, residual, scratch, wants)
     }
 
-    /// [`QuantizedInput::build`] of the 32-element blocks (`want_blocks`) and the
-    /// super-blocks (`want_super`) only.
+    /// [`QuantizedInput::build`] of the blocks `wants` names only.
     fn build_some(
         x: &'a [f32],
         n_tokens: usize,
         cols: usize,
         residual: Option<&mut Vec<f32>>,
         scratch: &'a mut QuantScratch,
-        want_blocks: bool,
-        want_super: bool,
+        wants: BlockWants,
     ) -> Result<Self, QuantError> {
         check_input(x, n_tokens, cols)?;
         let refined = residual.is_some();
         let len = x.len();
-        let has_blocks = want_blocks && cols.is_multiple_of(QK);
-        let has_super = want_super && cols.is_multiple_of(QK_K);
+        let has_blocks = wants.blocks && cols.is_multiple_of(QK);
+        let has_super = wants.super_blocks && cols.is_multiple_of(QK_K);
+        let has_pairs = refined && has_blocks && wants.pairs;
         let QuantScratch {
             qs,
             lo,
+            pairs,
             scale,
             scaled_sum,
             qsum,
@@ -494,12 +513,16 @@ impl<'a> QuantizedInput<'a> {
         let blocks_len = if has_blocks { len } else { 0 };
         let qs = grown(qs, blocks_len);
         let lo = grown(lo, if refined { blocks_len } else { 0 });
+        let pairs = grown(pairs, if has_pairs { blocks_len } else { 0 });
         let scale = grown(scale, blocks_len / QK);
         let scaled_sum = grown(scaled_sum, blocks_len / QK);
         let qsum = grown(qsum, blocks_len / QK);
         if has_blocks {
             if refined {
                 quantize_wide_rows(x, qs, lo, scale, scaled_sum, qsum);
+                if has_pairs {
+                    wide_pairs(qs, lo, pairs);
+                }
             } else {
                 quantize_rows(x, qs, scale, scaled_sum, qsum);
             }
@@ -544,6 +567,7 @@ impl<'a> QuantizedInput<'a> {
             blocks: has_blocks.then_some(ActBlocks {
                 qs,
                 lo,
+                pairs,
                 scale,
                 scaled_sum,
                 qsum,
@@ -622,6 +646,31 @@ impl<'a> QuantizedInput<'a> {
 
     pub(crate) fn super_blocks(&self) -> Option<SuperActBlocks<'a>> {
         self.super_blocks
+    }
+}
+
+/// Which blocks [`QuantizedInput::build_some`] builds: the 32-element ones, the
+/// super-blocks, and (refined 32-element blocks only) their i16 pairs.
+#[derive(Debug, Clone, Copy)]
+struct BlockWants {
+    blocks: bool,
+    super_blocks: bool,
+    pairs: bool,
+}
+
+/// Lays the wide codes `a = 256·hi + lo` out as whole i16s, every 4 elements as
+/// `[a0, a2, a1, a3]`: without VNNI a `Q8_0` weight word's bytes split into the i16 pairs
+/// `(q0, q2)` and `(q1, q3)` with two shifts, and one `vpmaddwd` each against these pairs
+/// gives the 4 products exactly — half the multiplies of dotting the two byte planes
+/// (`|a| ≤ 256·127 + 127`, so no pair reaches the instruction's one overflow, −2¹⁵·−2¹⁵).
+fn wide_pairs(hi: &[i8], lo: &[i8], pairs: &mut [i16]) {
+    for ((h, l), p) in hi
+        .chunks_exact(4)
+        .zip(lo.chunks_exact(4))
+        .zip(pairs.chunks_exact_mut(4))
+    {
+        let a = |e: usize| 256 * h[e] as i16 + l[e] as i16;
+        p.copy_from_slice(&[a(0), a(2), a(1), a(3)]);
     }
 }
 

@@ -141,11 +141,23 @@ macro_rules! lane_entries {
             use $crate::quant::lanes::{rect, Small};
             // SAFETY: forwarded to the caller; the kernels' features are enabled here.
             unsafe {
+                use $crate::quant::lanes::{NARROW, PAIRS, PLANES};
+                use $crate::quant::lanes::Isa as _;
+                // Q8_0 without VNNI dots a refined input's codes as i16 pairs when it has them
+                // (two instances only: the other formats gain nothing from it).
+                if dtype == $crate::quant::GgmlType::Q8_0 && !<$isa>::VNNI && act.has_pairs() {
+                    type F = $crate::quant::format::Q80;
+                    return if interleaved {
+                        rect::<$isa, Small<F, PAIRS>, true>(data, row_bytes, act, rows, tokens, out)
+                    } else {
+                        rect::<$isa, Small<F, PAIRS>, false>(data, row_bytes, act, rows, tokens, out)
+                    };
+                }
                 $crate::quant::format::with_small_format!(dtype, F => match (interleaved, act.is_wide()) {
-                    (true, true) => rect::<$isa, Small<F, true>, true>(data, row_bytes, act, rows, tokens, out),
-                    (true, false) => rect::<$isa, Small<F, false>, true>(data, row_bytes, act, rows, tokens, out),
-                    (false, true) => rect::<$isa, Small<F, true>, false>(data, row_bytes, act, rows, tokens, out),
-                    (false, false) => rect::<$isa, Small<F, false>, false>(data, row_bytes, act, rows, tokens, out),
+                    (true, true) => rect::<$isa, Small<F, PLANES>, true>(data, row_bytes, act, rows, tokens, out),
+                    (true, false) => rect::<$isa, Small<F, NARROW>, true>(data, row_bytes, act, rows, tokens, out),
+                    (false, true) => rect::<$isa, Small<F, PLANES>, false>(data, row_bytes, act, rows, tokens, out),
+                    (false, false) => rect::<$isa, Small<F, NARROW>, false>(data, row_bytes, act, rows, tokens, out),
                 })
             }
         }
@@ -542,6 +554,16 @@ unsafe fn or_bit<S: Isa>(x: S::I, bits: S::I, bit_shift: u32, shift: u32) -> S::
 
 // ---- 32-element formats ------------------------------------------------------------------
 
+/// How a 32-element kernel reads the activation codes ([`Small`]'s `CODES`): 8-bit codes.
+pub(crate) const NARROW: u8 = 0;
+/// A refined input's 16-bit codes as two byte planes (`256·Σ u·hi + Σ u·lo`).
+pub(crate) const PLANES: u8 = 1;
+/// A refined input's 16-bit codes as i16 pairs (`ActBlocks::pairs`), dotted by `vpmaddwd`
+/// with the weights widened to i16: `Q8_0` without VNNI only, where the byte planes cost
+/// twice the sign-trick multiplies (`Q8_0`'s codes are signed, so `vpmaddubsw` needs
+/// `vpsignb` and a `vpmaddwd` per plane).
+pub(crate) const PAIRS: u8 = 2;
+
 /// Whether format `F` runs `Q8_0`'s signed path on ISA `S` (no VNNI: `maddubs` needs the
 /// sign trick; with VNNI the codes are `q + 128` and the zero point removes the 128).
 const fn signed_path<S: Isa, F: BlockFormat>() -> bool {
@@ -560,9 +582,10 @@ const fn small_slots<S: Isa, F: BlockFormat>() -> usize {
 
 /// One unpacked 32-element block of `LANES` rows.
 struct SmallBlock<S: Isa> {
-    /// Code vector `v` holds elements `4v..4v+4` (the magnitudes on the signed path).
+    /// Code vector `v` holds elements `4v..4v+4` (the magnitudes on the signed path; with
+    /// `PAIRS`, elements `4v` and `4v+2` as i16s).
     codes: [S::I; 8],
-    /// The signed codes (signed path only).
+    /// The signed codes (signed path only; with `PAIRS`, elements `4v+1` and `4v+3` as i16s).
     signed: [S::I; 8],
     dw: S::F,
     m: S::F,
@@ -611,7 +634,10 @@ impl<S: Isa> SmallBlock<S> {
 
 /// Unpacks a 32-element block of `LANES` rows.
 #[inline(always)]
-unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize) -> SmallBlock<S> {
+unsafe fn unpack_small<S: Isa, F: BlockFormat, const CODES: u8>(
+    blk: *const u8,
+    row_bytes: usize,
+) -> SmallBlock<S> {
     // SAFETY: the block of every row is readable (caller).
     unsafe {
         let head = S::rows_x16(blk, row_bytes);
@@ -626,12 +652,7 @@ unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize)
             // 32 signed bytes: words 0..3 from bytes 2..18, 4..7 from 18..34.
             let q = words::<S, 8>(blk.add(2), row_bytes);
             for (v, &qv) in q.iter().enumerate() {
-                if signed_path::<S, F>() {
-                    out.codes[v] = S::abs8(qv);
-                    out.signed[v] = qv;
-                } else {
-                    out.codes[v] = S::sub8(qv, S::splat(0x8080_8080u32 as i32));
-                }
+                signed_codes::<S, F, CODES>(&mut out, v, qv);
             }
             return out;
         }
@@ -662,7 +683,7 @@ unsafe fn unpack_small<S: Isa, F: BlockFormat>(blk: *const u8, row_bytes: usize)
 /// (`interleave`), the rows starting at lane `lane` of the group: plain vector loads, then
 /// the same code arithmetic as [`unpack_small`].
 #[inline(always)]
-unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
+unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat, const CODES: u8>(
     g: *const u8,
     lane: usize,
 ) -> SmallBlock<S> {
@@ -687,13 +708,7 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
         let word = |k: usize| g.add(qs_at + 4 * (G * k + lane));
         if !F::NIBBLES {
             for v in 0..8 {
-                let qv = S::loadu(word(v));
-                if signed_path::<S, F>() {
-                    out.codes[v] = S::abs8(qv);
-                    out.signed[v] = qv;
-                } else {
-                    out.codes[v] = S::sub8(qv, S::splat(0x8080_8080u32 as i32));
-                }
+                signed_codes::<S, F, CODES>(&mut out, v, S::loadu(word(v)));
             }
             return out;
         }
@@ -714,6 +729,30 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat>(
             out.codes[4 + j] = high;
         }
         out
+    }
+}
+
+/// Stores `Q8_0`'s code word vector `qv` (elements `4v..4v+4`) in the form the kernel dots:
+/// the magnitudes and the signed codes (the signed path), the two i16 pairs (`PAIRS`), or
+/// the codes offset by 128 (VNNI's unsigned bytes; the zero point takes the 128 back).
+#[inline(always)]
+unsafe fn signed_codes<S: Isa, F: BlockFormat, const CODES: u8>(
+    out: &mut SmallBlock<S>,
+    v: usize,
+    qv: S::I,
+) {
+    // SAFETY: plain vector arithmetic (caller's features).
+    unsafe {
+        if CODES == PAIRS {
+            // Bytes (q0, q1, q2, q3) of a lane: (q0, q2) and (q1, q3), each sign-extended.
+            out.codes[v] = S::sra16(S::sll32(qv, 8), 8);
+            out.signed[v] = S::sra16(qv, 8);
+        } else if signed_path::<S, F>() {
+            out.codes[v] = S::abs8(qv);
+            out.signed[v] = qv;
+        } else {
+            out.codes[v] = S::sub8(qv, S::splat(0x8080_8080u32 as i32));
+        }
     }
 }
 
@@ -774,10 +813,12 @@ unsafe fn zero_point_terms<S: Isa, const T: usize>(
 ///
 /// `isum` includes `−zero_point·Σa`, added first or (i16 sums, wide codes) last: exact
 /// integers either way, the same value as subtracting the offset from every code. With wide
-/// codes (`WIDE`: a refined input, `a = 256·hi + lo`) the high plane's sums, shifted left by 8,
-/// start the low plane's: `isum = 256·Σ u·hi + Σ u·lo − zero_point·Σa`, exact in an i32.
+/// codes as byte planes ([`PLANES`]: a refined input, `a = 256·hi + lo`) the high plane's
+/// sums, shifted left by 8, start the low plane's: `isum = 256·Σ u·hi + Σ u·lo −
+/// zero_point·Σa`, exact in an i32. As i16 pairs ([`PAIRS`]) `isum = Σ q·a` directly: the same
+/// integer, so the same bits.
 #[inline(always)]
-unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const WIDE: bool>(
+unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const CODES: u8>(
     blk: &SmallBlock<S>,
     b: usize,
     act: &ActBlocks<'_>,
@@ -795,14 +836,21 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const WIDE: bool>(
     unsafe {
         let i0 = act.index(t0, b);
         let step = act.blocks_per_token;
+        let wide = CODES != NARROW;
+        debug_assert!(CODES != PAIRS || signed_path::<S, F>());
         // The zero point joins first where the products go straight into i32 sums.
-        let zero_point_first = !WIDE && !i16_sums::<S, F>();
+        let zero_point_first = !wide && !i16_sums::<S, F>();
         let mut isum = [S::zero(); T];
         if zero_point_first {
             zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
         }
-        isum = plane_dots::<S, F, T>(blk, act.qs.as_ptr().add(i0 * QK), step * QK, isum);
-        if WIDE {
+        if CODES == PAIRS {
+            // Q8_0: no zero point.
+            isum = pair_dots::<S, T>(blk, act.pairs.as_ptr().add(i0 * QK), step * QK);
+        } else {
+            isum = plane_dots::<S, F, T>(blk, act.qs.as_ptr().add(i0 * QK), step * QK, isum);
+        }
+        if CODES == PLANES {
             for s in &mut isum {
                 *s = S::sll32(*s, 8);
             }
@@ -913,6 +961,41 @@ unsafe fn plane_dots<S: Isa, F: BlockFormat, const T: usize>(
     }
 }
 
+/// `Σ q·a` over one `Q8_0` block for tokens `t0..t0+T`, the codes unpacked as i16 pairs and
+/// the activations' i16 pairs starting at `a0` (token `t` at `a0 + t·stride`): one
+/// `vpmaddwd` per pair vector, two dependency chains per token below 4 tokens (as in
+/// [`plane_dots`]).
+///
+/// # Safety
+/// Every token's 32 i16s are readable.
+#[inline(always)]
+unsafe fn pair_dots<S: Isa, const T: usize>(
+    blk: &SmallBlock<S>,
+    a0: *const i16,
+    stride: usize,
+) -> [S::I; T] {
+    let split = T < 4;
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        let mut even = [S::zero(); T];
+        let mut odd = [S::zero(); T];
+        for v in 0..8 {
+            for t in 0..T {
+                let a = a0.add(t * stride + 4 * v);
+                even[t] = S::madd_pairs(even[t], blk.codes[v], a);
+                let s = if split { &mut odd[t] } else { &mut even[t] };
+                *s = S::madd_pairs(*s, blk.signed[v], a.add(2));
+            }
+        }
+        if split {
+            for (s, &o) in even.iter_mut().zip(&odd) {
+                *s = S::add32(*s, o);
+            }
+        }
+        even
+    }
+}
+
 /// Reinterprets an f32 vector as an integer vector (for the buffer).
 #[inline(always)]
 unsafe fn f_bits<S: Isa>(v: S::F) -> S::I {
@@ -921,11 +1004,11 @@ unsafe fn f_bits<S: Isa>(v: S::F) -> S::I {
     unsafe { std::mem::transmute_copy(&v) }
 }
 
-/// A 32-element format as a lane format, for 8-bit activation codes or (`WIDE`) a refined
-/// input's 16-bit ones.
-pub(crate) struct Small<F, const WIDE: bool>(std::marker::PhantomData<F>);
+/// A 32-element format as a lane format, for 8-bit activation codes ([`NARROW`]) or a
+/// refined input's 16-bit ones ([`PLANES`], [`PAIRS`]).
+pub(crate) struct Small<F, const CODES: u8>(std::marker::PhantomData<F>);
 
-impl<S: Isa, F: BlockFormat, const WIDE: bool> LaneFormat<S> for Small<F, WIDE> {
+impl<S: Isa, F: BlockFormat, const CODES: u8> LaneFormat<S> for Small<F, CODES> {
     type Act<'a> = ActBlocks<'a>;
     const BLOCK_BYTES: usize = F::BLOCK_BYTES;
     const SLOTS: usize = small_slots::<S, F>();
@@ -935,9 +1018,9 @@ impl<S: Isa, F: BlockFormat, const WIDE: bool> LaneFormat<S> for Small<F, WIDE> 
         // SAFETY: forwarded to the caller.
         unsafe {
             if IL {
-                unpack_small_interleaved::<S, F>(blk, row_bytes).store::<F>(out)
+                unpack_small_interleaved::<S, F, CODES>(blk, row_bytes).store::<F>(out)
             } else {
-                unpack_small::<S, F>(blk, row_bytes).store::<F>(out)
+                unpack_small::<S, F, CODES>(blk, row_bytes).store::<F>(out)
             }
         }
     }
@@ -956,11 +1039,11 @@ impl<S: Isa, F: BlockFormat, const WIDE: bool> LaneFormat<S> for Small<F, WIDE> 
         // SAFETY: forwarded to the caller; the block stays in registers.
         unsafe {
             let unpacked = if IL {
-                unpack_small_interleaved::<S, F>(blk, row_bytes)
+                unpack_small_interleaved::<S, F, CODES>(blk, row_bytes)
             } else {
-                unpack_small::<S, F>(blk, row_bytes)
+                unpack_small::<S, F, CODES>(blk, row_bytes)
             };
-            small_terms::<S, F, T, WIDE>(&unpacked, b, act, t0, acc)
+            small_terms::<S, F, T, CODES>(&unpacked, b, act, t0, acc)
         }
     }
 
@@ -976,7 +1059,7 @@ impl<S: Isa, F: BlockFormat, const WIDE: bool> LaneFormat<S> for Small<F, WIDE> 
         unsafe {
             for (slot, b) in blocks.enumerate() {
                 let unpacked = SmallBlock::<S>::load::<F>(buf.add(slot * small_slots::<S, F>()));
-                small_terms::<S, F, T, WIDE>(&unpacked, b, act, t0, acc);
+                small_terms::<S, F, T, CODES>(&unpacked, b, act, t0, acc);
             }
         }
     }

@@ -1268,6 +1268,64 @@ fn scratch_is_reused_without_reallocation() {
     assert_eq!(ptr, x.as_ptr());
 }
 
+/// Without VNNI a refined input's codes meet `Q8_0` weights as i16 pairs (`wide_pairs`, one
+/// `vpmaddwd` per 2 products) when the input was built for `Q8_0`, and as two byte planes
+/// otherwise: the pairs hold `256·hi + lo` in the order `[a0, a2, a1, a3]`, and both paths
+/// give the scalar kernel's bits in every kernel, layout and tile size.
+#[test]
+fn q8_0_refined_products_are_the_same_bits_with_or_without_the_i16_pairs() {
+    let mut rng = Rng(78);
+    let (rows, cols) = (40, 96);
+    let data = random_weights(GgmlType::Q8_0, rows, cols, &mut rng, true);
+    let w = QMatrix::new(GgmlType::Q8_0, rows, cols, &data).unwrap();
+    let il_data = interleave_rows(GgmlType::Q8_0, rows, cols, &data).unwrap();
+    let il = QMatrix::new_interleaved(GgmlType::Q8_0, rows, cols, &il_data).unwrap();
+    for n in [1, 3, 8, 20] {
+        let x = rng.floats(n * cols, 3.0);
+        let reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
+        let (mut paired_scratch, mut plain_scratch) = (QuantScratch::new(), QuantScratch::new());
+        let (mut s1, mut s2) = (Vec::new(), Vec::new());
+        let paired = QuantizedInput::quantize_for(
+            &x,
+            n,
+            cols,
+            &[GgmlType::Q8_0],
+            Some(&mut s1),
+            &mut paired_scratch,
+        )
+        .unwrap();
+        let plain = QuantizedInput::quantize_for(
+            &x,
+            n,
+            cols,
+            &[GgmlType::Q4_1],
+            Some(&mut s2),
+            &mut plain_scratch,
+        )
+        .unwrap();
+        let blocks = paired.blocks().unwrap();
+        assert!(plain.blocks().unwrap().pairs.is_empty());
+        let wide = |e: usize| 256 * blocks.qs[e] as i16 + blocks.lo[e] as i16;
+        let expected: Vec<i16> = (0..n * cols)
+            .map(|e| wide(e / 4 * 4 + [0, 2, 1, 3][e % 4]))
+            .collect();
+        assert_eq!(blocks.pairs, &expected[..], "n={n}");
+        for kernel in Kernel::available() {
+            for (m, layout) in [(&w, "rows"), (&il, "interleaved")] {
+                for input in [&paired, &plain] {
+                    let mut out = vec![f32::NAN; n * rows];
+                    matmul_with_kernel(kernel, m, input, &mut out).unwrap();
+                    let what = format!(
+                        "{kernel} {layout} n={n} pairs={}",
+                        input.blocks().unwrap().has_pairs()
+                    );
+                    assert_eq!(bits(&out), reference, "{what}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn quantizing_for_some_types_gives_the_same_products_and_refuses_the_others() {
     // A 512-column input reused from a wider one (the scratch shrinks without refilling):
