@@ -652,7 +652,7 @@ unsafe fn unpack_small<S: Isa, F: BlockFormat, const CODES: u8>(
             // 32 signed bytes: words 0..3 from bytes 2..18, 4..7 from 18..34.
             let q = words::<S, 8>(blk.add(2), row_bytes);
             for (v, &qv) in q.iter().enumerate() {
-                signed_codes::<S, F, CODES>(&mut out, v, qv);
+                q8_code_vectors::<S, F, CODES>(&mut out, v, qv);
             }
             return out;
         }
@@ -708,7 +708,7 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat, const CODES: u8>(
         let word = |k: usize| g.add(qs_at + 4 * (G * k + lane));
         if !F::NIBBLES {
             for v in 0..8 {
-                signed_codes::<S, F, CODES>(&mut out, v, S::loadu(word(v)));
+                q8_code_vectors::<S, F, CODES>(&mut out, v, S::loadu(word(v)));
             }
             return out;
         }
@@ -736,7 +736,7 @@ unsafe fn unpack_small_interleaved<S: Isa, F: BlockFormat, const CODES: u8>(
 /// the magnitudes and the signed codes (the signed path), the two i16 pairs (`PAIRS`), or
 /// the codes offset by 128 (VNNI's unsigned bytes; the zero point takes the 128 back).
 #[inline(always)]
-unsafe fn signed_codes<S: Isa, F: BlockFormat, const CODES: u8>(
+unsafe fn q8_code_vectors<S: Isa, F: BlockFormat, const CODES: u8>(
     out: &mut SmallBlock<S>,
     v: usize,
     qv: S::I,

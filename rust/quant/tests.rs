@@ -1283,26 +1283,17 @@ fn q8_0_refined_products_are_the_same_bits_with_or_without_the_i16_pairs() {
     for n in [1, 3, 8, 20] {
         let x = rng.floats(n * cols, 3.0);
         let reference = bits(&run_refined(Kernel::Scalar, &w, &x, n));
-        let (mut paired_scratch, mut plain_scratch) = (QuantScratch::new(), QuantScratch::new());
-        let (mut s1, mut s2) = (Vec::new(), Vec::new());
-        let paired = QuantizedInput::quantize_for(
-            &x,
-            n,
-            cols,
-            &[GgmlType::Q8_0],
-            Some(&mut s1),
-            &mut paired_scratch,
-        )
-        .unwrap();
-        let plain = QuantizedInput::quantize_for(
-            &x,
-            n,
-            cols,
-            &[GgmlType::Q4_1],
-            Some(&mut s2),
-            &mut plain_scratch,
-        )
-        .unwrap();
+        // Built for Q8_0 (with the pairs) and for Q4_1 only (without them).
+        let mut scratch = [QuantScratch::new(), QuantScratch::new()];
+        let mut stacked = [Vec::new(), Vec::new()];
+        let inputs: Vec<QuantizedInput<'_>> = [GgmlType::Q8_0, GgmlType::Q4_1]
+            .into_iter()
+            .zip(scratch.iter_mut().zip(stacked.iter_mut()))
+            .map(|(dtype, (sc, st))| {
+                QuantizedInput::quantize_for(&x, n, cols, &[dtype], Some(st), sc).unwrap()
+            })
+            .collect();
+        let (paired, plain) = (&inputs[0], &inputs[1]);
         let blocks = paired.blocks().unwrap();
         assert!(plain.blocks().unwrap().pairs.is_empty());
         let wide = |e: usize| 256 * blocks.qs[e] as i16 + blocks.lo[e] as i16;
@@ -1312,7 +1303,7 @@ fn q8_0_refined_products_are_the_same_bits_with_or_without_the_i16_pairs() {
         assert_eq!(blocks.pairs, &expected[..], "n={n}");
         for kernel in Kernel::available() {
             for (m, layout) in [(&w, "rows"), (&il, "interleaved")] {
-                for input in [&paired, &plain] {
+                for input in &inputs {
                     let mut out = vec![f32::NAN; n * rows];
                     matmul_with_kernel(kernel, m, input, &mut out).unwrap();
                     let what = format!(
