@@ -624,6 +624,39 @@ def test_bench_serve_rounds_combine_into_medians_and_per_round_ratios() -> None:
     assert median_ratio([1.0], [0.0]) is None
 
 
+def test_bench_serve_asks_no_question_twice_in_a_run() -> None:
+    """A repeated prompt would be answered whole from the prefix cache (TTFT of one decode
+    step): every request of a sweep (warm-up, every round and level) asks something new."""
+    from amplituhedron_rs.bench.serve import WARM_UP, level_tag, question
+
+    levels, rounds, requests = [1, 2, 4, 8, 16], 3, 4
+    tags = [WARM_UP] + [level_tag(r, c) for r in range(rounds) for c in levels]
+    asked = [
+        question(tag, k, j)
+        for tag in tags
+        for k in range(1 if tag == WARM_UP else int(tag.split("c")[1]))
+        for j in range(1 if tag == WARM_UP else requests)
+    ]
+    assert len(asked) == 1 + rounds * requests * sum(levels)
+    assert len(set(asked)) == len(asked)
+    # The same request gets the same question on every system, so they serve alike.
+    assert question(level_tag(1, 8), 3, 1) == question(level_tag(1, 8), 3, 1)
+
+
+def test_bench_serve_percentiles_interpolate_between_ranks() -> None:
+    import math
+
+    from amplituhedron_rs.bench.serve import percentile
+
+    assert percentile([30.0, 10.0, 20.0], 50) == 20.0
+    assert percentile([10.0, 20.0], 50) == 15.0  # not the lower of the two
+    assert math.isclose(percentile([10.0, 20.0], 99), 19.9)
+    assert percentile([10.0, 20.0, 30.0, 40.0, 50.0], 0) == 10.0
+    assert percentile([10.0, 20.0, 30.0, 40.0, 50.0], 100) == 50.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
 def test_bench_serve_counts_a_stream_cut_short_as_an_error() -> None:
     """A streamed reply that ends without a finish_reason (a server that abandoned it) is an
     error, not a served request with a zero time to first token; a whole reply is not."""

@@ -8,7 +8,10 @@ time to first token (p50/p99) and inter-token latency (p50/p99), and counts erro
 The same workload runs, in the same run, against the peers that are present:
 llama.cpp's own ``llama-server`` (``--llama-server PATH``; it has continuous batching with
 ``-np``) and ``python -m llama_cpp.server`` (the ``peers`` extra). Each system is warmed up
-with one request first. ``--stations K`` adds the same server serving through a local mesh
+with one request first. Every question of a run is new to the server (it names its round,
+level, client and request), so no request is an exact repeat that the prefix cache could
+answer whole: the shared system prompt is the only prefix a request can replay, as the
+workload intends. ``--stations K`` adds the same server serving through a local mesh
 of K station processes (the engine's mesh executor, one request per station per step), so
 mesh and single process are measured side by side. ``--json`` writes every figure,
 ``--plot`` throughput against concurrency.
@@ -93,11 +96,30 @@ class SystemResult:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, interpolated between the two nearest ranks (numpy's default)."""
     if not values:
         return float("nan")
     s = sorted(values)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
+    at = q / 100 * (len(s) - 1)
+    lo = min(len(s) - 1, max(0, int(at)))
+    hi = min(len(s) - 1, lo + 1)
+    return s[lo] + (s[hi] - s[lo]) * (at - lo)
+
+
+#: The tag of the warm-up request's question.
+WARM_UP = "warm-up"
+
+
+def level_tag(round_index: int, clients: int) -> str:
+    """The tag of round ``round_index``'s (from 0) level of ``clients`` clients."""
+    return f"r{round_index + 1}c{clients}"
+
+
+def question(tag: str, client: int, request: int) -> str:
+    """Client ``client``'s ``request``-th question in the run part named ``tag``: distinct for
+    every distinct (tag, client, request), so none repeats a prompt the server has seen."""
+    q = QUESTIONS[(client + request) % len(QUESTIONS)]
+    return f"{tag} #{client}.{request}: {q}?"
 
 
 async def one_request(
@@ -152,8 +174,10 @@ async def one_request(
 
 
 async def run_level(
-    server: Server, system: str, clients: int, requests: int, max_tokens: int
+    server: Server, system: str, clients: int, requests: int, max_tokens: int, tag: str
 ) -> LevelResult:
+    """``clients`` streaming clients, each sending ``requests`` requests in turn; ``tag``
+    names this part of the run in every question (see :func:`question`)."""
     timeout = aiohttp.ClientTimeout(total=1800)
     # A fresh connection per request, for every system alike: llama-server closes a
     # streamed response's connection, and a reused pooled one then fails to send.
@@ -163,8 +187,7 @@ async def run_level(
         async def client(k: int) -> list[RequestRecord]:
             out = []
             for j in range(requests):
-                q = QUESTIONS[(k + j) % len(QUESTIONS)]
-                out.append(await one_request(http, server, system, f"#{k}.{j}: {q}?", max_tokens))
+                out.append(await one_request(http, server, system, question(tag, k, j), max_tokens))
             return out
 
         started = time.perf_counter()
@@ -241,7 +264,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 print(f"{name}: {exc}", file=sys.stderr)
                 continue
             srv.model = asyncio.run(served_model(srv))  # each server's own id for its model
-            asyncio.run(run_level(srv, system, 1, 1, 8))  # warm-up: caches, pages, threads
+            asyncio.run(run_level(srv, system, 1, 1, 8, WARM_UP))  # caches, pages, threads
             res = SystemResult(name)
             results.append(res)
             live.append((res, srv))
@@ -251,7 +274,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for r in range(rounds):
             for res, srv in live:
                 for c in levels:
-                    level = asyncio.run(run_level(srv, system, c, a.requests, a.max_tokens))
+                    level = asyncio.run(
+                        run_level(srv, system, c, a.requests, a.max_tokens, level_tag(r, c))
+                    )
                     per_level[res.name][c].append(level)
                     print(
                         f"{res.name:>24} · {c:>2} clients: {level.tokens_per_s:7.1f} tok/s · "
