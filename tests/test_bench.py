@@ -630,13 +630,11 @@ def test_bench_serve_asks_no_question_twice_in_a_run() -> None:
     from amplituhedron_rs.bench.serve import WARM_UP, level_tag, question
 
     levels, rounds, requests = [1, 2, 4, 8, 16], 3, 4
-    tags = [WARM_UP] + [level_tag(r, c) for r in range(rounds) for c in levels]
-    asked = [
-        question(tag, k, j)
-        for tag in tags
-        for k in range(1 if tag == WARM_UP else int(tag.split("c")[1]))
-        for j in range(1 if tag == WARM_UP else requests)
+    # (tag, clients, requests per client) of every part of the sweep, the warm-up first.
+    parts = [(WARM_UP, 1, 1)] + [
+        (level_tag(r, c), c, requests) for r in range(rounds) for c in levels
     ]
+    asked = [question(tag, k, j) for tag, n, m in parts for k in range(n) for j in range(m)]
     assert len(asked) == 1 + rounds * requests * sum(levels)
     assert len(set(asked)) == len(asked)
     # The same request gets the same question on every system, so they serve alike.

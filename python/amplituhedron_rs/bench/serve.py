@@ -101,7 +101,7 @@ def percentile(values: Sequence[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     at = q / 100 * (len(s) - 1)
-    lo = min(len(s) - 1, max(0, int(at)))
+    lo = int(at)
     hi = min(len(s) - 1, lo + 1)
     return s[lo] + (s[hi] - s[lo]) * (at - lo)
 
