@@ -105,6 +105,7 @@ impl Fixture {
             ring_v,
             fixed_slots: &[],
             window_slots: table,
+            window_head: None,
             local_k,
             local_v,
         };
@@ -302,6 +303,7 @@ fn print_ratios() {
             ring_v: KvSlice::F32(&f.ring_v),
             fixed_slots: &[],
             window_slots: &f.shuffled,
+            window_head: None,
             local_k: &[],
             local_v: &[],
         };

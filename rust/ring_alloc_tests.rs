@@ -103,6 +103,7 @@ impl Step {
                 ring_v,
                 fixed_slots: ring.fixed_slots(),
                 window_slots: ring.pending_window(0),
+                window_head: None,
                 local_k: &self.kv[ring.pending_local_start(0) * 128..],
                 local_v: &self.kv[ring.pending_local_start(0) * 128..],
             };

@@ -99,3 +99,45 @@ def test_verify_emits_accepted_drafts_then_the_models_token() -> None:
     first = sampled.verify(rows, [2, 4], 3)
     assert sampled.verify(rows, [2, 4], 3) == first
     assert 1 <= len(first) <= 3
+
+
+def _drain(engine: _core.Engine) -> dict[int, tuple[list[int], list[bytes]]]:
+    out: dict[int, tuple[list[int], list[bytes]]] = {}
+    while engine.has_work:
+        for ev in engine.step():
+            tokens, logits = out.setdefault(ev.seq, ([], []))
+            if ev.kind == "token":
+                assert ev.token is not None and ev.logits is not None
+                tokens.append(ev.token)
+                logits.append(ev.logits.tobytes())
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+def test_requests_sharing_a_system_prompt_equal_each_alone(
+    model: Model, model_f32: Model, kv_dtype: str
+) -> None:
+    """Batched, requests with one long system prompt read its K/V from the first one's ring;
+    every token and logits row equals the request run alone (cache off), whether the batch
+    replays the system prompt from the cache or computes it."""
+    m = model if kv_dtype == "f16" else model_f32
+    system = " ".join(["The archive keeps every letter the lighthouse keepers wrote."] * 12)
+    prompts = [m.chat_ids(system, f"Question {i}: what did keeper {i} write?") for i in range(5)]
+    assert min(len(p) for p in prompts) > 140
+    sampling: list[dict[str, Any]] = [
+        {} if i % 2 == 0 else {"greedy": False, "temperature": 0.8, "top_p": 0.9, "seed": i}
+        for i in range(5)
+    ]
+    engine = m.engine
+    alone = []
+    for p, kw in zip(prompts, sampling, strict=True):
+        seq = engine.submit(p, 6, use_cache=False, want_logits=True, **kw)
+        alone.append(_drain(engine)[seq])
+    for use_cache in (False, True):
+        seqs = [
+            engine.submit(p, 6, use_cache=use_cache, want_logits=True, **kw)
+            for p, kw in zip(prompts, sampling, strict=True)
+        ]
+        together = _drain(engine)
+        for i, seq in enumerate(seqs):
+            assert together[seq] == alone[i], f"request {i} (cache {'on' if use_cache else 'off'})"

@@ -157,8 +157,21 @@ impl KvElem for u16 {
 /// One K or V row source of the key sequence, in order.
 #[derive(Clone, Copy)]
 enum Segment<'a, E> {
-    Slots { base: *const E, slots: &'a [u32] },
-    Rows { base: *const E, count: usize },
+    Slots {
+        base: *const E,
+        slots: &'a [u32],
+    },
+    Rows {
+        base: *const E,
+        count: usize,
+    },
+    /// A slot table whose first keys (`head` slots) come from another ring's storage.
+    Split {
+        head_base: *const E,
+        head: &'a [u32],
+        base: *const E,
+        slots: &'a [u32],
+    },
 }
 
 impl<E: KvElem> Segment<'_, E> {
@@ -166,6 +179,7 @@ impl<E: KvElem> Segment<'_, E> {
         match self {
             Segment::Slots { slots, .. } => slots.len(),
             Segment::Rows { count, .. } => *count,
+            Segment::Split { head, slots, .. } => head.len() + slots.len(),
         }
     }
 
@@ -174,11 +188,23 @@ impl<E: KvElem> Segment<'_, E> {
     /// hints would be pure overhead.
     #[inline(always)]
     unsafe fn prefetch_ahead(&self, i: usize, kv_row: usize, offset: usize, len: usize) {
-        if let Segment::Slots { base, slots } = self {
-            if let Some(&slot) = slots.get(i + PREFETCH_AHEAD) {
-                let at = base.add(slot as usize * kv_row + offset);
-                prefetch(at.cast(), len * std::mem::size_of::<E>());
-            }
+        let ahead = i + PREFETCH_AHEAD;
+        let (base, slot) = match *self {
+            Segment::Slots { base, slots } => (base, slots.get(ahead)),
+            Segment::Rows { .. } => return,
+            Segment::Split {
+                head_base,
+                head,
+                base,
+                slots,
+            } => match head.get(ahead) {
+                Some(slot) => (head_base, Some(slot)),
+                None => (base, slots.get(ahead - head.len())),
+            },
+        };
+        if let Some(&slot) = slot {
+            let at = base.add(slot as usize * kv_row + offset);
+            prefetch(at.cast(), len * std::mem::size_of::<E>());
         }
     }
 
@@ -188,6 +214,15 @@ impl<E: KvElem> Segment<'_, E> {
         match self {
             Segment::Slots { base, slots } => base.add(*slots.get_unchecked(i) as usize * kv_row),
             Segment::Rows { base, .. } => base.add(i * kv_row),
+            Segment::Split {
+                head_base,
+                head,
+                base,
+                slots,
+            } => match head.get(i) {
+                Some(&slot) => head_base.add(slot as usize * kv_row),
+                None => base.add(*slots.get_unchecked(i - head.len()) as usize * kv_row),
+            },
         }
     }
 }
@@ -236,6 +271,7 @@ struct KeySequence<'a, E> {
 fn key_sequence<'a, E>(
     inputs: &AttnInputs<'a>,
     ring: &'a [E],
+    head: Option<&'a [E]>,
     dims: AttnDims,
     values: bool,
 ) -> KeySequence<'a, E> {
@@ -249,9 +285,17 @@ fn key_sequence<'a, E>(
             base: ring.as_ptr(),
             slots: inputs.fixed_slots,
         },
-        window: Segment::Slots {
-            base: ring.as_ptr(),
-            slots: inputs.window_slots,
+        window: match (head, inputs.window_head) {
+            (Some(head), Some(h)) => Segment::Split {
+                head_base: head.as_ptr(),
+                head: h.slots,
+                base: ring.as_ptr(),
+                slots: inputs.window_slots,
+            },
+            _ => Segment::Slots {
+                base: ring.as_ptr(),
+                slots: inputs.window_slots,
+            },
         },
         local: Segment::Rows {
             base: local.as_ptr(),
@@ -366,14 +410,39 @@ pub(super) unsafe fn kernel<V: Lanes>(
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
-    match (inputs.ring_k, inputs.ring_v) {
-        (KvSlice::F16(k), KvSlice::F16(v)) => {
-            kernel_for::<V, u16>(inputs, k, v, dims, scale, heads, scratch, out)
+    let head = inputs.window_head.map(|h| (h.k, h.v));
+    match (inputs.ring_k, inputs.ring_v, head) {
+        (KvSlice::F16(k), KvSlice::F16(v), None) => {
+            kernel_for::<V, u16>(inputs, [k, v], None, dims, scale, heads, scratch, out)
         }
-        (KvSlice::F32(k), KvSlice::F32(v)) => {
-            kernel_for::<V, f32>(inputs, k, v, dims, scale, heads, scratch, out)
+        (KvSlice::F16(k), KvSlice::F16(v), Some((KvSlice::F16(hk), KvSlice::F16(hv)))) => {
+            kernel_for::<V, u16>(
+                inputs,
+                [k, v],
+                Some([hk, hv]),
+                dims,
+                scale,
+                heads,
+                scratch,
+                out,
+            )
         }
-        _ => unreachable!("validated: K and V share one storage type"),
+        (KvSlice::F32(k), KvSlice::F32(v), None) => {
+            kernel_for::<V, f32>(inputs, [k, v], None, dims, scale, heads, scratch, out)
+        }
+        (KvSlice::F32(k), KvSlice::F32(v), Some((KvSlice::F32(hk), KvSlice::F32(hv)))) => {
+            kernel_for::<V, f32>(
+                inputs,
+                [k, v],
+                Some([hk, hv]),
+                dims,
+                scale,
+                heads,
+                scratch,
+                out,
+            )
+        }
+        _ => unreachable!("validated: K and V (and a window head) share one storage type"),
     }
 }
 
@@ -433,8 +502,8 @@ fn heads_of_group(g: usize, group: usize, heads: &Range<usize>) -> (usize, usize
 #[inline(always)]
 unsafe fn kernel_for<V: Lanes, E: KvElem>(
     inputs: &AttnInputs<'_>,
-    ring_k: &[E],
-    ring_v: &[E],
+    [ring_k, ring_v]: [&[E]; 2],
+    head: Option<[&[E]; 2]>,
     dims: AttnDims,
     scale: f32,
     heads: Range<usize>,
@@ -455,7 +524,7 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
     // Pass 1: scores, 8 keys of a segment at a time (a short last block repeats its last
     // row and stores only its own lanes); each loaded key block feeds every query head of its
     // KV head (up to `V::SCORE_HEADS` at once).
-    let keys = key_sequence(inputs, ring_k, dims, false);
+    let keys = key_sequence(inputs, ring_k, head.map(|[k, _]| k), dims, false);
     let (fixed, window) = (keys.fixed.len(), keys.window.len());
     let hs = &heads;
     score_segment::<V, E>(
@@ -511,7 +580,7 @@ unsafe fn kernel_for<V: Lanes, E: KvElem>(
     }
 
     // Pass 3: weighted sum of values; blocks of ≤ 4 heads × 64 dims stay in registers.
-    let values = key_sequence(inputs, ring_v, dims, true);
+    let values = key_sequence(inputs, ring_v, head.map(|[_, v]| v), dims, true);
     for g in 0..n_kv_heads {
         let (mut h0, end) = heads_of_group(g, group, &heads);
         while h0 < end {

@@ -109,10 +109,27 @@ pub struct AttnInputs<'a> {
     pub fixed_slots: &'a [u32],
     /// Window segment: physical slots in clock order.
     pub window_slots: &'a [u32],
+    /// The window segment's first keys, read from another ring's storage (see
+    /// [`WindowHead`]); the own `window_slots` follow them.
+    pub window_head: Option<WindowHead<'a>>,
     /// Local keys, `(n_local, n_kv_heads, head_dim)`, attended after the window.
     pub local_k: &'a [f32],
     /// Local values, same layout.
     pub local_v: &'a [f32],
+}
+
+/// The first keys of a row's window segment, in another ring whose rows at those clocks are
+/// bit-identical to the row's own (a prompt prefix several sequences of a batch share). The
+/// key sequence, its order and so every result are unchanged; the shared rows are read
+/// from one copy, which stays in the caches, instead of one DRAM copy per sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct WindowHead<'a> {
+    /// That ring's keys of the layer, laid out as [`AttnInputs::ring_k`].
+    pub k: KvSlice<'a>,
+    /// Its values.
+    pub v: KvSlice<'a>,
+    /// Its physical slots of the head's keys, in clock order.
+    pub slots: &'a [u32],
 }
 
 /// Everything that can go wrong with an attention call (nothing is written on error).
@@ -149,6 +166,13 @@ pub enum AttnError {
     IsaUnavailable(Isa),
     /// [`attend_chunk`] needs a pending append on the ring.
     NoPendingAppend,
+    /// A [`PendingChunk::shared_prefix`] names no other chunk of the call.
+    BadSharedPrefix {
+        /// The chunk it names.
+        chunk: usize,
+        /// Chunks in the call.
+        chunks: usize,
+    },
     /// A layer index outside the ring.
     LayerOutOfRange {
         /// The layer.
@@ -193,6 +217,10 @@ impl fmt::Display for AttnError {
             }
             AttnError::IsaUnavailable(isa) => write!(f, "{isa:?} is not available on this CPU"),
             AttnError::NoPendingAppend => write!(f, "the ring has no pending append"),
+            AttnError::BadSharedPrefix { chunk, chunks } => write!(
+                f,
+                "a shared prefix names chunk {chunk}: not another of the call's {chunks} chunks"
+            ),
             AttnError::LayerOutOfRange { layer, n_layers } => {
                 write!(
                     f,
@@ -257,7 +285,11 @@ impl Isa {
 
 /// Key rows of one row's sequence: fixed + window + local.
 fn n_keys(inputs: &AttnInputs<'_>, dims: AttnDims) -> usize {
-    inputs.fixed_slots.len() + inputs.window_slots.len() + inputs.local_k.len() / dims.kv_row()
+    let head = inputs.window_head.map_or(0, |h| h.slots.len());
+    inputs.fixed_slots.len()
+        + head
+        + inputs.window_slots.len()
+        + inputs.local_k.len() / dims.kv_row()
 }
 
 /// Scores are stored per query head with a stride padded to 16 lanes.
@@ -349,6 +381,23 @@ fn validate(
         .max();
     if let Some(slot) = max_slot.filter(|&s| s as usize >= slots) {
         return Err(AttnError::SlotOutOfRange { slot, slots });
+    }
+    if let Some(head) = inputs.window_head {
+        check_len("window_head.v", head.k.len(), head.v.len())?;
+        if head.k.dtype() != inputs.ring_k.dtype() || head.v.dtype() != inputs.ring_k.dtype() {
+            return Err(AttnError::MixedKvDtypes);
+        }
+        if head.k.len() % kv_row != 0 {
+            return Err(AttnError::ShapeMismatch {
+                what: "window_head.k",
+                expected: head.k.len().next_multiple_of(kv_row),
+                got: head.k.len(),
+            });
+        }
+        let slots = head.k.len() / kv_row;
+        if let Some(&slot) = head.slots.iter().find(|&&s| s as usize >= slots) {
+            return Err(AttnError::SlotOutOfRange { slot, slots });
+        }
     }
     let keys = n_keys(inputs, dims);
     if keys == 0 {
@@ -497,6 +546,7 @@ pub fn attend_chunk(
         local_k,
         local_v,
         window: None,
+        shared_prefix: None,
     };
     attend_batch(&[chunk], layer, n_q_heads, scale, scratch, out)
 }
@@ -518,6 +568,49 @@ pub struct PendingChunk<'a> {
     /// the keys at `p − window + 1 ..= p`, whatever else the ring still holds. Such a ring
     /// has no anchor or recall rows (a sliding layer keeps only its window).
     pub window: Option<usize>,
+    /// Another chunk of the call whose sequence has the same tokens at the first clocks
+    /// (the caller's promise): see [`SharedPrefix`].
+    pub shared_prefix: Option<SharedPrefix>,
+}
+
+/// Clocks `0..clocks` whose K/V rows chunk `chunk`'s ring holds bit-identically: the same
+/// tokens at the same positions give the same rows (the batch invariance every path keeps,
+/// replayed or computed). Attention reads them from that ring ([`WindowHead`]) as far as both
+/// rings still hold every clock from 0 in their windows ([`shareable_window`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedPrefix {
+    /// The chunk (index in the call) whose ring is read.
+    pub chunk: usize,
+    /// Leading clocks with the same tokens in both sequences.
+    pub clocks: usize,
+}
+
+/// How many leading window keys of `ring`'s pending append (row 0's window) `leader`'s
+/// ring holds at the same clocks, given that their first `clocks` tokens are the same: both
+/// windows must still start at clock 0 (nothing pruned or overwritten), with no fixed
+/// (recall or anchor) rows before them.
+pub fn shareable_window(
+    ring: &DynamicRingBuffer,
+    leader: &DynamicRingBuffer,
+    clocks: usize,
+) -> usize {
+    if !ring.has_pending() || !leader.has_pending() {
+        return 0;
+    }
+    if !ring.fixed_slots().is_empty()
+        || !leader.fixed_slots().is_empty()
+        || !ring_window_from_zero(ring, 0)
+        || !ring_window_from_zero(leader, 0)
+    {
+        return 0;
+    }
+    let (own, theirs) = (ring.pending_window(0), leader.pending_window(0));
+    clocks.min(own.len()).min(theirs.len())
+}
+
+/// Pending row `row` of `ring` sees every clock from 0 in its window.
+fn ring_window_from_zero(ring: &DynamicRingBuffer, row: usize) -> bool {
+    ring.pending_clock(0) == ring.pending_window(row).len() as u64
 }
 
 /// Attention of several sequences' pending appends on layer `layer`, each over its own ring
@@ -537,7 +630,7 @@ pub fn attend_batch(
     let mut total = 0;
     let mut worst_keys_seen = 0;
     let mut dims = None;
-    for chunk in chunks {
+    for (me, chunk) in chunks.iter().enumerate() {
         let ring = chunk.ring;
         let n = ring.pending_len();
         if n == 0 {
@@ -573,6 +666,14 @@ pub fn attend_batch(
                 });
             }
         }
+        if let Some(sp) = chunk.shared_prefix {
+            if sp.chunk >= chunks.len() || sp.chunk == me {
+                return Err(AttnError::BadSharedPrefix {
+                    chunk: sp.chunk,
+                    chunks: chunks.len(),
+                });
+            }
+        }
         let worst_keys = ring.fixed_slots().len() + ring.window_slots().len() + n;
         worst_keys_seen = worst_keys_seen.max(worst_keys);
         need = need.max(scratch_len(d, worst_keys));
@@ -603,6 +704,23 @@ pub fn attend_batch(
         }
         let ring = chunk.ring;
         let (ring_k, ring_v) = ring.layer_kv(layer);
+        // A row of a sliding layer sees a suffix of its window: nothing is shared there.
+        let shared = match chunk.shared_prefix {
+            Some(sp) if chunk.window.is_none() => {
+                let leader = chunks[sp.chunk].ring;
+                // Row i's window must start at clock 0 too (it could have slid in the chunk).
+                let from_zero = ring_window_from_zero(chunk.ring, i);
+                let n = if from_zero {
+                    shareable_window(chunk.ring, leader, sp.clocks)
+                } else {
+                    0
+                };
+                let (k, v) = leader.layer_kv(layer);
+                let slots = &leader.pending_window(0)[..n];
+                (n > 0 && k.dtype() == ring_k.dtype()).then_some((WindowHead { k, v, slots }, n))
+            }
+            _ => None,
+        };
         let mut start = ring.pending_local_start(i);
         let mut window_slots = ring.pending_window(i);
         if let Some(w) = chunk.window {
@@ -622,7 +740,8 @@ pub fn attend_batch(
             ring_k,
             ring_v,
             fixed_slots: ring.fixed_slots(),
-            window_slots,
+            window_slots: &window_slots[shared.map_or(0, |(_, n)| n)..],
+            window_head: shared.map(|(head, _)| head),
             local_k: &chunk.local_k[start * kv_row..(i + 1) * kv_row],
             local_v: &chunk.local_v[start * kv_row..(i + 1) * kv_row],
         }

@@ -110,6 +110,7 @@ impl Problem {
             ring_v: KvSlice::F32(&self.ring_v),
             fixed_slots: &self.fixed,
             window_slots: &self.window,
+            window_head: None,
             local_k: &self.local_k,
             local_v: &self.local_v,
         }
@@ -414,6 +415,7 @@ fn bad_input_is_a_clear_error() {
     let empty = AttnInputs {
         fixed_slots: &[],
         window_slots: &[],
+        window_head: None,
         local_k: &[],
         local_v: &[],
         ..p.inputs()
@@ -919,6 +921,7 @@ fn sliding_rows_see_exactly_the_window_at_any_chunking() {
                 local_k: &k,
                 local_v: &v,
                 window: Some(WINDOW),
+                shared_prefix: None,
             };
             attend_batch(&[chunk], 0, HEADS, scale, &mut scratch, &mut out).unwrap();
             for i in 0..n {
@@ -981,6 +984,7 @@ fn sliding_attention_refuses_rings_with_fixed_rows() {
         local_k: &kv,
         local_v: &kv,
         window: Some(8),
+        shared_prefix: None,
     };
     let err = attend_batch(&[chunk], 0, HEADS, 1.0, &mut scratch, &mut out).unwrap_err();
     assert_eq!(
@@ -990,4 +994,120 @@ fn sliding_attention_refuses_rings_with_fixed_rows() {
             fixed: 10
         }
     );
+}
+
+/// A shared prefix changes where attention reads the window's first keys, never what it
+/// computes: a follower reading them from a leader ring with the same rows gets its own
+/// result bit for bit (f16 and f32 rings, one and several pending rows); from a ring with
+/// other rows there it gets another one (so the leader's rows are what it read); a ring
+/// that no longer holds every clock from 0 shares nothing; a bad chunk index is refused.
+#[test]
+fn a_shared_prefix_reads_the_leaders_rows_with_the_same_result() {
+    use crate::ring::tests::{append, pending_rows, row_for};
+    use crate::ring::KvDtype;
+    for kv_dtype in [KvDtype::F32, KvDtype::F16] {
+        let cfg = RingConfig {
+            slots: 64,
+            recall: 0,
+            n_sys: 0,
+            max_chunk: 8,
+            kv_dtype,
+            ..RingConfig::new(1, 2, 32)
+        };
+        let q_row = HEADS * cfg.head_dim;
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+        let filled = |clocks: usize| {
+            let mut ring = DynamicRingBuffer::new(cfg.clone()).unwrap();
+            append(&mut ring, clocks, 8, SpanType::User, true).unwrap();
+            ring
+        };
+        // A ring whose rows at every clock differ from the others'.
+        let mut liar = DynamicRingBuffer::new(cfg.clone()).unwrap();
+        for i in 0..3 {
+            liar.begin_append(8, SpanType::User, i == 0).unwrap();
+            let row = cfg.row_len();
+            let other = |which| -> Vec<f32> {
+                (0..8)
+                    .flat_map(|i| row_for(liar.pending_clock(i) + 1000, 0, which, row))
+                    .collect()
+            };
+            let (k, v) = (other(0), other(1));
+            liar.write_pending(0, &k, &v).unwrap();
+            liar.commit_append().unwrap();
+        }
+        for rows in [1, 3] {
+            let (mut leader, mut follower) = (filled(30), filled(24));
+            for r in [&mut leader, &mut follower, &mut liar] {
+                r.begin_append(rows, SpanType::User, false).unwrap();
+            }
+            let run = |rings: &[&DynamicRingBuffer], shared: Option<SharedPrefix>| {
+                let me = rings.len() - 1;
+                let inputs: Vec<_> = rings
+                    .iter()
+                    .map(|r| {
+                        let (k, v) = pending_rows(r, 0);
+                        let q: Vec<f32> = (0..rows)
+                            .flat_map(|i| row_for(r.pending_clock(i), 0, 2, q_row))
+                            .collect();
+                        (q, k, v)
+                    })
+                    .collect();
+                let chunks: Vec<PendingChunk<'_>> = rings
+                    .iter()
+                    .zip(&inputs)
+                    .enumerate()
+                    .map(|(i, (r, (q, k, v)))| PendingChunk {
+                        ring: r,
+                        q_fixed: q,
+                        q_window: q,
+                        local_k: k,
+                        local_v: v,
+                        window: None,
+                        shared_prefix: if i == me { shared } else { None },
+                    })
+                    .collect();
+                let total: usize = rings.iter().map(|r| r.pending_len()).sum();
+                let mut out = vec![f32::NAN; total * q_row];
+                let mut scratch = AttnScratch::new(2, HEADS, 64 + 8);
+                attend_batch(&chunks, 0, HEADS, scale, &mut scratch, &mut out)?;
+                Ok::<_, AttnError>(out[(total - rows) * q_row..].to_vec())
+            };
+            let alone = run(&[&follower], None).unwrap();
+            let sp = |clocks| Some(SharedPrefix { chunk: 0, clocks });
+            assert_eq!(shareable_window(&follower, &leader, 20), 20);
+            assert_eq!(shareable_window(&follower, &leader, 99), 24);
+            for clocks in [1, 20, 24, 99] {
+                let shared = run(&[&leader, &follower], sp(clocks)).unwrap();
+                assert!(
+                    shared == alone,
+                    "{kv_dtype:?}, {rows} rows, {clocks} clocks"
+                );
+            }
+            let misled = run(&[&liar, &follower], sp(20)).unwrap();
+            assert!(misled != alone, "the leader's rows were not read");
+            assert_eq!(
+                run(
+                    &[&leader, &follower],
+                    Some(SharedPrefix {
+                        chunk: 1,
+                        clocks: 8
+                    })
+                ),
+                Err(AttnError::BadSharedPrefix {
+                    chunk: 1,
+                    chunks: 2
+                })
+            );
+            // A follower whose window no longer starts at clock 0 shares nothing.
+            follower.abort_append();
+            append(&mut follower, 16, 8, SpanType::User, true).unwrap();
+            follower.prune_oldest_spans(1).unwrap();
+            follower.begin_append(rows, SpanType::User, false).unwrap();
+            assert!(follower.window_lo() > 0);
+            assert_eq!(shareable_window(&follower, &leader, 20), 0);
+            let alone = run(&[&follower], None).unwrap();
+            assert!(run(&[&liar, &follower], sp(20)).unwrap() == alone);
+            liar.abort_append();
+        }
+    }
 }

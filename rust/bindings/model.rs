@@ -515,6 +515,8 @@ impl PyBatchForward {
                     logits,
                     hidden_out: h,
                     logits_out: l,
+                    // A station sees hidden rows, not the sequences' tokens: no sharing.
+                    shared_prefix: None,
                 })
                 .collect();
             let mut bufs = bufs.lock().unwrap_or_else(PoisonError::into_inner);

@@ -471,6 +471,7 @@ fn attend<'py>(
         ring_v: KvSlice::F32(&v),
         fixed_slots: &slots,
         window_slots: &[],
+        window_head: None,
         local_k: &[],
         local_v: &[],
     };

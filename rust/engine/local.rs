@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 use super::request::SeqId;
 use super::EngineError;
+use crate::attention::SharedPrefix;
 use crate::model::{
     ChunkInput, LayerRange, LogitsWanted, ModelError, NativeLlamaPipeline, ReplayOutcome, Sampler,
     Segment, SequenceKv, SessionConfig, StepBuffers,
@@ -196,6 +197,14 @@ impl Executor for LocalExecutor {
         self.hidden.resize_with(batch.len(), Vec::new);
         self.logits.resize_with(batch.len(), Vec::new);
         {
+            let prompts: Vec<(&[u32], Option<&str>)> = batch
+                .iter()
+                .map(|e| {
+                    let s = &self.seqs[&e.seq];
+                    (s.prompt.as_slice(), s.salt.as_deref())
+                })
+                .collect();
+            let shared = shared_prefixes(&prompts);
             // One mutable borrow of each entry's KV: entries name distinct sequences.
             let mut kvs: HashMap<SeqId, &mut SequenceKv> = self
                 .seqs
@@ -203,7 +212,12 @@ impl Executor for LocalExecutor {
                 .map(|(&id, s)| (id, &mut s.kv))
                 .collect();
             let mut segments = Vec::with_capacity(batch.len());
-            for ((e, h), l) in batch.iter().zip(&mut self.hidden).zip(&mut self.logits) {
+            for (((e, h), l), shared_prefix) in batch
+                .iter()
+                .zip(&mut self.hidden)
+                .zip(&mut self.logits)
+                .zip(shared)
+            {
                 let kv = kvs.remove(&e.seq).ok_or_else(|| {
                     EngineError::Executor(format!("sequence {} appears twice in a batch", e.seq))
                 })?;
@@ -222,6 +236,7 @@ impl Executor for LocalExecutor {
                     logits,
                     hidden_out: h,
                     logits_out: l,
+                    shared_prefix,
                 });
             }
             self.range.forward_batch(&mut segments, &mut self.bufs)?;
@@ -281,8 +296,58 @@ impl Executor for LocalExecutor {
     }
 }
 
+/// Shorter common prompt prefixes are not worth reading from another sequence's ring.
+const MIN_SHARED_PREFIX: usize = 32;
+
+/// For each entry, the first earlier entry of the same tenant (salt) whose prompt starts
+/// with the same `MIN_SHARED_PREFIX` tokens or more, and how many they have in common: a
+/// system prompt many requests share is then read from one ring by all of them. The rows
+/// are the same bits in every ring (same tokens at the same positions), so this changes
+/// where attention reads them, never what it computes.
+fn shared_prefixes(prompts: &[(&[u32], Option<&str>)]) -> Vec<Option<SharedPrefix>> {
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, &(prompt, salt))| {
+            prompts[..i]
+                .iter()
+                .enumerate()
+                .find_map(|(j, &(other, other_salt))| {
+                    let clocks = common(prompt, other);
+                    (salt == other_salt && clocks >= MIN_SHARED_PREFIX)
+                        .then_some(SharedPrefix { chunk: j, clocks })
+                })
+        })
+        .collect()
+}
+
 /// The pipeline's lock. A panic while it was held cannot leave the cache half-updated (every
 /// cache operation validates before it writes), so a poisoned lock is still usable.
 fn lock(p: &Mutex<NativeLlamaPipeline>) -> MutexGuard<'_, NativeLlamaPipeline> {
     p.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequences_share_the_first_long_enough_prefix_of_their_own_tenant() {
+        let system: Vec<u32> = (0..40).collect();
+        let with = |tail: &[u32]| [system.as_slice(), tail].concat();
+        let (a, b, c) = (with(&[7, 8]), with(&[7, 9, 9]), with(&[5]));
+        let short: Vec<u32> = (0..20).collect();
+        let prompts: Vec<(&[u32], Option<&str>)> = vec![
+            (&short, None),   // 20 tokens in common with the others: too few
+            (&a, Some("t1")), // the first of tenant t1
+            (&b, None),       // no earlier prompt of its tenant shares enough
+            (&c, Some("t1")), // shares the system prompt with a
+            (&b, Some("t1")), // shares 41 tokens with a (the first match, not c)
+            (&a, None),       // shares 41 with b
+        ];
+        let got = shared_prefixes(&prompts);
+        let sp = |chunk, clocks| Some(SharedPrefix { chunk, clocks });
+        assert_eq!(got, vec![None, None, None, sp(1, 40), sp(1, 41), sp(2, 41)]);
+    }
 }

@@ -398,3 +398,49 @@ fn a_full_queue_refuses_and_cancellation_frees_the_kv() {
     );
     assert_eq!(ex.live(), 0);
 }
+
+#[test]
+fn sequences_sharing_a_system_prompt_equal_each_alone() {
+    // Requests with one 48-token system prompt and their own questions: batched, each reads
+    // the system prompt's K/V from the first sequence's ring. Joins, leaves, chunked prefills
+    // (the leader may still be prefilling what a follower has), greedy and seeded.
+    for precision in [Precision::Refined, Precision::Fast] {
+        let w = tiny_weights_with(33, precision);
+        let system = prompt(48, 5);
+        let reqs: Vec<Request> = (0..6)
+            .map(|i| {
+                let sampling = if i % 3 == 1 {
+                    seeded(i as u64)
+                } else {
+                    SamplingParams::default()
+                };
+                let p = [system.clone(), prompt(1 + 4 * i, 20 + i as u32)].concat();
+                request(p, 4 + 3 * i, sampling)
+            })
+            .collect();
+        let alone: Vec<Output> = reqs.iter().map(|r| run_one(&w, r.clone())).collect();
+        let cfg = EngineConfig {
+            max_running: 4,
+            max_queue: 16,
+            step_tokens: 24,
+        };
+        let mut engine = Engine::new(cfg).unwrap();
+        let mut ex = executor(&w);
+        let ids: Vec<SeqId> = reqs
+            .iter()
+            .map(|r| engine.submit(r.clone()).unwrap())
+            .collect();
+        let mut outs = drain(&mut engine, &mut ex);
+        for (i, id) in ids.iter().enumerate() {
+            let got = outs.remove(id).unwrap();
+            assert_eq!(
+                got.tokens, alone[i].tokens,
+                "{precision:?} request {i}: tokens"
+            );
+            assert!(
+                got.logits == alone[i].logits,
+                "{precision:?} request {i}: logits"
+            );
+        }
+    }
+}

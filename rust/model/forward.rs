@@ -20,7 +20,7 @@ use super::ops::{
     rope_apply_halves, scale_in_place, swiglu,
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
-use crate::attention::{attend_batch, AttnScratch, PendingChunk};
+use crate::attention::{attend_batch, shareable_window, AttnScratch, PendingChunk, SharedPrefix};
 use crate::quant::{
     fold_refined, matmul_many_prefetching, GgmlType, QMatrix, QuantScratch, QuantizedInput,
     SidePrefetch,
@@ -77,6 +77,10 @@ pub struct Segment<'a> {
     pub hidden_out: &'a mut Vec<f32>,
     /// Receives the requested logits rows (`× vocab`).
     pub logits_out: &'a mut Vec<f32>,
+    /// Another segment of the batch (`chunk`: its index) whose sequence has the same tokens
+    /// at clocks `0..clocks`: attention reads those K/V rows from its ring (one copy in the
+    /// caches for every sequence sharing a system prompt), with the same result.
+    pub shared_prefix: Option<SharedPrefix>,
 }
 
 /// The layers `[layer_lo, layer_hi)` of some weights: the unit a station runs.
@@ -167,8 +171,18 @@ impl LayerRange {
         bufs: &mut StepBuffers,
     ) -> Result<(), ModelError> {
         let hidden = self.weights.config().hidden;
-        for seg in segments.iter() {
+        for (i, seg) in segments.iter().enumerate() {
             self.validate(seg)?;
+            if let Some(sp) = seg
+                .shared_prefix
+                .filter(|sp| sp.chunk >= segments.len() || sp.chunk == i)
+            {
+                return Err(ModelError::Input(format!(
+                    "segment {i} shares a prefix with segment {}: not another of the {} segments",
+                    sp.chunk,
+                    segments.len()
+                )));
+            }
         }
         let saved: Vec<u64> = segments.iter().map(|s| s.kv.clock()).collect();
         let total_rows: Vec<usize> = segments.iter().map(|s| s.input.rows(hidden)).collect();
@@ -483,6 +497,7 @@ impl LayerRange {
                         local_k: &b.k[kr.clone()],
                         local_v: &b.v[kr],
                         window,
+                        shared_prefix: round_shared_prefix(segments, round, p),
                     });
                     row += p.len;
                 }
@@ -864,17 +879,42 @@ fn list_history(
 ) {
     for p in round {
         let (ring, index) = segments[p.index].kv.rings().layer(ring_layer);
-        list_ring_history(side, ring, index, window);
+        // Rows read from another sequence's ring come into the caches through its listing.
+        let shared = match round_shared_prefix(segments, round, p) {
+            Some(sp) if window.is_none() => {
+                let (leader, _) = segments[round[sp.chunk].index].kv.rings().layer(ring_layer);
+                shareable_window(ring, leader, sp.clocks)
+            }
+            _ => 0,
+        };
+        list_ring_history(side, ring, index, window, shared);
     }
 }
 
+/// Piece `p`'s shared prefix within `round` (`chunk`: the leader's piece in the round), when
+/// its segment has one and the leader runs in the same round.
+fn round_shared_prefix(
+    segments: &[Segment<'_>],
+    round: &[Piece],
+    p: &Piece,
+) -> Option<SharedPrefix> {
+    let sp = segments[p.index].shared_prefix?;
+    let chunk = round.iter().position(|q| q.index == sp.chunk)?;
+    Some(SharedPrefix {
+        chunk,
+        clocks: sp.clocks,
+    })
+}
+
 /// Lists the K and V rows of `ring`'s layer `index` that attention reads: the fixed slots,
-/// then the window's (a sliding layer's last `window` of them), as runs of consecutive slots.
+/// then the window's (a sliding layer's last `window` of them; all but the first `shared`,
+/// which attention reads from another ring), as runs of consecutive slots.
 pub(super) fn list_ring_history(
     side: &mut SidePrefetch,
     ring: &DynamicRingBuffer,
     index: usize,
     window: Option<usize>,
+    shared: usize,
 ) {
     let (k, v) = ring.layer_kv(index);
     let (k, v, value_bytes) = match (k, v) {
@@ -884,7 +924,9 @@ pub(super) fn list_ring_history(
     };
     let row_bytes = ring.config().row_len() * value_bytes;
     let window_slots = ring.window_slots();
-    let visible = window.map_or(window_slots.len(), |w| w.min(window_slots.len()));
+    let visible = window.map_or(window_slots.len() - shared.min(window_slots.len()), |w| {
+        w.min(window_slots.len())
+    });
     let slots = ring
         .fixed_slots()
         .iter()

@@ -260,6 +260,7 @@ fn a_batch_of_sequences_past_the_window_equals_each_alone() {
                 logits: LogitsWanted::Last,
                 hidden_out: h,
                 logits_out: l,
+                shared_prefix: None,
             })
             .collect();
         range.forward_batch(&mut segments, &mut bufs).unwrap();

@@ -154,6 +154,7 @@ impl RangeSession {
             logits,
             hidden_out,
             logits_out,
+            shared_prefix: None,
         }];
         self.range.forward_batch(&mut segment, &mut self.bufs)
     }

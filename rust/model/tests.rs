@@ -601,6 +601,7 @@ fn a_batched_step_equals_each_sequence_run_alone() {
                         logits: *wanted,
                         hidden_out: h,
                         logits_out: l,
+                        shared_prefix: None,
                     })
                     .collect();
                 range.forward_batch(&mut segments, &mut bufs).unwrap();
@@ -651,6 +652,7 @@ fn a_bad_segment_fails_the_batch_and_changes_no_ring() {
             logits: LogitsWanted::Last,
             hidden_out: &mut h1,
             logits_out: &mut l1,
+            shared_prefix: None,
         },
         Segment {
             kv: &mut b,
@@ -659,6 +661,7 @@ fn a_bad_segment_fails_the_batch_and_changes_no_ring() {
             logits: LogitsWanted::Last,
             hidden_out: &mut h2,
             logits_out: &mut l2,
+            shared_prefix: None,
         },
     ];
     let err = range.forward_batch(&mut segments, &mut bufs).unwrap_err();
@@ -704,6 +707,7 @@ fn sessions_batched_through_a_shared_range_equal_each_run_alone() {
                 logits: LogitsWanted::All,
                 hidden_out: h,
                 logits_out: l,
+                shared_prefix: None,
             })
             .collect();
         range.forward_batch(&mut segments, &mut bufs).unwrap();
@@ -822,7 +826,7 @@ fn the_prefetched_history_is_every_kv_row_attention_reads_and_nothing_else() {
                 }
             }
             let mut side = SidePrefetch::new();
-            super::forward::list_ring_history(&mut side, &ring, 1, window);
+            super::forward::list_ring_history(&mut side, &ring, 1, window, 0);
             let listed: Vec<usize> = side.line_addresses().collect();
             let unique: BTreeSet<usize> = listed.iter().copied().collect();
             assert_eq!(unique, expected, "{kv_dtype:?} window {window:?}");
