@@ -118,9 +118,9 @@ def test_requests_sharing_a_system_prompt_equal_each_alone(
     which: str, request: pytest.FixtureRequest
 ) -> None:
     """Batched, requests with one long system prompt read its K/V from the first one's ring
-    (SmolLM2 with f16 and f32 KV; Gemma 3, whose sliding layers do not share); every token
-    and logits row equals the request run alone (cache off), whether the batch replays the
-    system prompt from the cache or computes it."""
+    (SmolLM2 with f16 and f32 KV; Gemma 3, with sliding layers too); every token and logits
+    row equals the request run alone (cache off), whether the batch replays the system
+    prompt from the cache or computes it."""
     m: Model = request.getfixturevalue(which)
     system = " ".join(["The archive keeps every letter the lighthouse keepers wrote."] * 12)
     prompts = [m.chat_ids(system, f"Question {i}: what did keeper {i} write?") for i in range(5)]

@@ -704,25 +704,10 @@ pub fn attend_batch(
         }
         let ring = chunk.ring;
         let (ring_k, ring_v) = ring.layer_kv(layer);
-        // A row of a sliding layer sees a suffix of its window: nothing is shared there.
-        let shared = match chunk.shared_prefix {
-            Some(sp) if chunk.window.is_none() => {
-                let leader = chunks[sp.chunk].ring;
-                // Row i's window must start at clock 0 too (it could have slid in the chunk).
-                let from_zero = ring_window_from_zero(chunk.ring, i);
-                let n = if from_zero {
-                    shareable_window(chunk.ring, leader, sp.clocks)
-                } else {
-                    0
-                };
-                let (k, v) = leader.layer_kv(layer);
-                let slots = &leader.pending_window(0)[..n];
-                (n > 0 && k.dtype() == ring_k.dtype()).then_some((WindowHead { k, v, slots }, n))
-            }
-            _ => None,
-        };
         let mut start = ring.pending_local_start(i);
         let mut window_slots = ring.pending_window(i);
+        // Keys of the window the row does not see (a sliding layer's older ones).
+        let mut skip = 0;
         if let Some(w) = chunk.window {
             // The window entries are the contiguous clocks just below the chunk's first row,
             // so the keys older than the sliding window are a prefix of them (and then of
@@ -730,10 +715,27 @@ pub fn attend_batch(
             let clock0 = ring.pending_clock(0);
             let oldest_visible = (ring.pending_clock(i) + 1).saturating_sub(w as u64);
             let first_window_clock = clock0 - window_slots.len() as u64;
-            let skip = oldest_visible.saturating_sub(first_window_clock) as usize;
-            window_slots = &window_slots[skip.min(window_slots.len())..];
+            skip = (oldest_visible.saturating_sub(first_window_clock) as usize)
+                .min(window_slots.len());
+            window_slots = &window_slots[skip..];
             start = start.max(oldest_visible.saturating_sub(clock0) as usize);
         }
+        // With a shared prefix the row reads the leader's clocks `skip..n` (its window then
+        // starts at clock 0, so `skip` is the first clock it sees) and its own after them.
+        let shared = chunk.shared_prefix.and_then(|sp| {
+            let leader = chunks[sp.chunk].ring;
+            // Row i's window must start at clock 0 too (it could have slid in the chunk).
+            let n = if ring_window_from_zero(ring, i) {
+                shareable_window(ring, leader, sp.clocks)
+            } else {
+                0
+            };
+            let (k, v) = leader.layer_kv(layer);
+            (n > skip && k.dtype() == ring_k.dtype()).then(|| {
+                let slots = &leader.pending_window(0)[skip..n];
+                (WindowHead { k, v, slots }, n - skip)
+            })
+        });
         AttnInputs {
             q_fixed: &chunk.q_fixed[i * q_row..(i + 1) * q_row],
             q_window: &chunk.q_window[i * q_row..(i + 1) * q_row],

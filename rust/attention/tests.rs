@@ -998,7 +998,8 @@ fn sliding_attention_refuses_rings_with_fixed_rows() {
 
 /// A shared prefix changes where attention reads the window's first keys, never what it
 /// computes: a follower reading them from a leader ring with the same rows gets its own
-/// result bit for bit (f16 and f32 rings, one and several pending rows); from a ring with
+/// result bit for bit (f16 and f32 rings, one and several pending rows, a sliding window
+/// that hides the prefix's first keys or not); from a ring with
 /// other rows there it gets another one (so the leader's rows are what it read); a ring
 /// that no longer holds every clock from 0 shares nothing; a bad chunk index is refused.
 #[test]
@@ -1035,7 +1036,7 @@ fn a_shared_prefix_reads_the_leaders_rows_with_the_same_result() {
             liar.write_pending(0, &k, &v).unwrap();
             liar.commit_append().unwrap();
         }
-        for rows in [1, 3] {
+        for (rows, window) in [(1, None), (3, None), (1, Some(12)), (3, Some(12))] {
             let (mut leader, mut follower) = (filled(30), filled(24));
             for r in [&mut leader, &mut follower, &mut liar] {
                 r.begin_append(rows, SpanType::User, false).unwrap();
@@ -1062,7 +1063,7 @@ fn a_shared_prefix_reads_the_leaders_rows_with_the_same_result() {
                         q_window: q,
                         local_k: k,
                         local_v: v,
-                        window: None,
+                        window,
                         shared_prefix: if i == me { shared } else { None },
                     })
                     .collect();

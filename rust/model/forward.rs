@@ -880,13 +880,10 @@ fn list_history(
     for p in round {
         let (ring, index) = segments[p.index].kv.rings().layer(ring_layer);
         // Rows read from another sequence's ring come into the caches through its listing.
-        let shared = match round_shared_prefix(segments, round, p) {
-            Some(sp) if window.is_none() => {
-                let (leader, _) = segments[round[sp.chunk].index].kv.rings().layer(ring_layer);
-                shareable_window(ring, leader, sp.clocks)
-            }
-            _ => 0,
-        };
+        let shared = round_shared_prefix(segments, round, p).map_or(0, |sp| {
+            let (leader, _) = segments[round[sp.chunk].index].kv.rings().layer(ring_layer);
+            shareable_window(ring, leader, sp.clocks)
+        });
         list_ring_history(side, ring, index, window, shared);
     }
 }
@@ -924,9 +921,10 @@ pub(super) fn list_ring_history(
     };
     let row_bytes = ring.config().row_len() * value_bytes;
     let window_slots = ring.window_slots();
-    let visible = window.map_or(window_slots.len() - shared.min(window_slots.len()), |w| {
-        w.min(window_slots.len())
-    });
+    let visible = window.map_or(window_slots.len(), |w| w.min(window_slots.len()));
+    // The shared clocks are the window's first: those the visible part holds are skipped.
+    let first_visible = window_slots.len() - visible;
+    let visible = visible - shared.saturating_sub(first_visible).min(visible);
     let slots = ring
         .fixed_slots()
         .iter()
