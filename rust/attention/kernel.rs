@@ -130,9 +130,17 @@ pub(super) trait KvElem: Copy {
     unsafe fn lanes<V: Lanes>(ptr: *const Self) -> V;
     /// `n ≤ 16` values at `ptr`, then zeros.
     unsafe fn lanes_partial<V: Lanes>(ptr: *const Self, n: usize) -> V;
+    /// The values of `s` when it is stored as this type.
+    fn typed(s: KvSlice<'_>) -> Option<&[Self]>;
 }
 
 impl KvElem for f32 {
+    fn typed(s: KvSlice<'_>) -> Option<&[f32]> {
+        match s {
+            KvSlice::F32(v) => Some(v),
+            KvSlice::F16(_) => None,
+        }
+    }
     #[inline(always)]
     unsafe fn lanes<V: Lanes>(ptr: *const f32) -> V {
         V::load(ptr)
@@ -144,6 +152,12 @@ impl KvElem for f32 {
 }
 
 impl KvElem for u16 {
+    fn typed(s: KvSlice<'_>) -> Option<&[u16]> {
+        match s {
+            KvSlice::F16(v) => Some(v),
+            KvSlice::F32(_) => None,
+        }
+    }
     #[inline(always)]
     unsafe fn lanes<V: Lanes>(ptr: *const u16) -> V {
         V::load_f16(ptr)
@@ -410,39 +424,9 @@ pub(super) unsafe fn kernel<V: Lanes>(
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
-    let head = inputs.window_head.map(|h| (h.k, h.v));
-    match (inputs.ring_k, inputs.ring_v, head) {
-        (KvSlice::F16(k), KvSlice::F16(v), None) => {
-            kernel_for::<V, u16>(inputs, [k, v], None, dims, scale, heads, scratch, out)
-        }
-        (KvSlice::F16(k), KvSlice::F16(v), Some((KvSlice::F16(hk), KvSlice::F16(hv)))) => {
-            kernel_for::<V, u16>(
-                inputs,
-                [k, v],
-                Some([hk, hv]),
-                dims,
-                scale,
-                heads,
-                scratch,
-                out,
-            )
-        }
-        (KvSlice::F32(k), KvSlice::F32(v), None) => {
-            kernel_for::<V, f32>(inputs, [k, v], None, dims, scale, heads, scratch, out)
-        }
-        (KvSlice::F32(k), KvSlice::F32(v), Some((KvSlice::F32(hk), KvSlice::F32(hv)))) => {
-            kernel_for::<V, f32>(
-                inputs,
-                [k, v],
-                Some([hk, hv]),
-                dims,
-                scale,
-                heads,
-                scratch,
-                out,
-            )
-        }
-        _ => unreachable!("validated: K and V (and a window head) share one storage type"),
+    match inputs.ring_k {
+        KvSlice::F16(_) => kernel_for::<V, u16>(inputs, dims, scale, heads, scratch, out),
+        KvSlice::F32(_) => kernel_for::<V, f32>(inputs, dims, scale, heads, scratch, out),
     }
 }
 
@@ -498,18 +482,18 @@ fn heads_of_group(g: usize, group: usize, heads: &Range<usize>) -> (usize, usize
 }
 
 /// [`kernel`] for a ring stored as `E`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn kernel_for<V: Lanes, E: KvElem>(
     inputs: &AttnInputs<'_>,
-    [ring_k, ring_v]: [&[E]; 2],
-    head: Option<[&[E]; 2]>,
     dims: AttnDims,
     scale: f32,
     heads: Range<usize>,
     scratch: &mut [f32],
     out: &mut [f32],
 ) {
+    let typed = |s| E::typed(s).expect("validated: K, V and a window head share one storage type");
+    let (ring_k, ring_v) = (typed(inputs.ring_k), typed(inputs.ring_v));
+    let head = inputs.window_head.map(|h| [typed(h.k), typed(h.v)]);
     let AttnDims {
         n_q_heads,
         n_kv_heads,

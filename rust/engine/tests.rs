@@ -132,6 +132,31 @@ fn plain_greedy(
     (tokens, logits)
 }
 
+/// Runs `reqs` together through one engine shaped by `cfg` and checks that every request's
+/// tokens and logits equal the same request run alone (`label` names the case); returns the
+/// executor, for checks of what it still holds.
+fn assert_batched_equals_alone(
+    w: &Arc<LlamaWeights>,
+    reqs: &[Request],
+    cfg: EngineConfig,
+    label: &str,
+) -> LocalExecutor {
+    let alone: Vec<Output> = reqs.iter().map(|r| run_one(w, r.clone())).collect();
+    let mut engine = Engine::new(cfg).unwrap();
+    let mut ex = executor(w);
+    let ids: Vec<SeqId> = reqs
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    let mut outs = drain(&mut engine, &mut ex);
+    for (i, id) in ids.iter().enumerate() {
+        let got = outs.remove(id).unwrap();
+        assert_eq!(got.tokens, alone[i].tokens, "{label}request {i}: tokens");
+        assert!(got.logits == alone[i].logits, "{label}request {i}: logits");
+    }
+    ex
+}
+
 #[test]
 fn one_request_equals_a_plain_decoding_loop() {
     for precision in [Precision::Refined, Precision::Fast] {
@@ -159,7 +184,6 @@ fn batched_requests_equal_each_request_alone() {
             request(prompt(5 + 13 * i, i as u32), 3 + 2 * i, sampling)
         })
         .collect();
-    let alone: Vec<Output> = reqs.iter().map(|r| run_one(&w, r.clone())).collect();
     // Three running at a time with a small step budget: later requests join while earlier
     // ones decode, prompts are chunked across steps, and sequences leave at different times.
     let cfg = EngineConfig {
@@ -167,18 +191,7 @@ fn batched_requests_equal_each_request_alone() {
         max_queue: 16,
         step_tokens: 20,
     };
-    let mut engine = Engine::new(cfg).unwrap();
-    let mut ex = executor(&w);
-    let ids: Vec<SeqId> = reqs
-        .iter()
-        .map(|r| engine.submit(r.clone()).unwrap())
-        .collect();
-    let mut outs = drain(&mut engine, &mut ex);
-    for (i, id) in ids.iter().enumerate() {
-        let got = outs.remove(id).unwrap();
-        assert_eq!(got.tokens, alone[i].tokens, "request {i}: tokens");
-        assert!(got.logits == alone[i].logits, "request {i}: logits");
-    }
+    let ex = assert_batched_equals_alone(&w, &reqs, cfg, "");
     assert_eq!(ex.live(), 0, "every sequence's KV was released");
 }
 
@@ -277,19 +290,7 @@ fn speculation_in_a_batch_with_sampled_and_plain_neighbours() {
         request(prompt(20, 6), 24, seeded(3)),
         spec(prompt(33, 7), seeded(4)),
     ];
-    let alone: Vec<Output> = reqs.iter().map(|r| run_one(&w, r.clone())).collect();
-    let mut engine = Engine::new(EngineConfig::default()).unwrap();
-    let mut ex = executor(&w);
-    let ids: Vec<SeqId> = reqs
-        .into_iter()
-        .map(|r| engine.submit(r).unwrap())
-        .collect();
-    let mut outs = drain(&mut engine, &mut ex);
-    for (i, id) in ids.iter().enumerate() {
-        let got = outs.remove(id).unwrap();
-        assert_eq!(got.tokens, alone[i].tokens, "request {i}");
-        assert!(got.logits == alone[i].logits, "request {i}");
-    }
+    assert_batched_equals_alone(&w, &reqs, EngineConfig::default(), "");
 }
 
 #[test]
@@ -418,29 +419,11 @@ fn sequences_sharing_a_system_prompt_equal_each_alone() {
                 request(p, 4 + 3 * i, sampling)
             })
             .collect();
-        let alone: Vec<Output> = reqs.iter().map(|r| run_one(&w, r.clone())).collect();
         let cfg = EngineConfig {
             max_running: 4,
             max_queue: 16,
             step_tokens: 24,
         };
-        let mut engine = Engine::new(cfg).unwrap();
-        let mut ex = executor(&w);
-        let ids: Vec<SeqId> = reqs
-            .iter()
-            .map(|r| engine.submit(r.clone()).unwrap())
-            .collect();
-        let mut outs = drain(&mut engine, &mut ex);
-        for (i, id) in ids.iter().enumerate() {
-            let got = outs.remove(id).unwrap();
-            assert_eq!(
-                got.tokens, alone[i].tokens,
-                "{precision:?} request {i}: tokens"
-            );
-            assert!(
-                got.logits == alone[i].logits,
-                "{precision:?} request {i}: logits"
-            );
-        }
+        assert_batched_equals_alone(&w, &reqs, cfg, &format!("{precision:?} "));
     }
 }
