@@ -162,7 +162,7 @@ impl LayerRange {
         segments: &mut [Segment<'_>],
         bufs: &mut StepBuffers,
     ) -> Result<(), ModelError> {
-        super::runtime_pool().install(|| self.forward_batch_in_pool(segments, bufs))
+        super::run_on_pool(|| self.forward_batch_in_pool(segments, bufs))
     }
 
     fn forward_batch_in_pool(
