@@ -86,13 +86,10 @@ fn quant_matmul<'py>(
     let m = matrix(qtype, &data, rows, cols)?;
     let kernel = match kernel {
         None => Kernel::detect(),
-        Some(name) => Kernel::ALL
-            .into_iter()
-            .find(|k| k.name() == name)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Kernel::ALL.iter().map(|k| k.name()).collect();
-                InputError::new_err(format!("unknown kernel {name:?} (one of {names:?})"))
-            })?,
+        Some(name) => Kernel::from_name(name).ok_or_else(|| {
+            let names: Vec<&str> = Kernel::ALL.iter().map(|k| k.name()).collect();
+            InputError::new_err(format!("unknown kernel {name:?} (one of {names:?})"))
+        })?,
     };
     let (n, x_cols) = x.as_array().dim();
     if x_cols != cols {

@@ -381,10 +381,7 @@ impl LlamaWeights {
 
     /// The head's interleaved copy, if this kernel gains from one (see [`Self::lm_head`]).
     fn interleaved_head(&self, e: &TensorEntry) -> Option<Vec<u8>> {
-        let sixteen_lanes = matches!(
-            crate::quant::Kernel::detect(),
-            crate::quant::Kernel::Avx512 | crate::quant::Kernel::Avx512Vnni
-        );
+        let sixteen_lanes = crate::quant::Kernel::detect().lanes() == 16;
         if !sixteen_lanes || !interleavable(e) {
             return None;
         }

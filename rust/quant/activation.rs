@@ -715,7 +715,7 @@ pub(crate) fn quantize_spans(
     if kernel.is_available() {
         match kernel {
             // SAFETY: `is_available` checked the CPU features; the lengths are checked above.
-            Kernel::Avx512 | Kernel::Avx512Vnni => unsafe {
+            Kernel::Avx512 | Kernel::Avx512Vnni | Kernel::Amx => unsafe {
                 return super::avx512::quantize_spans(x, qs, block, scale, qsum);
             },
             // SAFETY: as above.

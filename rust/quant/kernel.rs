@@ -13,7 +13,7 @@ use super::format::{with_small_format, GgmlType};
 use super::kquant::with_k_format;
 use super::side::{with_current, SidePrefetch};
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, avx512};
+use super::{amx, avx2, avx512};
 use super::{interleave, scalar, QMatrix, QuantError};
 
 /// Raw output pointer shared by the tasks of one matmul; each task writes a disjoint
@@ -73,24 +73,29 @@ pub enum Kernel {
     Avx512,
     /// x86-64 AVX-512 F + BW + VNNI (16 rows per step, `vpdpbusd`).
     Avx512Vnni,
+    /// AVX-512 VNNI plus AMX-INT8 tiles for the 32-element formats from 2 tokens on
+    /// (16 rows × 16 tokens per tile product); otherwise as [`Kernel::Avx512Vnni`].
+    Amx,
 }
 
 impl Kernel {
     /// Every kernel, slowest first.
-    pub const ALL: [Kernel; 4] = [
+    pub const ALL: [Kernel; 5] = [
         Kernel::Scalar,
         Kernel::Avx2,
         Kernel::Avx512,
         Kernel::Avx512Vnni,
+        Kernel::Amx,
     ];
 
-    /// Short name (`"scalar"`, `"avx2"`, `"avx512"`, `"avx512-vnni"`).
+    /// Short name (`"scalar"`, `"avx2"`, `"avx512"`, `"avx512-vnni"`, `"amx"`).
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
             Kernel::Avx2 => "avx2",
             Kernel::Avx512 => "avx512",
             Kernel::Avx512Vnni => "avx512-vnni",
+            Kernel::Amx => "amx",
         }
     }
 
@@ -112,8 +117,20 @@ impl Kernel {
             Kernel::Avx512Vnni => {
                 Kernel::Avx512.is_available() && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => Kernel::Avx512Vnni.is_available() && super::amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
+        }
+    }
+
+    /// Output rows per vector lane group: 16 for the AVX-512 kernels, 8 for AVX2, 1 for the
+    /// scalar kernel (the interleaved layout gains only where it is 16).
+    pub fn lanes(self) -> usize {
+        match self {
+            Kernel::Scalar => 1,
+            Kernel::Avx2 => 8,
+            Kernel::Avx512 | Kernel::Avx512Vnni | Kernel::Amx => 16,
         }
     }
 
@@ -122,16 +139,41 @@ impl Kernel {
         Self::ALL.into_iter().filter(|k| k.is_available()).collect()
     }
 
-    /// The fastest available kernel (detected once, then cached).
+    /// The fastest available kernel (detected once, then cached). The environment variable
+    /// `AMPLITUHEDRON_KERNEL` (a [`Kernel::name`]) caps it: the fastest available kernel no
+    /// faster than the one named, e.g. `avx512-vnni` on an AMX machine, for A/B measurements.
+    /// Every kernel gives the same bits, so the cap changes speed only. An unknown name is
+    /// ignored (with a warning on stderr).
     pub fn detect() -> Kernel {
         static BEST: OnceLock<Kernel> = OnceLock::new();
         *BEST.get_or_init(|| {
-            Self::ALL
-                .into_iter()
-                .rev()
-                .find(|k| k.is_available())
-                .unwrap_or(Kernel::Scalar)
+            let cap = std::env::var("AMPLITUHEDRON_KERNEL").ok().and_then(|name| {
+                let found = Self::from_name(name.trim());
+                if found.is_none() {
+                    eprintln!(
+                        "amplituhedron: AMPLITUHEDRON_KERNEL={name:?} is not a kernel (one of {}); ignored",
+                        Self::ALL.map(Kernel::name).join(", ")
+                    );
+                }
+                found
+            });
+            Self::best_up_to(cap.unwrap_or(Kernel::Amx))
         })
+    }
+
+    /// The fastest available kernel no faster than `cap` (in [`Kernel::ALL`] order).
+    pub fn best_up_to(cap: Kernel) -> Kernel {
+        Self::ALL
+            .into_iter()
+            .rev()
+            .skip_while(|&k| k != cap)
+            .find(|k| k.is_available())
+            .unwrap_or(Kernel::Scalar)
+    }
+
+    /// The kernel named `name` ([`Kernel::name`]).
+    pub fn from_name(name: &str) -> Option<Kernel> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
     }
 }
 
@@ -393,7 +435,7 @@ unsafe fn float_rect(
     unsafe {
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni | Kernel::Avx512 => {
+            Kernel::Amx | Kernel::Avx512Vnni | Kernel::Avx512 => {
                 super::avx512::float_rect(f16, data, row_bytes, x, cols, rows, tokens, out)
             }
             #[cfg(target_arch = "x86_64")]
@@ -424,6 +466,8 @@ unsafe fn quant_rect(
     // SAFETY: forwarded to the caller.
     unsafe {
         match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => amx::small_amx(dtype, data, row_bytes, il, act, rows, tokens, out),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => {
                 avx512::small_vnni(dtype, data, row_bytes, il, act, rows, tokens, out)
@@ -468,7 +512,9 @@ unsafe fn super_rect(
     unsafe {
         match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512Vnni => avx512::k_vnni(dtype, data, row_bytes, act, rows, tokens, out),
+            Kernel::Amx | Kernel::Avx512Vnni => {
+                avx512::k_vnni(dtype, data, row_bytes, act, rows, tokens, out)
+            }
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => avx512::k_bw(dtype, data, row_bytes, act, rows, tokens, out),
             #[cfg(target_arch = "x86_64")]

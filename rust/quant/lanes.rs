@@ -523,7 +523,7 @@ unsafe fn run_tile<S: Isa, F: LaneFormat<S>, const T: usize>(
 /// on its few miss buffers. The few lines of a 32-element block go to L2 too: into L1 they
 /// streamed Q8_0 weights ~25% slower at one token (Q4_0/Q4_1 within the noise).
 #[inline(always)]
-unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
+pub(crate) unsafe fn prefetch_slice(next: *const u8, b: usize, span: usize) {
     let from = next.wrapping_add(b * span);
     for off in (0..span).step_by(64).chain([span - 1]) {
         // SAFETY: prefetches never fault; `wrapping_add` keeps the address computation
@@ -847,14 +847,31 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const CODES: u8>(
         if CODES == PAIRS {
             // Q8_0: no zero point.
             isum = pair_dots::<S, T>(blk, act.pairs.as_ptr().add(i0 * QK), step * QK);
-        } else {
-            isum = plane_dots::<S, F, T>(blk, act.qs.as_ptr().add(i0 * QK), step * QK, isum);
-        }
-        if CODES == PLANES {
-            for s in &mut isum {
-                *s = S::sll32(*s, 8);
+        } else if CODES == PLANES {
+            // The two planes as independent sums, combined after: each is a shorter
+            // dependency chain, and they overlap (the high plane's shift in the middle of one
+            // chain serialized them). The same integer: 256·Σ u·hi + Σ u·lo.
+            let chains = plane_chains::<T>(2);
+            let hi =
+                plane_dots::<S, F, T>(blk, act.qs.as_ptr().add(i0 * QK), step * QK, isum, chains);
+            let lo = plane_dots::<S, F, T>(
+                blk,
+                act.lo.as_ptr().add(i0 * QK),
+                step * QK,
+                [S::zero(); T],
+                chains,
+            );
+            for (s, (&hi, &lo)) in isum.iter_mut().zip(hi.iter().zip(&lo)) {
+                *s = S::add32(S::sll32(hi, 8), lo);
             }
-            isum = plane_dots::<S, F, T>(blk, act.lo.as_ptr().add(i0 * QK), step * QK, isum);
+        } else {
+            isum = plane_dots::<S, F, T>(
+                blk,
+                act.qs.as_ptr().add(i0 * QK),
+                step * QK,
+                isum,
+                plane_chains::<T>(1),
+            );
         }
         if !zero_point_first {
             zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
@@ -878,14 +895,26 @@ const fn i16_sums<S: Isa, F: BlockFormat>() -> bool {
     !S::VNNI && F::NIBBLES
 }
 
+/// Dependency chains per token for a block's `vpdpbusd` with `planes` byte planes per token
+/// (`plane_dots`): enough independent sums in flight to cover the instruction's latency
+/// (about 8 at two per cycle), without adding more partial sums than that needs.
+#[inline(always)]
+const fn plane_chains<const T: usize>(planes: usize) -> usize {
+    match T * planes {
+        0..=2 => 4,
+        3..=6 => 2,
+        _ => 1,
+    }
+}
+
 /// `init[t] + Σ u·a(t)` over one block for tokens `t0..t0+T`, whose activation bytes start at
 /// `a0` (token `t` at `a0 + t·stride`), without the zero point.
 ///
-/// The loops run code pair by code pair with the tokens innermost: each token's sum is its
-/// own dependency chain (two for fewer than 4 tokens, which would otherwise wait on the
-/// `vpdpbusd` latency), and small bodies with constant trip counts unroll fully, so the
-/// sums and the accumulators stay in registers (a loop over whole tokens kept them on the
-/// stack).
+/// The loops run code pair by code pair with the tokens innermost: each token's sum is
+/// `chains` dependency chains (1, 2 or 4; with VNNI: few tokens would otherwise wait on the
+/// `vpdpbusd` latency; without it, two below 4 tokens), added at the end, and small bodies
+/// with constant trip counts unroll fully, so the sums and the accumulators stay in registers
+/// (a loop over whole tokens kept them on the stack).
 ///
 /// # Safety
 /// Every token's 32 bytes are readable.
@@ -895,6 +924,7 @@ unsafe fn plane_dots<S: Isa, F: BlockFormat, const T: usize>(
     a0: *const i8,
     stride: usize,
     init: [S::I; T],
+    chains: usize,
 ) -> [S::I; T] {
     let split = T < 4;
     // SAFETY: forwarded to the caller.
@@ -940,17 +970,25 @@ unsafe fn plane_dots<S: Isa, F: BlockFormat, const T: usize>(
             }
             return isum;
         } else {
+            // Chain c of token t: pairs k ≡ c (mod chains); chain 0 starts from `init`.
+            debug_assert!(matches!(chains, 1 | 2 | 4));
+            let mut part = [[S::zero(); T]; 3];
             for k in 0..4 {
                 let (c0, c1) = (blk.codes[2 * k], blk.codes[2 * k + 1]);
                 for t in 0..T {
-                    let s = if split && k % 2 == 1 {
-                        &mut odd[t]
-                    } else {
-                        &mut isum[t]
+                    let s = match k % chains {
+                        0 => &mut isum[t],
+                        c => &mut part[c - 1][t],
                     };
                     *s = S::dot_pair(*s, c0, c1, a(t).add(8 * k));
                 }
             }
+            for c in 1..chains {
+                for (s, &p) in isum.iter_mut().zip(&part[c - 1]) {
+                    *s = S::add32(*s, p);
+                }
+            }
+            return isum;
         }
         if split {
             for (s, &o) in isum.iter_mut().zip(&odd) {
