@@ -534,9 +534,10 @@ impl LayerRange {
                 &mut b.h[..n * hidden],
             );
             // With several rows the FFN is compute-bound and the next layer's attention
-            // memory-bound: its K/V history comes into cache while the FFN computes.
+            // memory-bound: its K/V history comes into cache while the FFN computes, on
+            // CPUs where that overlaps (`SidePrefetch::pays_off`).
             b.kv_ahead.clear();
-            if n >= PREFETCH_KV_FROM_ROWS && layer + 1 < self.layer_hi {
+            if n >= PREFETCH_KV_FROM_ROWS && layer + 1 < self.layer_hi && SidePrefetch::pays_off() {
                 list_history(
                     &mut b.kv_ahead,
                     segments,
@@ -865,7 +866,7 @@ impl<'a> Projector<'a> {
 
 /// Rows of a round from which the FFN prefetches the next layer's K/V history. With fewer,
 /// the matmuls stream weights at the memory's rate and the prefetches only compete with
-/// them (measured: 2 rows −5 %, 4 rows +2–4 %, 8 rows +4–11 % tokens/s).
+/// them (measured on Zen 4: 2 rows −5 %, 4 rows +2–4 %, 8 rows +4–11 % tokens/s).
 const PREFETCH_KV_FROM_ROWS: usize = 4;
 
 /// Lists the K/V rows that ring layer `ring_layer` of every piece's sequence holds for its

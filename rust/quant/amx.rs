@@ -69,11 +69,12 @@ const ROWS: usize = 16;
 /// Tokens of a pass (their accumulators stay in registers).
 const PASS: usize = 16;
 /// Fewer tokens than this run the VNNI lanes instead: a block's tile round trip costs about
-/// the same whatever the token count, more than a few tokens' `vpdpbusd` — 8-bit inputs up to
-/// 7 tokens, refined ones (twice the `vpdpbusd`) up to 3 (measured: `small_batch_kernel`).
+/// the same whatever the token count, more than a few tokens' `vpdpbusd`. In a whole decode
+/// step (weights streamed from DRAM, Sapphire Rapids) AMX breaks even at 8 tokens, 8-bit or
+/// refined: refined 4 rows ran 3 % slower on tiles, 8 rows 4–7 % faster, 16 rows 7 %.
 const MIN_TOKENS: usize = 8;
 /// [`MIN_TOKENS`] of a refined input.
-const MIN_TOKENS_REFINED: usize = 4;
+const MIN_TOKENS_REFINED: usize = 8;
 /// Buffer slots (64-byte vectors) of an unpacked block: 8 code vectors (the B tile), `dw`,
 /// `m` — the lanes' own layout (`Small::unpack`).
 const SLOTS: usize = 10;
