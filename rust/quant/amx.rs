@@ -69,10 +69,11 @@ const ROWS: usize = 16;
 /// Tokens of a pass (their accumulators stay in registers).
 const PASS: usize = 16;
 /// Fewer tokens than this run the VNNI lanes instead: a block's tile round trip costs about
-/// the same whatever the token count, more than a few tokens' `vpdpbusd`. In a whole decode
-/// step (weights streamed from DRAM, Sapphire Rapids) AMX breaks even at 8 tokens, 8-bit or
-/// refined: refined 4 rows ran 3 % slower on tiles, 8 rows 4–7 % faster, 16 rows 7 %.
-const MIN_TOKENS: usize = 8;
+/// the same whatever the token count, more than a few tokens' `vpdpbusd`. Measured as whole
+/// decode steps (weights streamed from DRAM, Sapphire Rapids): 8-bit inputs ran 2–5 % slower
+/// on tiles at 8 tokens and 2–9 % faster at 12; refined ones (twice the `vpdpbusd`) 3 %
+/// slower at 4 tokens and 4–7 % faster at 8.
+const MIN_TOKENS: usize = 10;
 /// [`MIN_TOKENS`] of a refined input.
 const MIN_TOKENS_REFINED: usize = 8;
 /// Buffer slots (64-byte vectors) of an unpacked block: 8 code vectors (the B tile), `dw`,
