@@ -19,7 +19,7 @@
 //! from `0.0`; float weights use 16 lane accumulators and a fixed reduction tree. The SIMD
 //! kernels put *rows* in vector lanes, so each lane performs exactly that sequence.
 //! Consequently the result does not depend on the kernel (scalar, AVX2, AVX-512, AVX-512
-//! VNNI), on how many tokens are computed together or where a token sits in the batch, nor
+//! VNNI, AMX-INT8 tiles), on how many tokens are computed together or where a token sits in the batch, nor
 //! on the rayon thread count: decode, chunked prefill and unchunked prefill agree bit for
 //! bit.
 //!

@@ -116,8 +116,7 @@ impl SidePrefetch {
 fn cpu_vendor_is(vendor: &[u8; 12]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: CPUID leaf 0 exists on every x86_64 CPU.
-        let id = unsafe { core::arch::x86_64::__cpuid(0) };
+        let id = core::arch::x86_64::__cpuid(0);
         let mut name = [0u8; 12];
         for (i, reg) in [id.ebx, id.edx, id.ecx].into_iter().enumerate() {
             name[4 * i..4 * i + 4].copy_from_slice(&reg.to_le_bytes());
