@@ -156,9 +156,14 @@ impl StepCost {
 /// verifications), a draft of `k` yields `(1 − a^(k+1)) / (1 − a)` tokens in a step of
 /// `k + 1` rows. Before the cost is known, growth and shrinkage follow the last verification
 /// (double after a fully accepted draft, fall back to one more than was accepted otherwise).
-/// A running acceptance rate below [`DraftController::LOW_ACCEPTANCE`] pauses drafting for a
-/// number of steps that doubles each time (up to [`DraftController::MAX_PAUSE`]), so
-/// free-form text pays for only the occasional probe.
+///
+/// Drafting pauses for a number of steps that doubles each time (up to
+/// [`DraftController::MAX_PAUSE`]) when it does not pay, so free-form text pays for only the
+/// occasional probe. With a fitted cost, "does not pay" means that even the best draft length
+/// is expected to emit tokens no faster than plain decoding: over a mesh, where every step
+/// pays the hops and a row costs little, drafts with a third of their tokens accepted still
+/// pay, while in one process with dear rows they do not. Before the cost is known, a running
+/// acceptance rate below [`DraftController::LOW_ACCEPTANCE`] pauses.
 #[derive(Debug)]
 pub struct DraftController {
     proposer: Box<dyn Proposer>,
@@ -225,7 +230,7 @@ impl DraftController {
             return;
         }
         let len = match cost.and_then(StepCost::model) {
-            Some((base, per_row)) => self.best_len(base, per_row),
+            Some((base, per_row)) => self.best(base, per_row).0,
             None => self.next_len,
         };
         let max = len.min(limit);
@@ -234,9 +239,15 @@ impl DraftController {
         }
     }
 
-    /// The draft length (1 to `draft_max`) with the most expected tokens per second.
-    fn best_len(&self, base: f64, per_row: f64) -> usize {
-        let a = (self.accepted_tokens / (self.accepted_tokens + self.rejections)).min(0.99);
+    /// The per-token acceptance probability estimated from recent verifications.
+    fn token_acceptance(&self) -> f64 {
+        (self.accepted_tokens / (self.accepted_tokens + self.rejections)).min(0.99)
+    }
+
+    /// The draft length (1 to `draft_max`) with the most expected tokens per second, and
+    /// that rate.
+    fn best(&self, base: f64, per_row: f64) -> (usize, f64) {
+        let a = self.token_acceptance();
         let mut best = (1, 0.0);
         let mut reach = 1.0; // a^k: the chance that all of the first k drafts are accepted
         let mut expected = 1.0; // tokens a step with a draft of k yields: Σ_{j≤k} a^j
@@ -248,11 +259,12 @@ impl DraftController {
                 best = (k, rate);
             }
         }
-        best.0
+        best
     }
 
-    /// Learns from a verification: `accepted` of `proposed` drafts were accepted.
-    pub fn observe(&mut self, proposed: usize, accepted: usize) {
+    /// Learns from a verification: `accepted` of `proposed` drafts were accepted. `cost`
+    /// decides whether drafting still pays (see the type's docs).
+    pub fn observe(&mut self, proposed: usize, accepted: usize, cost: Option<&StepCost>) {
         if proposed == 0 {
             return;
         }
@@ -266,14 +278,24 @@ impl DraftController {
         } else {
             (accepted + 1).min(self.draft_max)
         };
-        if self.verifies >= 3 && self.acceptance < Self::LOW_ACCEPTANCE {
+        let model = cost.and_then(StepCost::model);
+        let pays = match model {
+            Some((base, per_row)) => self.best(base, per_row).1 > 1.0 / (base + per_row),
+            None => self.acceptance >= Self::LOW_ACCEPTANCE,
+        };
+        if self.verifies >= 3 && !pays {
             self.paused_for = self.pause;
             self.pause = (self.pause * 2).min(Self::MAX_PAUSE);
-            // Start the next probe from a neutral rate, with a short draft.
+            // Start the next probe from neutral rates, with a short draft.
             self.acceptance = 0.5;
+            self.accepted_tokens = 1.0;
+            self.rejections = 1.0;
             self.verifies = 0;
             self.next_len = 1;
-        } else if self.acceptance >= 0.6 {
+        } else if match model {
+            Some(_) => self.token_acceptance() >= 0.5,
+            None => self.acceptance >= 0.6,
+        } {
             self.pause = Self::FIRST_PAUSE;
         }
     }
@@ -307,13 +329,13 @@ mod tests {
         let mut out = Vec::new();
         c.draft(&ctx, 8, None, &mut out);
         assert_eq!(out, [2, 3, 4, 5], "starts at 4 tokens");
-        c.observe(4, 4);
+        c.observe(4, 4, None);
         c.draft(&ctx, 8, None, &mut out);
         assert_eq!(out.len(), 6, "grown to 8, capped by the context");
         c.draft(&ctx, 3, None, &mut out);
         assert_eq!(out.len(), 3, "capped by the caller's limit");
         for _ in 0..3 {
-            c.observe(4, 0);
+            c.observe(4, 0, None);
         }
         c.draft(&ctx, 8, None, &mut out);
         assert!(out.is_empty(), "paused after repeated rejections");
@@ -343,7 +365,7 @@ mod tests {
         let ctx: Vec<u32> = (0..40).chain(0..40).collect();
         let mut c = DraftController::with_proposer(Box::new(PromptLookup::new(2, 2)), 8);
         for _ in 0..20 {
-            c.observe(4, 4); // always accepted: a → 0.99
+            c.observe(4, 4, None); // always accepted: a → 0.99
         }
         let mut out = Vec::new();
         // Rows nearly free (a fixed hop cost dominates): the longest draft.
@@ -355,7 +377,7 @@ mod tests {
         assert_eq!(out.len(), 8);
         // Rows as dear as the step itself, and drafts often rejected: the shortest.
         for _ in 0..20 {
-            c.observe(4, 0);
+            c.observe(4, 0, None);
             c.paused_for = 0;
             c.verifies = 0; // keep drafting for the test
         }
@@ -365,5 +387,36 @@ mod tests {
         };
         c.draft(&ctx, 8, Some(&dear), &mut out);
         assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn drafting_pauses_only_where_it_does_not_pay() {
+        let ctx: Vec<u32> = (0..40).chain(0..40).collect();
+        let fitted = |base: f64, per_row: f64| StepCost {
+            fitted: Some((base, per_row)),
+            ..StepCost::default()
+        };
+        // A hop-dominated step (a mesh): one accepted token in four still pays.
+        let hop = fitted(0.010, 0.0002);
+        // Rows dearer than the rest of the step (compute-bound): the same does not.
+        let dear = fitted(0.0005, 0.001);
+        for (cost, pauses) in [(&hop, false), (&dear, true)] {
+            let mut c = DraftController::with_proposer(Box::new(PromptLookup::new(2, 2)), 8);
+            for _ in 0..4 {
+                c.observe(4, 1, Some(cost));
+            }
+            let mut out = Vec::new();
+            c.draft(&ctx, 8, Some(cost), &mut out);
+            assert_eq!(out.is_empty(), pauses, "cost {:?}", cost.model());
+        }
+        // Without a cost, the running acceptance rate decides: a quarter, from the neutral
+        // start, falls below the threshold on the fifth verification.
+        let mut c = DraftController::with_proposer(Box::new(PromptLookup::new(2, 2)), 8);
+        for _ in 0..5 {
+            c.observe(4, 1, None);
+        }
+        let mut out = Vec::new();
+        c.draft(&ctx, 8, None, &mut out);
+        assert!(out.is_empty());
     }
 }

@@ -386,7 +386,7 @@ impl Engine {
                         seq.stats.draft_accepted += accepted;
                         seq.stats.verify_steps += 1;
                         if let Some(d) = seq.drafter.as_mut() {
-                            d.observe(proposed, accepted);
+                            d.observe(proposed, accepted, Some(&self.step_cost));
                         }
                     }
                     let logits = split_rows(out.logits, out.emitted.len());
