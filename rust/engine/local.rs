@@ -133,8 +133,11 @@ impl LocalExecutor {
                     admitted.first_logits = a.want_logits.then_some(logits);
                 }
             }
-            // A volume without logits cannot seed sampling: start over cold.
-            Ok(ReplayOutcome::Hit { logits: None, .. }) | Ok(ReplayOutcome::Miss) => kv.reset(),
+            // A volume without logits (a long prompt's head, captured mid-prefill) cannot
+            // seed sampling: its last position runs again to give the first token (the
+            // scheduler plans it; the run rolls the ring back to it).
+            Ok(ReplayOutcome::Hit { logits: None, .. }) => admitted.cached_tokens = a.prompt.len(),
+            Ok(ReplayOutcome::Miss) => kv.reset(),
             Ok(ReplayOutcome::Partial { kv_len }) => admitted.cached_tokens = kv_len,
             Err(e) => {
                 kv.reset();
@@ -156,17 +159,32 @@ impl LocalExecutor {
         Ok(admitted)
     }
 
-    /// Captures the prompt's volume after its last chunk ran: this sequence's own KV, its
-    /// own last hidden row and its own logits (a failed capture never fails the sequence).
-    fn capture(&mut self, seq: SeqId, tail: &[f32], logits: &[f32]) {
+    /// Captures the volume of the prompt's first `len` tokens: this sequence's own KV, its
+    /// own hidden row at position `len − 1` and, for the whole prompt, its own logits (a
+    /// failed capture never fails the sequence).
+    fn capture(&mut self, seq: SeqId, len: usize, tail: &[f32], logits: Option<&[f32]>) {
         let Some(s) = self.seqs.get(&seq) else { return };
         let mut pipeline = lock(&self.pipeline);
         if !s.use_cache || !pipeline.cache().is_enabled() {
             return;
         }
         // Refusals (too long, disabled…) are counted in the cache's stats.
-        let _ =
-            pipeline.amplituhedron_capture(&s.kv, &s.prompt, tail, Some(logits), s.salt.as_deref());
+        let _ = pipeline.amplituhedron_capture(
+            &s.kv,
+            &s.prompt[..len],
+            tail,
+            logits,
+            s.salt.as_deref(),
+        );
+    }
+
+    /// Where a prompt longer than the cache's longest prefix is captured instead: at that
+    /// length, so the next prompt that shares it (a long system prompt, a RAG preamble)
+    /// replays it and prefills only the rest. `None` for a prompt the cache takes whole.
+    fn head_capture_len(&self, seq: SeqId) -> Option<usize> {
+        let s = self.seqs.get(&seq)?;
+        let max = lock(&self.pipeline).cache().config().max_prefix_len;
+        (s.use_cache && s.prompt.len() > max).then_some(max)
     }
 }
 
@@ -247,12 +265,24 @@ impl Executor for LocalExecutor {
             // so a step allocates no logits (1 MB per row for a 262k vocabulary).
             let logits = std::mem::take(&mut self.logits[k]);
             let mut out = EntryOutcome::default();
+            if let EntryKind::Prefill { .. } = e.kind {
+                let chunk = e.start..e.start + e.tokens.len();
+                if let Some(len) = self
+                    .head_capture_len(e.seq)
+                    .filter(|&n| chunk.contains(&(n - 1)))
+                {
+                    let row = len - 1 - e.start;
+                    let tail = self.hidden[k][row * hidden_w..(row + 1) * hidden_w].to_vec();
+                    self.capture(e.seq, len, &tail, None);
+                }
+            }
             match e.kind {
                 EntryKind::Prefill { last: false, .. } => {}
                 EntryKind::Prefill { last: true, emit } => {
                     let tail_at = self.hidden[k].len() - hidden_w;
                     let tail = self.hidden[k][tail_at..].to_vec();
-                    self.capture(e.seq, &tail, &logits);
+                    let len = self.seqs.get(&e.seq).map_or(0, |s| s.prompt.len());
+                    self.capture(e.seq, len, &tail, Some(&logits));
                     if emit {
                         let s = self.seqs.get_mut(&e.seq).expect("checked above");
                         let index = (e.start + e.tokens.len()) as u64;

@@ -240,6 +240,62 @@ fn cache_on_equals_cache_off_and_skips_prefill() {
     assert!(partial.logits == reference.logits);
 }
 
+#[test]
+fn a_prompt_longer_than_the_longest_prefix_caches_its_head() {
+    let w = tiny_weights(34);
+    let max = 24;
+    let pipeline = NativeLlamaPipeline::new(
+        Arc::clone(&w),
+        0,
+        3,
+        CacheConfig {
+            max_prefix_len: max,
+            ..CacheConfig::default()
+        },
+    )
+    .unwrap();
+    let mut ex = LocalExecutor::new(Arc::new(Mutex::new(pipeline)), session_cfg(), 4).unwrap();
+    // Chunks of 10 tokens: position 23 ends no chunk, so the head is cut from a middle one.
+    let mut engine = Engine::new(EngineConfig {
+        step_tokens: 10,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let mut run = |p: &[u32]| {
+        let r = Request {
+            use_cache: true,
+            ..request(p.to_vec(), 5, SamplingParams::default())
+        };
+        let id = engine.submit(r).unwrap();
+        drain(&mut engine, &mut ex).remove(&id).unwrap()
+    };
+    let long = prompt(40, 5);
+    let first = run(&long);
+    assert_eq!(first.stats.cached_tokens, 0);
+    // Another prompt sharing more than the head: the head is replayed, the rest prefilled.
+    let mut other = long[..30].to_vec();
+    other.extend(prompt(12, 6));
+    let shared = run(&other);
+    assert_eq!(shared.stats.cached_tokens, max);
+    // The head itself: its volume has no logits, so its last position runs again.
+    let head = run(&long[..max]);
+    assert_eq!(head.stats.cached_tokens, max - 1);
+    assert!(!head.stats.cache_hit);
+    for (p, got) in [
+        (&long[..], &first),
+        (&other[..], &shared),
+        (&long[..max], &head),
+    ] {
+        let cold = run_one(&w, request(p.to_vec(), 5, SamplingParams::default()));
+        assert_eq!(got.tokens, cold.tokens, "{}-token prompt: tokens", p.len());
+        assert!(
+            got.logits == cold.logits,
+            "{}-token prompt: logits",
+            p.len()
+        );
+    }
+}
+
 /// A prompt made of a repeated phrase: prompt lookup has plenty to propose.
 fn copy_heavy_prompt() -> Vec<u32> {
     let phrase = prompt(12, 9);
