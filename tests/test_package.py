@@ -12,7 +12,7 @@ import pytest
 
 import amplituhedron_rs as ar
 from amplituhedron_rs import _core
-from amplituhedron_rs.cli import build_parser
+from amplituhedron_rs.cli import build_parser, main
 
 PACKAGE = Path(ar.__file__).parent
 HTTP_STACKS = ("fastapi", "uvicorn", "aiohttp", "prometheus_client")
@@ -253,6 +253,14 @@ def test_options_and_constructors_take_the_core_defaults() -> None:
     ):
         assert build_parser().parse_args(argv).kv_dtype == d.kv_dtype, argv
     assert build_parser().parse_args(["serve", "--kv-dtype", "f32"]).kv_dtype == "f32"
+    assert build_parser().parse_args(["serve"]).max_prefix_len == d.max_prefix_len
+
+
+def test_serve_refuses_cache_options_for_a_mesh_it_did_not_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--mesh", "http://127.0.0.1:9", "--max-prefix-len", "64"]) == 2
+    assert "station serve" in capsys.readouterr().err
 
 
 def test_cli_help_names_the_claims_not_the_design_notes() -> None:

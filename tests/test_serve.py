@@ -219,6 +219,23 @@ def test_a_repeated_system_prompt_is_served_from_the_cache(server: Server) -> No
     assert exact.usage.prompt_tokens_details.cached_tokens == exact.usage.prompt_tokens
 
 
+def test_a_prompt_longer_than_the_longest_prefix_caches_its_head(server: Server) -> None:
+    # The prompts share more than 24 tokens: with --max-prefix-len 24 each caches its first
+    # 24, which the next question under the same system prompt replays.
+    questions = ["What is frost?", "And what is dew?"]
+    with start_server("--max-prefix-len", "24") as short:
+        c, m = short.client(), short.model()
+        first, second = (chat(c, m, q, max_tokens=8) for q in questions)
+    assert first.usage.prompt_tokens > 24
+    assert first.usage.prompt_tokens_details.cached_tokens < 24
+    assert second.usage.prompt_tokens_details.cached_tokens == 24
+    # The replies equal those of a server that caches whole prompts.
+    whole = [chat(server.client(), server.model(), q, max_tokens=8) for q in questions]
+    assert [r.choices[0].message.content for r in (first, second)] == [
+        r.choices[0].message.content for r in whole
+    ]
+
+
 def test_cache_salt_isolates_tenants(server: Server) -> None:
     c, m = server.client(), server.model()
     chat(c, m, "Is it windy?", max_tokens=2, extra_body={"cache_salt": "tenant-a"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from amplituhedron_rs.cli.common import TOKEN_ENV, add_kv_dtype, add_model
+from amplituhedron_rs.cli.common import TOKEN_ENV, add_cache_dir, add_kv_dtype, add_model, err
 from amplituhedron_rs.serve.options import ServeOptions
 
 HELP = "an OpenAI-compatible server with continuous batching"
@@ -55,6 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative decoding for requests that do not choose (greedy output unchanged)",
     )
     p.add_argument("--draft-max", type=int, default=d.draft_max, metavar="K")
+    p.add_argument(
+        "--max-prefix-len",
+        type=int,
+        default=d.max_prefix_len,
+        metavar="N",
+        help="longest prefix the volume cache captures; a longer prompt caches its first N "
+        f"tokens (default {d.max_prefix_len})",
+    )
+    add_cache_dir(p)
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--mesh",
@@ -80,6 +89,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     from amplituhedron_rs.serve import serve
 
+    if a.mesh and (
+        a.max_prefix_len != ServeOptions.max_prefix_len or a.cache_dir or a.max_disk_bytes
+    ):
+        err.print(
+            "--max-prefix-len, --cache-dir and --max-disk-bytes configure this process's "
+            "cache or the stations it starts (--stations); a mesh's own stations take them "
+            "as `amplituhedron station serve` options"
+        )
+        return 2
     serve(
         ServeOptions(
             model_path=a.model,
@@ -94,6 +112,9 @@ def run(a: argparse.Namespace) -> int:
             kv_dtype=a.kv_dtype,
             draft=a.draft == "prompt-lookup",
             draft_max=a.draft_max,
+            max_prefix_len=a.max_prefix_len,
+            cache_dir=a.cache_dir,
+            max_disk_bytes=a.max_disk_bytes,
             mesh=a.mesh,
             stations=a.stations,
             mesh_token=a.mesh_token,

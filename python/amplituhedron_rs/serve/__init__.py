@@ -45,7 +45,7 @@ def build_app(o: ServeOptions) -> FastAPI:
 
 def _local_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
     """The in-process engine over the whole model."""
-    from amplituhedron_rs.runtime import BatchOptions, load_model
+    from amplituhedron_rs.runtime import BatchOptions, CacheOptions, load_model
     from amplituhedron_rs.serve.frontend import EngineFront
 
     model = load_model(
@@ -54,6 +54,11 @@ def _local_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
         kv_dtype=o.kv_dtype,  # type: ignore[arg-type]
         batch=BatchOptions(
             max_running=o.max_batch, max_queue=o.max_queue, step_tokens=o.step_tokens
+        ),
+        cache=CacheOptions(
+            max_prefix_len=o.max_prefix_len,
+            cache_dir=o.cache_dir,
+            max_disk_bytes=o.max_disk_bytes,
         ),
     )
     context_len = min(model.session_options.slots, int(model.file.config["context_len"]))
@@ -82,6 +87,9 @@ def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
             station_args=[
                 *("--precision", o.precision, "--kv-dtype", o.kv_dtype),
                 *("--max-sessions", str(o.max_batch + 2)),
+                *("--max-prefix-len", str(o.max_prefix_len)),
+                *(("--cache-dir", o.cache_dir) if o.cache_dir else ()),
+                *(("--max-disk-bytes", str(o.max_disk_bytes)) if o.max_disk_bytes else ()),
             ],
         )
         spec = local.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from amplituhedron_rs.runtime.options import DEFAULT_KV_DTYPE, BatchOptions
+from amplituhedron_rs.runtime.options import DEFAULT_KV_DTYPE, BatchOptions, CacheOptions
 
 
 @dataclass
@@ -27,6 +27,13 @@ class ServeOptions:
     kv_dtype: str = DEFAULT_KV_DTYPE
     draft: bool = False
     draft_max: int = 8
+    #: Longest prefix the volume cache captures; a longer prompt caches its first this many
+    #: tokens (raise it for system prompts or RAG preambles longer than the default).
+    max_prefix_len: int = CacheOptions.max_prefix_len
+    #: Persist captured volumes under this directory (None: memory only).
+    cache_dir: str | None = None
+    #: Disk budget of ``cache_dir`` (None: unbounded).
+    max_disk_bytes: int | None = None
     #: Serve through a mesh: a mesh file or comma-separated station URLs (the server is the
     #: mesh's coordinator; ``model_path`` then only gives the tokenizer and chat template).
     mesh: str | None = None
