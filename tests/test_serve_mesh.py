@@ -145,6 +145,24 @@ def test_a_repeated_system_prompt_is_served_from_the_stations_caches(mesh_server
 
 
 @pytest.mark.serve
+def test_the_stations_cache_the_head_of_a_prompt_longer_than_their_longest_prefix(
+    local_server: Server,
+) -> None:
+    questions = ["What is frost?", "And what is dew?", "What is frost?"]
+    with start_server("--stations", "2", "--max-prefix-len", "24") as srv:
+        c, m = srv.client(), srv.model()
+        replies = [chat(c, m, q, max_tokens=8) for q in questions]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    assert replies[0].usage.prompt_tokens > 24
+    # Each station cached the first 24 tokens, which the next questions replay.
+    assert cached[0] < 24 and cached[1:] == [24, 24]
+    solo = [chat(local_server.client(), local_server.model(), q, max_tokens=8) for q in questions]
+    assert [r.choices[0].message.content for r in replies] == [
+        r.choices[0].message.content for r in solo
+    ]
+
+
+@pytest.mark.serve
 def test_a_client_that_disconnects_frees_its_sessions_on_every_station(
     mesh_server: Server, mesh: MeshSpec
 ) -> None:

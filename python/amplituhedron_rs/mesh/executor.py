@@ -12,8 +12,9 @@ The engine (``_core.Engine.external``) plans; this executor carries each plan ou
   k+1 rows per hop) and the prompt chunks the budget allows. The exit station samples or
   verifies with each session's own seeded sampler, so only token ids come back; a station
   rolls back positions of rejected drafts itself, from each entry's start;
-- an entry that ends a prompt asks every station to capture the prompt's volume from its
-  own KV (no tensor crosses the wire for it);
+- a prompt's chunks ask every station to capture the prompt's volume from its own KV (no
+  tensor crosses the wire for it): the whole prompt at its last chunk, or the head a
+  station's cache takes of a longer prompt at the chunk that computes it;
 - released sequences (finished, cancelled) have their sessions closed on every station.
 
 Failover (SPEC §13). A range may have several replicas; every sequence runs on the chain of
@@ -305,7 +306,7 @@ class MeshExecutor:
                     kind=e.kind,
                     last=e.last,
                     emit=e.emit and e.kind == "prefill",
-                    capture=e.last and self.seqs[e.seq].use_cache,
+                    capture=e.kind == "prefill" and self.seqs[e.seq].use_cache,
                 )
                 for e in batch
             ]
@@ -481,7 +482,7 @@ class MeshExecutor:
                 continue
             trace.stations[station].prefill_requests += 1
             if spec.capture:
-                trace.stations[station].captured_bytes = res.captured
+                trace.stations[station].captured_bytes += res.captured
 
     async def _release(self, seqs: Sequence[int]) -> None:
         gone = [(seq, self.seqs[seq]) for seq in seqs if seq in self.seqs]

@@ -184,7 +184,9 @@ class BatchEntrySpec(_Strict):
     #: Exit station, prefill ending the prompt: sample the first token.
     emit: bool = False
     #: Prefill ending the prompt: every station captures the prompt's volume (its own KV,
-    #: its own last output row, and at the exit station its own logits).
+    #: its own last output row, and at the exit station its own logits). Any prefill chunk:
+    #: a prompt longer than a station's longest captured prefix caches its head from the
+    #: chunk that computes the head's last position.
     capture: bool = False
 
 

@@ -9,7 +9,9 @@ entry the verified drafts plus one token of the model's (each session's own seed
 keyed by position, so the tokens equal the single-process engine's). An entry that ends its
 prompt with ``capture`` freezes the prompt's volume from this station's own KV, own last
 output row and own logits: no client tensor is cached, and only a session whose forwarded
-positions are exactly its prompt is captured (the rules of ``/amplituhedron/capture``).
+positions are exactly its prompt is captured (the rules of ``/amplituhedron/capture``). A
+prompt longer than the cache's longest prefix caches that many of its first tokens instead,
+from the ``capture`` chunk that computes the head's last position (its row is the tail).
 
 Bounded like ``forward``: at most ``max_chunk`` rows per entry (and ``max_logits_rows`` for
 a decode entry's verification logits), the body limit of octet bodies, and distinct live
@@ -123,8 +125,8 @@ class BatchStepper:
                 )
             if e.kind == "decode" and (e.last or e.emit or e.capture):
                 raise BadBody(f"entry {i}: last, emit and capture are for prefill entries")
-            if (e.emit or e.capture) and not e.last:
-                raise BadBody(f"entry {i}: emit and capture need the prompt's last chunk")
+            if e.emit and not e.last:
+                raise BadBody(f"entry {i}: emit needs the prompt's last chunk")
         rows = sum(len(e.tokens) for e in req.entries)
         _, payload = split_frame(body)
         if st.is_entry:
@@ -202,7 +204,10 @@ class BatchStepper:
             # A refused (positions not the prompt), declined or failed capture never fails
             # the step: the entry reports 0 bytes.
             with contextlib.suppress(Conflict, _core.AmplituhedronError):
-                captured = st.capture_own(live, live.session)
+                captured = st.capture_head(live, live.session, e.start, hidden)
+            if e.last:
+                with contextlib.suppress(Conflict, _core.AmplituhedronError):
+                    captured += st.capture_own(live, live.session)
         return BatchEntryResult(
             clock=int(live.session.clock),
             rows=0 if st.is_exit else int(hidden.shape[0]),

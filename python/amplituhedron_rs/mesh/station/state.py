@@ -51,6 +51,7 @@ from amplituhedron_rs.mesh.station.errors import (
     TooLarge,
 )
 from amplituhedron_rs.mesh.station.session import (
+    FloatArray,
     HiddenRows,
     LiveSession,
     LogitsRows,
@@ -81,6 +82,8 @@ class Station:
                 f"layers {s.layer_lo}:{s.layer_hi} are not a range of 0:{self.weights.n_layers}"
             )
         self.pipeline = new_pipeline(self.weights, s.layer_lo, s.layer_hi, s.cache)
+        #: The cache's longest captured prefix (kept in step with ``configure``).
+        self.max_prefix_len = s.cache.max_prefix_len
         self.is_entry = s.layer_lo == 0
         self.is_exit = s.layer_hi == self.weights.n_layers
         self.hidden = int(self.weights.hidden)
@@ -260,6 +263,7 @@ class Station:
                 p.amplituhedron_set_max_entries(req.max_entries)
             if req.max_prefix_len is not None:
                 p.amplituhedron_set_max_prefix_len(req.max_prefix_len)
+                self.max_prefix_len = req.max_prefix_len
             if "max_bytes" in req.model_fields_set:
                 p.amplituhedron_set_max_bytes(req.max_bytes)
             if req.min_prefix_reuse is not None:
@@ -335,6 +339,27 @@ class Station:
             return int(
                 self.pipeline.amplituhedron_capture(
                     session, live.prompt, tail, logits if self.is_exit else None, live.salt
+                )
+            )
+
+    def capture_head(
+        self, live: LiveSession, session: _core.RangeSession, start: int, hidden: FloatArray
+    ) -> int:
+        """A prompt longer than the cache's longest prefix caches that many of its first
+        tokens, when the chunk at ``start`` (this station's output rows ``hidden``) computed
+        the head's last position: its row is the tail, without logits (a later exact hit runs
+        that position again). 0 when the chunk does not end the head, or nothing is captured.
+        Under the session's lock."""
+        head = self.max_prefix_len
+        if not (len(live.prompt) > head and start < head <= start + hidden.shape[0]):
+            return 0
+        if not live.exact or self.declines_captures is not None:
+            return 0
+        tail = np.array(hidden[head - 1 - start], dtype=np.float32)
+        with self.pipeline_lock:
+            return int(
+                self.pipeline.amplituhedron_capture(
+                    session, live.prompt[:head], tail, None, live.salt
                 )
             )
 
