@@ -63,7 +63,10 @@ def test_the_drill_is_off_unless_armed_and_classifies_phases() -> None:
 
     assert phase_of("POST", "/sessions", b"{}") == "open"
     assert phase_of("POST", "/amplituhedron/replay", b"{}") == "replay"
-    assert phase_of("POST", "/batch/step", step(kind="prefill", capture=True)) == "capture"
+    last = step(kind="prefill", capture=True, last=True)
+    assert phase_of("POST", "/batch/step", last) == "capture"
+    # Every chunk of a cached prompt carries `capture` (for a long prompt's head).
+    assert phase_of("POST", "/batch/step", step(kind="prefill", capture=True)) == "prefill"
     assert phase_of("POST", "/batch/step", step(kind="prefill")) == "prefill"
     assert phase_of("POST", "/batch/step", step(kind="decode")) == "decode"
     assert phase_of("GET", "/healthz", b"") is None

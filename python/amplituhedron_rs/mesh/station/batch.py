@@ -204,7 +204,7 @@ class BatchStepper:
             # A refused (positions not the prompt), declined or failed capture never fails
             # the step: the entry reports 0 bytes.
             with contextlib.suppress(Conflict, _core.AmplituhedronError):
-                captured = st.capture_head(live, live.session, e.start, hidden)
+                captured = _capture_head(st, live, e.start, hidden)
             if e.last:
                 with contextlib.suppress(Conflict, _core.AmplituhedronError):
                     captured += st.capture_own(live, live.session)
@@ -213,6 +213,26 @@ class BatchStepper:
             rows=0 if st.is_exit else int(hidden.shape[0]),
             emitted=emitted,
             captured=captured,
+        )
+
+
+def _capture_head(st: Station, live: LiveSession, start: int, hidden: FloatArray) -> int:
+    """A prompt longer than the cache's longest prefix caches that many of its first tokens
+    when the chunk at ``start`` (this station's output rows ``hidden``) computed the head's
+    last position: its row is the tail, without logits (a later exact hit runs that position
+    again). 0 when the chunk does not end the head or nothing is captured. Under the
+    session's lock."""
+    head = st.max_prefix_len
+    if not (len(live.prompt) > head and start < head <= start + hidden.shape[0]):
+        return 0
+    if not live.exact or st.declines_captures is not None:
+        return 0
+    tail = np.array(hidden[head - 1 - start], dtype=np.float32)
+    with st.pipeline_lock:
+        return int(
+            st.pipeline.amplituhedron_capture(
+                live.session, live.prompt[:head], tail, None, live.salt
+            )
         )
 
 

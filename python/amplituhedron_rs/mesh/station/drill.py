@@ -8,8 +8,8 @@ on), a station kills itself with SIGKILL on the ``n``-th request of that phase, 
 the work and before it answers — the nastiest moment: its KV moved, the caller never hears.
 
 Phases: ``open`` (``POST /sessions``), ``replay`` (``POST /amplituhedron/replay``), and for
-``POST /batch/step``: ``capture`` (an entry captures the prompt's volume), ``prefill`` (an
-entry is a prompt chunk), ``decode`` (decode rows only).
+``POST /batch/step``: ``capture`` (an entry ends its prompt and captures its volume),
+``prefill`` (an entry is a prompt chunk), ``decode`` (decode rows only).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def phase_of(method: str, path: str, body: bytes) -> str | None:
         entries = json.loads(body[4 : 4 + n])["entries"]
     except (ValueError, KeyError, TypeError):
         return None
-    if any(e.get("capture") for e in entries):
+    if any(e.get("capture") and e.get("last") for e in entries):
         return "capture"
     if any(e.get("kind") == "prefill" for e in entries):
         return "prefill"

@@ -51,7 +51,6 @@ from amplituhedron_rs.mesh.station.errors import (
     TooLarge,
 )
 from amplituhedron_rs.mesh.station.session import (
-    FloatArray,
     HiddenRows,
     LiveSession,
     LogitsRows,
@@ -339,27 +338,6 @@ class Station:
             return int(
                 self.pipeline.amplituhedron_capture(
                     session, live.prompt, tail, logits if self.is_exit else None, live.salt
-                )
-            )
-
-    def capture_head(
-        self, live: LiveSession, session: _core.RangeSession, start: int, hidden: FloatArray
-    ) -> int:
-        """A prompt longer than the cache's longest prefix caches that many of its first
-        tokens, when the chunk at ``start`` (this station's output rows ``hidden``) computed
-        the head's last position: its row is the tail, without logits (a later exact hit runs
-        that position again). 0 when the chunk does not end the head, or nothing is captured.
-        Under the session's lock."""
-        head = self.max_prefix_len
-        if not (len(live.prompt) > head and start < head <= start + hidden.shape[0]):
-            return 0
-        if not live.exact or self.declines_captures is not None:
-            return 0
-        tail = np.array(hidden[head - 1 - start], dtype=np.float32)
-        with self.pipeline_lock:
-            return int(
-                self.pipeline.amplituhedron_capture(
-                    session, live.prompt[:head], tail, None, live.salt
                 )
             )
 
