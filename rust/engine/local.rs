@@ -159,32 +159,36 @@ impl LocalExecutor {
         Ok(admitted)
     }
 
-    /// Captures the volume of the prompt's first `len` tokens: this sequence's own KV, its
-    /// own hidden row at position `len − 1` and, for the whole prompt, its own logits (a
-    /// failed capture never fails the sequence).
-    fn capture(&mut self, seq: SeqId, len: usize, tail: &[f32], logits: Option<&[f32]>) {
-        let Some(s) = self.seqs.get(&seq) else { return };
+    /// Captures what a prompt chunk that just ran completes (a failed capture never fails
+    /// the sequence; refusals are counted in the cache's stats): the prompt's first
+    /// `max_prefix_len` tokens when the prompt is longer and the chunk computed that
+    /// position (its hidden row as the tail, no logits), so the next prompt that shares
+    /// them (a long system prompt, a RAG preamble) replays them and prefills only the rest;
+    /// and at the prompt's last chunk the whole prompt with its `logits`. Each from this
+    /// sequence's own KV and hidden rows (`hidden`, the chunk's).
+    fn capture_chunk(&self, e: &BatchEntry, hidden: &[f32], logits: Option<&[f32]>) {
+        let Some(s) = self.seqs.get(&e.seq) else {
+            return;
+        };
         let mut pipeline = lock(&self.pipeline);
         if !s.use_cache || !pipeline.cache().is_enabled() {
             return;
         }
-        // Refusals (too long, disabled…) are counted in the cache's stats.
-        let _ = pipeline.amplituhedron_capture(
-            &s.kv,
-            &s.prompt[..len],
-            tail,
-            logits,
-            s.salt.as_deref(),
-        );
-    }
-
-    /// Where a prompt longer than the cache's longest prefix is captured instead: at that
-    /// length, so the next prompt that shares it (a long system prompt, a RAG preamble)
-    /// replays it and prefills only the rest. `None` for a prompt the cache takes whole.
-    fn head_capture_len(&self, seq: SeqId) -> Option<usize> {
-        let s = self.seqs.get(&seq)?;
-        let max = lock(&self.pipeline).cache().config().max_prefix_len;
-        (s.use_cache && s.prompt.len() > max).then_some(max)
+        let hidden_w = self.range.weights().config().hidden;
+        let row = |position: usize| {
+            let at = (position - e.start) * hidden_w;
+            &hidden[at..at + hidden_w]
+        };
+        let salt = s.salt.as_deref();
+        let head = pipeline.cache().config().max_prefix_len;
+        if s.prompt.len() > head && (e.start..e.start + e.tokens.len()).contains(&(head - 1)) {
+            let _ =
+                pipeline.amplituhedron_capture(&s.kv, &s.prompt[..head], row(head - 1), None, salt);
+        }
+        if logits.is_some() {
+            let last = e.start + e.tokens.len() - 1;
+            let _ = pipeline.amplituhedron_capture(&s.kv, &s.prompt, row(last), logits, salt);
+        }
     }
 }
 
@@ -194,7 +198,6 @@ impl Executor for LocalExecutor {
     }
 
     fn run(&mut self, batch: &[BatchEntry]) -> Result<Vec<EntryOutcome>, EngineError> {
-        let hidden_w = self.range.weights().config().hidden;
         let vocab = self.range.weights().config().vocab;
         // Every entry's sequence must exist and be at (or past) its start: positions past
         // it are drafts the previous step rejected.
@@ -265,24 +268,12 @@ impl Executor for LocalExecutor {
             // so a step allocates no logits (1 MB per row for a 262k vocabulary).
             let logits = std::mem::take(&mut self.logits[k]);
             let mut out = EntryOutcome::default();
-            if let EntryKind::Prefill { .. } = e.kind {
-                let chunk = e.start..e.start + e.tokens.len();
-                if let Some(len) = self
-                    .head_capture_len(e.seq)
-                    .filter(|&n| chunk.contains(&(n - 1)))
-                {
-                    let row = len - 1 - e.start;
-                    let tail = self.hidden[k][row * hidden_w..(row + 1) * hidden_w].to_vec();
-                    self.capture(e.seq, len, &tail, None);
-                }
+            if let EntryKind::Prefill { last, .. } = e.kind {
+                self.capture_chunk(e, &self.hidden[k], last.then_some(&logits[..]));
             }
             match e.kind {
                 EntryKind::Prefill { last: false, .. } => {}
                 EntryKind::Prefill { last: true, emit } => {
-                    let tail_at = self.hidden[k].len() - hidden_w;
-                    let tail = self.hidden[k][tail_at..].to_vec();
-                    let len = self.seqs.get(&e.seq).map_or(0, |s| s.prompt.len());
-                    self.capture(e.seq, len, &tail, Some(&logits));
                     if emit {
                         let s = self.seqs.get_mut(&e.seq).expect("checked above");
                         let index = (e.start + e.tokens.len()) as u64;
