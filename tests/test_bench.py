@@ -624,6 +624,42 @@ def test_bench_serve_rounds_combine_into_medians_and_per_round_ratios() -> None:
     assert median_ratio([1.0], [0.0]) is None
 
 
+def test_bench_serve_reads_the_engine_load_from_metrics() -> None:
+    """Our server's engine counters, before and after a level, give its busy fraction, rows
+    per step and tokens per busy second; a peer's page without them gives nothing; rounds
+    combine into medians of the rounds that have them."""
+    from amplituhedron_rs.bench.serve import LevelResult, combine, parse_engine_totals
+
+    def page(steps: int, prompt: int, decode: int, busy: float) -> str:
+        return (
+            "# HELP amplituhedron_serve_engine_steps_total Batched steps run\n"
+            "# TYPE amplituhedron_serve_engine_steps_total counter\n"
+            f"amplituhedron_serve_engine_steps_total {steps}.0\n"
+            "# HELP amplituhedron_serve_engine_rows_total Rows computed\n"
+            "# TYPE amplituhedron_serve_engine_rows_total counter\n"
+            f'amplituhedron_serve_engine_rows_total{{kind="prompt"}} {prompt}.0\n'
+            f'amplituhedron_serve_engine_rows_total{{kind="decode"}} {decode}.0\n'
+            "# HELP amplituhedron_serve_engine_busy_seconds_total Busy\n"
+            "# TYPE amplituhedron_serve_engine_busy_seconds_total counter\n"
+            f"amplituhedron_serve_engine_busy_seconds_total {busy}\n"
+        )
+
+    before, after = (
+        parse_engine_totals(page(10, 100, 50, 1.5)),
+        parse_engine_totals(page(110, 300, 850, 4.5)),
+    )
+    assert before is not None and after is not None
+    load = before.load(after, wall_s=4.0, tokens=900)
+    assert (load.busy, load.rows_per_step, load.tokens_per_s) == (0.75, 10.0, 300.0)
+    assert parse_engine_totals("# a peer\nprocess_cpu_seconds_total 3.0\n") is None
+
+    def level(busy: float | None) -> LevelResult:
+        return LevelResult(8, 16, 0, 2.0, 1000, 500.0, 1.0, 2.0, 3.0, 4.0, engine_busy=busy)
+
+    assert combine([level(0.9), level(None), level(0.7)]).engine_busy == 0.8
+    assert combine([level(None)]).engine_busy is None
+
+
 def test_bench_serve_asks_no_question_twice_in_a_run() -> None:
     """A repeated prompt would be answered whole from the prefix cache (TTFT of one decode
     step): every request of a sweep (warm-up, every round and level) asks something new."""

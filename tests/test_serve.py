@@ -57,6 +57,14 @@ class Server:
                 return float(line.split()[-1])
         raise AssertionError(f"no metric {name}")
 
+    def metric_line(self, series: str) -> float:
+        """The value of one exact series (name and labels as /metrics prints them)."""
+        text = httpx.get(f"{self.url}/metrics").text
+        for line in text.splitlines():
+            if line.rsplit(" ", 1)[0] == series:
+                return float(line.split()[-1])
+        raise AssertionError(f"no series {series}")
+
     def model(self) -> str:
         return str(self.client().models.list().data[0].id)
 
@@ -243,6 +251,30 @@ def test_cache_salt_isolates_tenants(server: Server) -> None:
     other = chat(c, m, "Is it windy?", max_tokens=2, extra_body={"cache_salt": "tenant-b"})
     assert same.usage.prompt_tokens_details.cached_tokens == same.usage.prompt_tokens
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_metrics_count_the_engine_load(server: Server) -> None:
+    """Steps, rows and busy seconds of the engine: a lone request prefills its uncached
+    prompt rows, then decodes one row per token after the first, in at most the wall time."""
+    wait_idle(server)
+    names = [
+        "amplituhedron_serve_engine_steps_total",
+        'amplituhedron_serve_engine_rows_total{kind="prompt"}',
+        'amplituhedron_serve_engine_rows_total{kind="decode"}',
+        "amplituhedron_serve_engine_busy_seconds_total",
+    ]
+    before = [server.metric_line(n) for n in names]
+    started = time.monotonic()
+    r = chat(server.client(), server.model(), "Name three kinds of cloud.", max_tokens=9)
+    wall = time.monotonic() - started
+    steps, prompt_rows, decode_rows, busy = (
+        server.metric_line(n) - b for n, b in zip(names, before, strict=True)
+    )
+    assert r.usage.completion_tokens == 9
+    assert prompt_rows == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+    assert decode_rows == 8
+    assert steps >= 9
+    assert 0 < busy <= wall
 
 
 # --- concurrency -----------------------------------------------------------------------------

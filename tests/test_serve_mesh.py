@@ -121,6 +121,11 @@ def test_eight_concurrent_streams_over_the_mesh_equal_their_solo_runs(
     ]
     solo = [streamed_text(c, m, a, **kw)[0] for a, kw in zip(asks, kws, strict=True)]
     hops = mesh_server.metric("amplituhedron_serve_station_requests")
+    decode = 'amplituhedron_serve_engine_rows_total{kind="decode"}'
+    steps0, rows0 = (
+        mesh_server.metric("amplituhedron_serve_engine_steps_total"),
+        mesh_server.metric_line(decode),
+    )
     with cf.ThreadPoolExecutor(8) as pool:
         together = list(
             pool.map(lambda ak: streamed_text(c, m, ak[0], **ak[1])[0], zip(asks, kws, strict=True))
@@ -128,6 +133,9 @@ def test_eight_concurrent_streams_over_the_mesh_equal_their_solo_runs(
     assert together == solo
     # Batched: far fewer hops than one request per token per station (8 × ~14 × 2).
     assert mesh_server.metric("amplituhedron_serve_station_requests") - hops < 8 * 14 * 2 / 2
+    # The engine's own load counts say so too: several sequences' rows per step.
+    steps = mesh_server.metric("amplituhedron_serve_engine_steps_total") - steps0
+    assert (mesh_server.metric_line(decode) - rows0) / steps > 1.5
     wait_idle(mesh_server)
     assert open_sessions(mesh) == [0, 0]
 

@@ -12,7 +12,7 @@ use pyo3::types::PyDict;
 
 use crate::engine::{
     step, Admission, Admitted, BatchEntry, DraftConfig, Engine, EngineConfig, EngineError,
-    EntryKind, EntryOutcome, Event, LocalExecutor, Request,
+    EntryKind, EntryOutcome, Event, LocalExecutor, Request, StepTotals,
 };
 use crate::model::{SamplingParams, SessionConfig};
 
@@ -153,6 +153,31 @@ impl From<&BatchEntry> for PyEntry {
             kind,
             last,
             emit,
+        }
+    }
+}
+
+/// Totals of the batches an engine has run (see `Engine.step_totals`).
+#[pyclass(
+    name = "EngineStepTotals",
+    module = "amplituhedron_rs._core",
+    frozen,
+    get_all
+)]
+pub struct PyStepTotals {
+    steps: u64,
+    prompt_rows: u64,
+    decode_rows: u64,
+    busy_seconds: f64,
+}
+
+impl From<StepTotals> for PyStepTotals {
+    fn from(t: StepTotals) -> Self {
+        PyStepTotals {
+            steps: t.steps,
+            prompt_rows: t.prompt_rows,
+            decode_rows: t.decode_rows,
+            busy_seconds: t.busy_seconds,
         }
     }
 }
@@ -427,6 +452,14 @@ impl PyEngine {
         self.executor.as_ref().map(|ex| lock(ex).live())
     }
 
+    /// Totals of the batches run so far: steps, prompt and decode rows, and the seconds a
+    /// batch was in flight (the executor's load: `busy_seconds` over a wall time is how busy
+    /// it was).
+    #[getter]
+    fn step_totals(&self) -> PyStepTotals {
+        self.engine().step_totals().into()
+    }
+
     /// `(max_running, max_queue, step_tokens)`.
     #[getter]
     fn limits(&self) -> (usize, usize, usize) {
@@ -438,6 +471,7 @@ impl PyEngine {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
+    m.add_class::<PyStepTotals>()?;
     m.add_class::<PyEvent>()?;
     m.add_class::<PyAdmission>()?;
     m.add_class::<PyEntry>()?;

@@ -31,7 +31,7 @@ pub use draft::{DraftConfig, PromptLookup, Proposer};
 pub use executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 pub use local::LocalExecutor;
 pub use request::{Event, FinishReason, Request, SeqId, SeqStats};
-pub use scheduler::{step, Engine, EngineConfig};
+pub use scheduler::{step, Engine, EngineConfig, StepTotals};
 
 use std::fmt;
 

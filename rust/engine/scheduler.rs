@@ -97,8 +97,33 @@ pub struct Engine {
     draft_buf: Vec<u32>,
     /// The cost of decode steps by rows, learned as they run (sizes the drafts).
     step_cost: StepCost,
-    /// When the batch being run was planned, its rows, and whether it only decodes.
-    planned: Option<(Instant, usize, bool)>,
+    /// The batch being run: when it was planned, and its rows.
+    planned: Option<Planned>,
+    /// Totals of the batches run so far.
+    totals: StepTotals,
+}
+
+/// A planned batch, until its outcome is applied.
+#[derive(Clone, Copy, Debug)]
+struct Planned {
+    at: Instant,
+    prompt_rows: usize,
+    decode_rows: usize,
+}
+
+/// Totals of the batches an engine has run (its executor's load, for metrics): how many,
+/// what they computed, and how long they were in flight. Over an external executor (a mesh)
+/// a batch is in flight from `plan_batch` to `complete`, hops included.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTotals {
+    /// Batches run.
+    pub steps: u64,
+    /// Prompt rows prefilled.
+    pub prompt_rows: u64,
+    /// Decode rows: one per decoding sequence and step, plus drafts verified.
+    pub decode_rows: u64,
+    /// Seconds a batch was in flight.
+    pub busy_seconds: f64,
 }
 
 impl Engine {
@@ -115,6 +140,7 @@ impl Engine {
             draft_buf: Vec::new(),
             step_cost: StepCost::default(),
             planned: None,
+            totals: StepTotals::default(),
         })
     }
 
@@ -331,10 +357,24 @@ impl Engine {
                 },
             });
         }
-        let rows = batch.iter().map(|e| e.tokens.len()).sum();
-        let decode_only = batch.iter().all(|e| e.kind == EntryKind::Decode);
-        self.planned = Some((Instant::now(), rows, decode_only));
+        let rows_of = |decode: bool| -> usize {
+            batch
+                .iter()
+                .filter(|e| (e.kind == EntryKind::Decode) == decode)
+                .map(|e| e.tokens.len())
+                .sum()
+        };
+        self.planned = (!batch.is_empty()).then(|| Planned {
+            at: Instant::now(),
+            prompt_rows: rows_of(false),
+            decode_rows: rows_of(true),
+        });
         batch
+    }
+
+    /// Totals of the batches run so far.
+    pub fn step_totals(&self) -> StepTotals {
+        self.totals
     }
 
     /// Applies the outcome of a batch planned by [`Engine::plan_batch`]. On an executor
@@ -346,9 +386,17 @@ impl Engine {
         outcome: Result<Vec<EntryOutcome>, EngineError>,
     ) -> Vec<Event> {
         let mut events = Vec::new();
-        if let (Some((planned, rows, true)), Ok(_)) = (self.planned.take(), &outcome) {
-            self.step_cost
-                .observe(rows, planned.elapsed().as_secs_f64());
+        if let Some(p) = self.planned.take() {
+            let seconds = p.at.elapsed().as_secs_f64();
+            // Only decode-only steps that succeeded teach the draft sizing their cost.
+            if p.prompt_rows == 0 && outcome.is_ok() {
+                self.step_cost.observe(p.decode_rows, seconds);
+            }
+            let t = &mut self.totals;
+            t.steps += 1;
+            t.prompt_rows += p.prompt_rows as u64;
+            t.decode_rows += p.decode_rows as u64;
+            t.busy_seconds += seconds;
         }
         let outcomes = match outcome {
             Ok(o) if o.len() == batch.len() => o,

@@ -483,3 +483,38 @@ fn sequences_sharing_a_system_prompt_equal_each_alone() {
         assert_batched_equals_alone(&w, &reqs, cfg, &format!("{precision:?} "));
     }
 }
+
+#[test]
+fn step_totals_count_every_batch_and_its_rows() {
+    let w = tiny_weights(41);
+    let mut engine = Engine::new(EngineConfig {
+        max_running: 4,
+        max_queue: 16,
+        step_tokens: 16,
+    })
+    .unwrap();
+    assert_eq!(engine.step_totals(), StepTotals::default());
+    let mut ex = executor(&w);
+    let prompts = [prompt(21, 1), prompt(5, 2)];
+    let max_new = 6;
+    for p in &prompts {
+        engine
+            .submit(request(p.clone(), max_new, SamplingParams::default()))
+            .unwrap();
+    }
+    let outs = drain(&mut engine, &mut ex);
+    let t = engine.step_totals();
+    // Every prompt row is prefilled once (the cache is off); every token after a sequence's
+    // first comes from one decode row (no drafts), 16 rows per step at most.
+    let prompt_rows: usize = prompts.iter().map(Vec::len).sum();
+    assert_eq!(t.prompt_rows, prompt_rows as u64);
+    let emitted: usize = outs.values().map(|o| o.tokens.len()).sum();
+    assert_eq!(emitted, prompts.len() * max_new);
+    assert_eq!(t.decode_rows, (emitted - prompts.len()) as u64);
+    assert!(t.steps * 16 >= t.prompt_rows + t.decode_rows);
+    assert!(
+        t.steps >= (max_new - 1) as u64,
+        "one decode row per sequence and step"
+    );
+    assert!(t.busy_seconds > 0.0);
+}

@@ -16,6 +16,12 @@ of K station processes (the engine's mesh executor, one request per station per 
 mesh and single process are measured side by side. ``--json`` writes every figure,
 ``--plot`` throughput against concurrency.
 
+For our server each level also reports its engine's load, read from ``/metrics`` before and
+after: how busy the engine was (the fraction of the wall time a batched step was in
+flight), its mean rows per step, and the output tokens per second of its steps alone. The
+last is the level's throughput with the HTTP layer's cost and the idle gaps taken out: what
+a faster front could reach at most.
+
 The machines this runs on are noisy (the same command varies by tens of percent from one
 minute to the next), so ``--rounds R`` repeats the whole sweep R times with every system's
 server kept up and the systems and levels interleaved (round 1: each system at each level,
@@ -86,6 +92,70 @@ class LevelResult:
     #: Our tok/s over this system's at the same level, median of the per-round ratios (peers
     #: only).
     ours_over_this: float | None = None
+    #: Our engine's load over the level, from its /metrics (None for peers): the fraction of
+    #: the wall time a batched step was in flight, the mean rows per step, and the output
+    #: tokens per second of those steps — what the engine sustains with the HTTP layer's
+    #: cost and idle gaps taken out.
+    engine_busy: float | None = None
+    rows_per_step: float | None = None
+    engine_tokens_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineTotals:
+    """Our server's engine counters at one moment (``amplituhedron_serve_engine_*``)."""
+
+    steps: float
+    rows: float
+    busy_seconds: float
+
+    def load(self, later: EngineTotals, wall_s: float, tokens: int) -> EngineLoad:
+        """The load from here to ``later``, over ``wall_s`` seconds that gave ``tokens``."""
+        steps, busy = later.steps - self.steps, later.busy_seconds - self.busy_seconds
+        return EngineLoad(
+            busy=busy / wall_s if wall_s > 0 else None,
+            rows_per_step=(later.rows - self.rows) / steps if steps > 0 else None,
+            tokens_per_s=tokens / busy if busy > 0 else None,
+        )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """See :attr:`LevelResult.engine_busy` (None: not known, e.g. for a peer)."""
+
+    busy: float | None = None
+    rows_per_step: float | None = None
+    tokens_per_s: float | None = None
+
+
+def parse_engine_totals(metrics_text: str) -> EngineTotals | None:
+    """The engine counters in a /metrics page, or None when it has none (a peer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "amplituhedron_serve_engine_steps_total":
+                found["steps"] = sample.value
+            elif sample.name == "amplituhedron_serve_engine_rows_total":
+                found["rows"] = found.get("rows", 0.0) + sample.value
+            elif sample.name == "amplituhedron_serve_engine_busy_seconds_total":
+                found["busy_seconds"] = sample.value
+    if len(found) < 3:
+        return None
+    return EngineTotals(**found)
+
+
+async def engine_totals(server: Server) -> EngineTotals | None:
+    """Reads ``server``'s engine counters (None for a server without them)."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+            http.get(f"{server.url}/metrics") as r,
+        ):
+            return parse_engine_totals(await r.text()) if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
 
 
 @dataclass
@@ -190,12 +260,19 @@ async def run_level(
                 out.append(await one_request(http, server, system, question(tag, k, j), max_tokens))
             return out
 
+        totals_before = await engine_totals(server)
         started = time.perf_counter()
         per_client = await asyncio.gather(*(client(k) for k in range(clients)))
         wall = time.perf_counter() - started
+        totals_after = await engine_totals(server) if totals_before else None
     records = [r for rs in per_client for r in rs]
     ok = [r for r in records if r.error is None]
     tokens = sum(r.tokens for r in records)
+    load = (
+        totals_before.load(totals_after, wall, tokens)
+        if totals_before and totals_after
+        else EngineLoad()
+    )
     gaps = [g for r in ok for g in r.gaps_s]
     return LevelResult(
         clients=clients,
@@ -209,6 +286,9 @@ async def run_level(
         itl_p50_ms=1e3 * percentile(gaps, 50),
         itl_p99_ms=1e3 * percentile(gaps, 99),
         error_messages=sorted({r.error for r in records if r.error is not None})[:5],
+        engine_busy=load.busy,
+        rows_per_step=load.rows_per_step,
+        engine_tokens_per_s=load.tokens_per_s,
     )
 
 
@@ -232,7 +312,16 @@ def combine(rounds: list[LevelResult]) -> LevelResult:
         itl_p99_ms=median([r.itl_p99_ms for r in rounds]),
         error_messages=sorted({m for r in rounds for m in r.error_messages})[:5],
         rounds_tokens_per_s=[r.tokens_per_s for r in rounds],
+        engine_busy=median_of_known([r.engine_busy for r in rounds]),
+        rows_per_step=median_of_known([r.rows_per_step for r in rounds]),
+        engine_tokens_per_s=median_of_known([r.engine_tokens_per_s for r in rounds]),
     )
+
+
+def median_of_known(xs: Sequence[float | None]) -> float | None:
+    """Median of the values that are not None (None if there are none)."""
+    known = [x for x in xs if x is not None]
+    return float(statistics.median(known)) if known else None
 
 
 def median_ratio(num: Sequence[float], den: Sequence[float]) -> float | None:
@@ -353,16 +442,22 @@ def main(a: argparse.Namespace) -> int:
         )
     print(
         "\n| system | clients | tok/s | × ours@1 | × own@1 | ours × | TTFT p50/p99 ms "
-        "| ITL p50/p99 ms | errors |"
+        "| ITL p50/p99 ms | errors | engine busy | rows/step | engine tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ratio(x: float | None) -> str:
         return "–" if x is None else f"{x:.2f}"
 
+    def percent(x: float | None) -> str:
+        return "–" if x is None else f"{100 * x:.0f} %"
+
+    def figure(x: float | None) -> str:
+        return "–" if x is None else f"{x:.1f}"
+
     for s in report["systems"]:
         if not s["levels"]:
-            print(f"| {s['name']} | – | – | – | – | – | – | – | {s['note']} |")
+            print(f"| {s['name']} | – | – | – | – | – | – | – | {s['note']} | – | – | – |")
         for lv in s["levels"]:
             own = lv["over_one_client"]
             if own is None:
@@ -372,7 +467,8 @@ def main(a: argparse.Namespace) -> int:
                 f"{lv['tokens_per_s'] / base:.2f} | {own:.2f} | "
                 f"{ratio(lv['ours_over_this'])} | {lv['ttft_p50_ms']:.1f} / "
                 f"{lv['ttft_p99_ms']:.1f} | {lv['itl_p50_ms']:.1f} / {lv['itl_p99_ms']:.1f} | "
-                f"{lv['errors']} |"
+                f"{lv['errors']} | {percent(lv['engine_busy'])} | {figure(lv['rows_per_step'])} | "
+                f"{figure(lv['engine_tokens_per_s'])} |"
             )
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""Prometheus series of the server: requests, tokens, cache hits, queue, latencies."""
+"""Prometheus series of the server: requests, tokens, cache hits, queue, latencies, and the
+engine's load (steps, rows, busy seconds)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,34 @@ class FailoverCollector:
             g = GaugeMetricFamily(f"{p}_stations_down", "Stations marked down now")
             g.add_metric([], counters["stations_down"])
             yield g
+
+
+class EngineCollector:
+    """The engine's load, read at scrape time: batches run, their rows, and the seconds a
+    batch was in flight. ``busy_seconds`` over a wall time is how busy the executor was;
+    tokens over ``busy_seconds`` is what the engine sustains with the HTTP layer's cost
+    taken out."""
+
+    def __init__(self, front: EngineFront) -> None:
+        self.front = front
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.front.engine.step_totals
+        p = "amplituhedron_serve_engine"
+        steps = CounterMetricFamily(f"{p}_steps", "Batched steps run")
+        steps.add_metric([], t.steps)
+        yield steps
+        rows = CounterMetricFamily(
+            f"{p}_rows",
+            "Rows computed: prompt (prefill) or decode (drafts included)",
+            labels=["kind"],
+        )
+        rows.add_metric(["prompt"], t.prompt_rows)
+        rows.add_metric(["decode"], t.decode_rows)
+        yield rows
+        busy = CounterMetricFamily(f"{p}_busy_seconds", "Seconds a batched step was in flight")
+        busy.add_metric([], t.busy_seconds)
+        yield busy
 
 
 class ServeMetrics:
@@ -93,6 +122,7 @@ class ServeMetrics:
         )
         hops.set_function(lambda: front.stepper.station_requests)
         r.register(FailoverCollector(front))
+        r.register(EngineCollector(front))
 
     def finished(
         self,
