@@ -51,19 +51,13 @@ class Server:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
 
     def metric(self, name: str) -> float:
+        """A series' value: ``name`` alone (its first series), or with its labels as
+        /metrics prints them (that series)."""
         text = httpx.get(f"{self.url}/metrics").text
         for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.rsplit(" ", 1)[0] == name or line.startswith(name + "{"):
                 return float(line.split()[-1])
         raise AssertionError(f"no metric {name}")
-
-    def metric_line(self, series: str) -> float:
-        """The value of one exact series (name and labels as /metrics prints them)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        for line in text.splitlines():
-            if line.rsplit(" ", 1)[0] == series:
-                return float(line.split()[-1])
-        raise AssertionError(f"no series {series}")
 
     def model(self) -> str:
         return str(self.client().models.list().data[0].id)
@@ -263,12 +257,12 @@ def test_metrics_count_the_engine_load(server: Server) -> None:
         'amplituhedron_serve_engine_rows_total{kind="decode"}',
         "amplituhedron_serve_engine_busy_seconds_total",
     ]
-    before = [server.metric_line(n) for n in names]
+    before = [server.metric(n) for n in names]
     started = time.monotonic()
     r = chat(server.client(), server.model(), "Name three kinds of cloud.", max_tokens=9)
     wall = time.monotonic() - started
     steps, prompt_rows, decode_rows, busy = (
-        server.metric_line(n) - b for n, b in zip(names, before, strict=True)
+        server.metric(n) - b for n, b in zip(names, before, strict=True)
     )
     assert r.usage.completion_tokens == 9
     assert prompt_rows == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
