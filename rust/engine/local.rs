@@ -36,6 +36,20 @@ pub struct LocalExecutor {
     bufs: StepBuffers,
     hidden: Vec<Vec<f32>>,
     logits: Vec<Vec<f32>>,
+    /// Captures the last step's prompt chunks owe, run before anything touches the KV,
+    /// the step's rows or the cache again (the next admit, run or release), so a request's
+    /// first token is handed out before its volume is copied.
+    pending_captures: Vec<PendingCapture>,
+}
+
+/// A prompt chunk whose volumes are still to be captured: its entry in the last batch
+/// (`row`, where its hidden rows and logits still are) and the positions it computed.
+struct PendingCapture {
+    seq: SeqId,
+    row: usize,
+    start: usize,
+    len: usize,
+    last: bool,
 }
 
 impl LocalExecutor {
@@ -73,6 +87,7 @@ impl LocalExecutor {
             bufs,
             hidden: Vec::new(),
             logits: Vec::new(),
+            pending_captures: Vec::new(),
         })
     }
 
@@ -159,45 +174,60 @@ impl LocalExecutor {
         Ok(admitted)
     }
 
-    /// Captures what a prompt chunk that just ran completes (a failed capture never fails
+    /// Captures what the last step's prompt chunks completed (a failed capture never fails
     /// the sequence; refusals are counted in the cache's stats): the prompt's first
     /// `max_prefix_len` tokens when the prompt is longer and the chunk computed that
     /// position (its hidden row as the tail, no logits), so the next prompt that shares
     /// them (a long system prompt, a RAG preamble) replays them and prefills only the rest;
-    /// and at the prompt's last chunk the whole prompt with its `logits`. Each from this
-    /// sequence's own KV and hidden rows (`hidden`, the chunk's).
-    fn capture_chunk(&self, e: &BatchEntry, hidden: &[f32], logits: Option<&[f32]>) {
-        let Some(s) = self.seqs.get(&e.seq) else {
+    /// and at the prompt's last chunk the whole prompt with its logits. Each from this
+    /// sequence's own KV and the chunk's hidden rows, which stay untouched until this runs.
+    fn flush_captures(&mut self) {
+        if self.pending_captures.is_empty() {
             return;
-        };
+        }
         let mut pipeline = lock(&self.pipeline);
-        if !s.use_cache || !pipeline.cache().is_enabled() {
-            return;
-        }
-        let hidden_w = self.range.weights().config().hidden;
-        let row = |position: usize| {
-            let at = (position - e.start) * hidden_w;
-            &hidden[at..at + hidden_w]
-        };
-        let salt = s.salt.as_deref();
         let head = pipeline.cache().config().max_prefix_len;
-        if s.prompt.len() > head && (e.start..e.start + e.tokens.len()).contains(&(head - 1)) {
-            let _ =
-                pipeline.amplituhedron_capture(&s.kv, &s.prompt[..head], row(head - 1), None, salt);
-        }
-        if logits.is_some() {
-            let last = e.start + e.tokens.len() - 1;
-            let _ = pipeline.amplituhedron_capture(&s.kv, &s.prompt, row(last), logits, salt);
+        let hidden_w = self.range.weights().config().hidden;
+        for c in self.pending_captures.drain(..) {
+            let Some(s) = self.seqs.get(&c.seq) else {
+                continue;
+            };
+            if !s.use_cache || !pipeline.cache().is_enabled() {
+                continue;
+            }
+            let hidden = &self.hidden[c.row];
+            let tail = |position: usize| {
+                let at = (position - c.start) * hidden_w;
+                &hidden[at..at + hidden_w]
+            };
+            let salt = s.salt.as_deref();
+            if s.prompt.len() > head && (c.start..c.start + c.len).contains(&(head - 1)) {
+                let _ = pipeline.amplituhedron_capture(
+                    &s.kv,
+                    &s.prompt[..head],
+                    tail(head - 1),
+                    None,
+                    salt,
+                );
+            }
+            if c.last {
+                let last = c.start + c.len - 1;
+                let logits = Some(&self.logits[c.row][..]);
+                let _ = pipeline.amplituhedron_capture(&s.kv, &s.prompt, tail(last), logits, salt);
+            }
         }
     }
 }
 
 impl Executor for LocalExecutor {
     fn admit(&mut self, admissions: &[Admission]) -> Vec<Result<Admitted, EngineError>> {
+        // An admission may replay what the last step captures.
+        self.flush_captures();
         admissions.iter().map(|a| self.admit_one(a)).collect()
     }
 
     fn run(&mut self, batch: &[BatchEntry]) -> Result<Vec<EntryOutcome>, EngineError> {
+        self.flush_captures();
         let vocab = self.range.weights().config().vocab;
         // Every entry's sequence must exist and be at (or past) its start: positions past
         // it are drafts the previous step rejected.
@@ -269,7 +299,13 @@ impl Executor for LocalExecutor {
             let logits = std::mem::take(&mut self.logits[k]);
             let mut out = EntryOutcome::default();
             if let EntryKind::Prefill { last, .. } = e.kind {
-                self.capture_chunk(e, &self.hidden[k], last.then_some(&logits[..]));
+                self.pending_captures.push(PendingCapture {
+                    seq: e.seq,
+                    row: k,
+                    start: e.start,
+                    len: e.tokens.len(),
+                    last,
+                });
             }
             match e.kind {
                 EntryKind::Prefill { last: false, .. } => {}
@@ -308,6 +344,7 @@ impl Executor for LocalExecutor {
     }
 
     fn release(&mut self, seq: SeqId) {
+        self.flush_captures();
         if let Some(mut s) = self.seqs.remove(&seq) {
             if self.pool.len() < self.max_pooled {
                 s.kv.reset();

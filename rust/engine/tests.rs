@@ -240,6 +240,44 @@ fn cache_on_equals_cache_off_and_skips_prefill() {
     assert!(partial.logits == reference.logits);
 }
 
+/// A prompt's volume is captured after its first token is handed out (off the time to
+/// first token), yet before anything else can look for it: a request admitted while the
+/// first still decodes replays it whole.
+#[test]
+fn a_volume_is_captured_before_the_next_admission() {
+    let w = tiny_weights(38);
+    let p = prompt(40, 5);
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(&w);
+    let cached = || Request {
+        use_cache: true,
+        ..request(p.clone(), 12, SamplingParams::default())
+    };
+    let a = engine.submit(cached()).unwrap();
+    let shared = Mutex::new(engine);
+    let mut first_steps = 0;
+    while !step(&shared, &mut ex)
+        .iter()
+        .any(|ev| matches!(ev, Event::Token { seq, .. } if *seq == a))
+    {
+        first_steps += 1;
+        assert!(first_steps < 100, "no first token");
+    }
+    assert_eq!(
+        ex.pipeline().cache().stats().captures,
+        0,
+        "not captured yet"
+    );
+    let mut engine = shared.into_inner().unwrap();
+    let b = engine.submit(cached()).unwrap();
+    let mut outs = drain(&mut engine, &mut ex);
+    let (first, second) = (outs.remove(&a).unwrap(), outs.remove(&b).unwrap());
+    assert!(second.stats.cache_hit);
+    assert_eq!(second.stats.cached_tokens, p.len());
+    assert_eq!(first.tokens[..], second.tokens[1..]);
+    assert_eq!(ex.pipeline().cache().stats().captures, 1);
+}
+
 #[test]
 fn a_prompt_longer_than_the_longest_prefix_caches_its_head() {
     let w = tiny_weights(34);
