@@ -220,6 +220,40 @@ def test_seeded_sampling_is_reproducible(model: Model, prompts: dict[str, Any]) 
     assert a.output_ids != d.output_ids
 
 
+def test_logprobs_are_those_of_the_rows_the_tokens_come_from(
+    model: Model, prompts: dict[str, Any]
+) -> None:
+    """Each output token's log-probability and alternatives, from the logits row it was
+    picked from: equal to the same values computed from a whole-sequence forward pass, with
+    and without speculation or the cache; sampled tokens report the model's distribution."""
+    ids = prompts["json"]["token_ids"]
+    plain = model.generate(ids, 10, use_cache=False, stop_at_eos=False, logprobs=4)
+    assert plain.logprobs is not None and len(plain.logprobs) == 10
+    rows = model.logits_all(ids + plain.output_ids[:-1])[len(ids) - 1 :]
+    for lp, row, token in zip(plain.logprobs, rows, plain.output_ids, strict=True):
+        shifted = row.astype(np.float64) - row.max()
+        reference = shifted - np.log(np.exp(shifted).sum())
+        assert lp.token == token and len(lp.top) == 4
+        assert lp.logprob == pytest.approx(reference[token], abs=1e-5)
+        assert lp.top[0] == (token, lp.logprob), "greedy takes the likeliest token"
+        assert [t for t, _ in lp.top] == list(np.argsort(-row, kind="stable")[:4])
+    kw: dict[str, Any] = {"stop_at_eos": False, "logprobs": 4}
+    spec = model.generate(ids, 10, use_cache=False, draft="prompt-lookup", **kw)
+    model.generate(ids, 10, **kw)
+    cached = model.generate(ids, 10, **kw)
+    assert cached.cache_hit
+    for other in (spec, cached):
+        assert other.logprobs is not None
+        assert [(t.token, t.logprob, t.top) for t in other.logprobs] == [
+            (t.token, t.logprob, t.top) for t in plain.logprobs
+        ]
+    sampled = model.generate(ids, 6, temperature=1.5, seed=3, logprobs=0, stop_at_eos=False)
+    assert sampled.logprobs is not None
+    assert [t.token for t in sampled.logprobs] == sampled.output_ids
+    assert all(t.top == [] and t.logprob <= 0 for t in sampled.logprobs)
+    assert model.generate(ids, 2).logprobs is None
+
+
 def test_generation_stops_at_a_stop_id(model: Model, prompts: dict[str, Any]) -> None:
     ids = prompts["sentence"]["token_ids"]
     first = prompts["sentence"]["hf_greedy16_ids"][0]
@@ -242,6 +276,9 @@ def test_bad_input_is_refused_and_changes_nothing(model: Model) -> None:
         model.generate([1, 2, model.vocab_size], 4)
     with pytest.raises(ar.InputError, match="temperature"):
         model.generate([1, 2], 4, temperature=-1.0)
+    for logprobs in (-1, 21):
+        with pytest.raises(ar.InputError, match="logprobs"):
+            model.generate([1, 2], 4, logprobs=logprobs)
     s = model.new_session(0, model.n_layers)
     with pytest.raises(ValueError, match="token ids"):
         s.forward_hidden(np.zeros((1, 576), dtype=np.float32))

@@ -53,6 +53,7 @@ def test_the_top_level_api_is_curated() -> None:
         "RingBuffer",
         "SemanticSpan",
         "SpanType",
+        "TokenLogprobs",
         "attend",
         "Coordinator",
         "MeshSpec",

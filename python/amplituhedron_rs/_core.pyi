@@ -553,6 +553,26 @@ class NativeLlamaPipeline:
 
 # --- continuous batching -----------------------------------------------------------------
 
+_LogprobsTuple = tuple[int, float, Sequence[tuple[int, float]]]
+
+#: The most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs`` bound).
+MAX_TOP_LOGPROBS: int
+
+@final
+class TokenLogprobs:
+    """A token's log-probability under the model's own distribution (the softmax of the raw
+    logits) and the most likely tokens with theirs (``top``: ``(id, logprob)``, higher
+    first, lower id on ties)."""
+
+    @property
+    def token(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top(self) -> list[tuple[int, float]]: ...
+
+def token_logprobs(logits: NDArray[np.float32], token: int, top_n: int) -> TokenLogprobs: ...
+
 @final
 class EngineEvent:
     """A token (``kind == "token"``) or the end of a sequence (``kind == "finished"``)."""
@@ -567,6 +587,8 @@ class EngineEvent:
     def index(self) -> int | None: ...
     @property
     def logits(self) -> NDArray[np.float32] | None: ...
+    @property
+    def logprobs(self) -> TokenLogprobs | None: ...
     @property
     def reason(self) -> Literal["stop", "length", "cancelled", "error"] | None: ...
     @property
@@ -598,6 +620,8 @@ class EngineAdmission:
     def use_cache(self) -> bool: ...
     @property
     def sample_first(self) -> bool: ...
+    @property
+    def logprobs(self) -> int | None: ...
 
 @final
 class EngineEntry:
@@ -661,16 +685,22 @@ class Engine:
         use_cache: bool = True,
         draft_max: int | None = None,
         want_logits: bool = False,
+        logprobs: int | None = None,
     ) -> int: ...
     @staticmethod
     def external(*, max_running: int, max_queue: int, step_tokens: int) -> Engine: ...
     def plan_admissions(self) -> list[EngineAdmission]: ...
     def admitted(
-        self, results: Sequence[tuple[int, int, int | None, str | None]]
+        self,
+        results: Sequence[tuple[int, int, int | None, str | None]],
+        logprobs: Sequence[_LogprobsTuple | None] | None = None,
     ) -> list[EngineEvent]: ...
     def plan_batch(self) -> list[EngineEntry]: ...
     def complete(
-        self, emitted: Sequence[Sequence[int]], error: str | None = None
+        self,
+        emitted: Sequence[Sequence[int]],
+        error: str | None = None,
+        logprobs: Sequence[Sequence[_LogprobsTuple]] | None = None,
     ) -> list[EngineEvent]: ...
     def take_released(self) -> list[int]: ...
     def cancel(self, seq: int) -> EngineEvent | None: ...

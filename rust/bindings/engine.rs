@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use numpy::PyArray1;
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -14,7 +14,9 @@ use crate::engine::{
     step, Admission, Admitted, BatchEntry, DraftConfig, Engine, EngineConfig, EngineError,
     EntryKind, EntryOutcome, Event, LocalExecutor, Request, StepTotals,
 };
-use crate::model::{SamplingParams, SessionConfig};
+use crate::model::{
+    token_logprobs, SamplingParams, SessionConfig, TokenLogprobs, MAX_TOP_LOGPROBS,
+};
 
 use super::exceptions::InputError;
 use super::model::PyPipeline;
@@ -33,9 +35,71 @@ pub struct PyEvent {
     token: Option<u32>,
     index: Option<usize>,
     logits: Option<Py<PyArray1<f32>>>,
+    logprobs: Option<Py<PyTokenLogprobs>>,
     reason: Option<&'static str>,
     error: Option<String>,
     stats: Option<Py<PyDict>>,
+}
+
+/// A token's log-probability under the model's own distribution (the softmax of the raw
+/// logits) and the most likely tokens with theirs (`top`: `(id, logprob)`, higher first).
+#[pyclass(
+    name = "TokenLogprobs",
+    module = "amplituhedron_rs._core",
+    frozen,
+    get_all
+)]
+pub struct PyTokenLogprobs {
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+}
+
+impl From<TokenLogprobs> for PyTokenLogprobs {
+    fn from(t: TokenLogprobs) -> Self {
+        PyTokenLogprobs {
+            token: t.token,
+            logprob: t.logprob,
+            top: t.top,
+        }
+    }
+}
+
+#[pymethods]
+impl PyTokenLogprobs {
+    fn __repr__(&self) -> String {
+        format!(
+            "TokenLogprobs(token={}, logprob={}, top={:?})",
+            self.token, self.logprob, self.top
+        )
+    }
+}
+
+/// What an external executor reports for one emitted token's log-probabilities:
+/// `(token, logprob, [(id, logprob), …])`.
+type LogprobsTuple = (u32, f32, Vec<(u32, f32)>);
+
+fn from_tuple((token, logprob, top): LogprobsTuple) -> TokenLogprobs {
+    TokenLogprobs {
+        token,
+        logprob,
+        top,
+    }
+}
+
+/// The log-probability of `token` in one logits row and its `top_n` (≤ 20) most likely
+/// alternatives: the computation the engine runs, for executors that hold the logits
+/// elsewhere (a mesh's exit station). Raises InputError for a bad row, token or count.
+#[pyfunction(name = "token_logprobs")]
+fn py_token_logprobs(
+    logits: PyReadonlyArray1<'_, f32>,
+    token: u32,
+    top_n: usize,
+) -> PyResult<PyTokenLogprobs> {
+    let row = logits.as_slice()?;
+    token_logprobs(row, token, top_n)
+        .map(PyTokenLogprobs::from)
+        .map_err(|e| InputError::new_err(e.to_string()))
 }
 
 fn to_py(py: Python<'_>, ev: Event) -> PyResult<PyEvent> {
@@ -45,12 +109,16 @@ fn to_py(py: Python<'_>, ev: Event) -> PyResult<PyEvent> {
             token,
             index,
             logits,
+            logprobs,
         } => PyEvent {
             kind: "token",
             seq,
             token: Some(token),
             index: Some(index),
             logits: logits.map(|l| PyArray1::from_vec(py, l).unbind()),
+            logprobs: logprobs
+                .map(|t| Py::new(py, PyTokenLogprobs::from(t)))
+                .transpose()?,
             reason: None,
             error: None,
             stats: None,
@@ -77,6 +145,7 @@ fn to_py(py: Python<'_>, ev: Event) -> PyResult<PyEvent> {
                 token: None,
                 index: None,
                 logits: None,
+                logprobs: None,
                 reason: Some(reason.as_str()),
                 error,
                 stats: Some(d.unbind()),
@@ -103,6 +172,7 @@ pub struct PyAdmission {
     salt: Option<String>,
     use_cache: bool,
     sample_first: bool,
+    logprobs: Option<usize>,
 }
 
 impl From<&Admission> for PyAdmission {
@@ -118,6 +188,7 @@ impl From<&Admission> for PyAdmission {
             salt: a.salt.clone(),
             use_cache: a.use_cache,
             sample_first: a.sample_first,
+            logprobs: a.logprobs,
         }
     }
 }
@@ -285,17 +356,27 @@ impl PyEngine {
     }
 
     /// External mode: the result of preparing planned admissions, one per admission:
-    /// `(seq, cached_tokens, first_token or None, error message or None)`.
+    /// `(seq, cached_tokens, first_token or None, error message or None)`; `logprobs`, when
+    /// given, holds per admission the first token's `(token, logprob, top)` or None.
+    #[pyo3(signature = (results, logprobs=None))]
     fn admitted(
         &self,
         py: Python<'_>,
         results: Vec<(u64, usize, Option<u32>, Option<String>)>,
+        logprobs: Option<Vec<Option<LogprobsTuple>>>,
     ) -> PyResult<Vec<PyEvent>> {
         self.external_only()?;
+        if logprobs.as_ref().is_some_and(|l| l.len() != results.len()) {
+            return Err(InputError::new_err(
+                "logprobs must hold one entry per admission result",
+            ));
+        }
+        let mut firsts = logprobs.unwrap_or_default().into_iter();
         let mut planned = lock(&self.planned_admissions);
         let mut admissions = Vec::with_capacity(results.len());
         let mut outcomes = Vec::with_capacity(results.len());
         for (seq, cached_tokens, first_token, error) in results {
+            let first_logprobs = firsts.next().flatten().map(from_tuple);
             let Some(i) = planned.iter().position(|a| a.seq == seq) else {
                 return Err(InputError::new_err(format!(
                     "sequence {seq} has no planned admission"
@@ -308,6 +389,7 @@ impl PyEngine {
                     cached_tokens,
                     first_token,
                     first_logits: None,
+                    first_logprobs,
                 }),
             });
         }
@@ -330,17 +412,25 @@ impl PyEngine {
         Ok(pending.iter().map(PyEntry::from).collect())
     }
 
-    /// External mode: the outcome of the planned step — per entry, the emitted tokens —
-    /// or `error` when the step failed (every sequence of the step then finishes with it).
-    #[pyo3(signature = (emitted, error=None))]
+    /// External mode: the outcome of the planned step — per entry, the emitted tokens, and
+    /// with `logprobs` per entry each emitted token's `(token, logprob, top)` — or `error`
+    /// when the step failed (every sequence of the step then finishes with it).
+    #[pyo3(signature = (emitted, error=None, logprobs=None))]
     fn complete(
         &self,
         py: Python<'_>,
         emitted: Vec<Vec<u32>>,
         error: Option<String>,
+        logprobs: Option<Vec<Vec<LogprobsTuple>>>,
     ) -> PyResult<Vec<PyEvent>> {
         self.external_only()?;
+        if logprobs.as_ref().is_some_and(|l| l.len() != emitted.len()) {
+            return Err(InputError::new_err(
+                "logprobs must hold one list per entry of the step",
+            ));
+        }
         let batch = std::mem::take(&mut *lock(&self.planned_batch));
+        let mut per_entry = logprobs.unwrap_or_default().into_iter();
         let outcome = match error {
             Some(m) => Err(EngineError::Executor(m)),
             None => Ok(emitted
@@ -348,6 +438,12 @@ impl PyEngine {
                 .map(|emitted| EntryOutcome {
                     emitted,
                     logits: None,
+                    logprobs: per_entry
+                        .next()
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(from_tuple)
+                        .collect(),
                 })
                 .collect()),
         };
@@ -362,7 +458,7 @@ impl PyEngine {
 
     /// Queues a request; returns its sequence id. Raises InputError for a bad request and
     /// QueueFullError when the queue is full (nothing is queued either way).
-    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false))]
+    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -378,6 +474,7 @@ impl PyEngine {
         use_cache: bool,
         draft_max: Option<usize>,
         want_logits: bool,
+        logprobs: Option<usize>,
     ) -> PyResult<u64> {
         let req = Request {
             prompt,
@@ -397,6 +494,7 @@ impl PyEngine {
                 ..DraftConfig::default()
             }),
             want_logits,
+            logprobs,
         };
         self.engine().submit(req).map_err(PyErr::from)
     }
@@ -473,6 +571,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PyStepTotals>()?;
     m.add_class::<PyEvent>()?;
+    m.add_class::<PyTokenLogprobs>()?;
+    m.add("MAX_TOP_LOGPROBS", MAX_TOP_LOGPROBS)?;
+    m.add_function(wrap_pyfunction!(py_token_logprobs, m)?)?;
     m.add_class::<PyAdmission>()?;
     m.add_class::<PyEntry>()?;
     Ok(())

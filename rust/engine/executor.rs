@@ -2,7 +2,7 @@
 
 use super::request::SeqId;
 use super::EngineError;
-use crate::model::SamplingParams;
+use crate::model::{SamplingParams, TokenLogprobs};
 
 /// A new sequence to prepare: the executor consults the volume cache (exact, then longest
 /// prefix) and replays what it finds into the sequence's fresh KV.
@@ -23,6 +23,8 @@ pub struct Admission {
     pub sample_first: bool,
     /// Report logits rows of emitted tokens.
     pub want_logits: bool,
+    /// Report emitted tokens' log-probabilities with this many alternatives.
+    pub logprobs: Option<usize>,
 }
 
 /// What admission found.
@@ -34,6 +36,8 @@ pub struct Admitted {
     pub first_token: Option<u32>,
     /// Its logits row, when asked for.
     pub first_logits: Option<Vec<f32>>,
+    /// Its log-probabilities, when asked for.
+    pub first_logprobs: Option<TokenLogprobs>,
 }
 
 /// What a batch entry's rows are.
@@ -73,6 +77,8 @@ pub struct EntryOutcome {
     pub emitted: Vec<u32>,
     /// The logits row of each emitted token, concatenated (only when asked for).
     pub logits: Option<Vec<f32>>,
+    /// The log-probabilities of each emitted token, in order (only when asked for).
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// Runs what the engine plans. A failed `run` fails every sequence of that batch.

@@ -9,8 +9,8 @@ use super::request::SeqId;
 use super::EngineError;
 use crate::attention::SharedPrefix;
 use crate::model::{
-    ChunkInput, LayerRange, LogitsWanted, ModelError, NativeLlamaPipeline, ReplayOutcome, Sampler,
-    Segment, SequenceKv, SessionConfig, StepBuffers,
+    token_logprobs, ChunkInput, LayerRange, LogitsWanted, ModelError, NativeLlamaPipeline,
+    ReplayOutcome, Sampler, Segment, SequenceKv, SessionConfig, StepBuffers, TokenLogprobs,
 };
 use crate::ring::SpanType;
 
@@ -21,6 +21,23 @@ struct LocalSeq {
     salt: Option<String>,
     use_cache: bool,
     want_logits: bool,
+    logprobs: Option<usize>,
+}
+
+/// The log-probabilities of `tokens`, one logits row each (`rows`, concatenated), with
+/// `top_n` alternatives.
+fn logprobs_of(
+    rows: &[f32],
+    vocab: usize,
+    tokens: &[u32],
+    top_n: usize,
+) -> Result<Vec<TokenLogprobs>, EngineError> {
+    tokens
+        .iter()
+        .zip(rows.chunks_exact(vocab))
+        .map(|(&t, row)| token_logprobs(row, t, top_n))
+        .collect::<Result<_, _>>()
+        .map_err(|e| EngineError::Executor(format!("log-probabilities: {e}")))
 }
 
 /// Runs batches in this process over a pipeline that spans the whole model. The pipeline
@@ -145,6 +162,10 @@ impl LocalExecutor {
                         EngineError::Executor(format!("sampling a cached token: {e}"))
                     })?;
                     admitted.first_token = Some(token);
+                    if let Some(n) = a.logprobs {
+                        let mut lp = logprobs_of(&logits, logits.len(), &[token], n)?;
+                        admitted.first_logprobs = lp.pop();
+                    }
                     admitted.first_logits = a.want_logits.then_some(logits);
                 }
             }
@@ -169,6 +190,7 @@ impl LocalExecutor {
                 salt: a.salt.clone(),
                 use_cache: a.use_cache,
                 want_logits: a.want_logits,
+                logprobs: a.logprobs,
             },
         );
         Ok(admitted)
@@ -318,6 +340,9 @@ impl Executor for LocalExecutor {
                             .sample(&logits, index)
                             .map_err(|err| EngineError::Executor(err.to_string()))?;
                         out.emitted.push(token);
+                        if let Some(n) = s.logprobs {
+                            out.logprobs = logprobs_of(&logits, vocab, &out.emitted, n)?;
+                        }
                         out.logits = s.want_logits.then(|| logits.clone());
                     }
                 }
@@ -332,6 +357,9 @@ impl Executor for LocalExecutor {
                             &mut out.emitted,
                         )
                         .map_err(|err| EngineError::Executor(err.to_string()))?;
+                    if let Some(n) = s.logprobs {
+                        out.logprobs = logprobs_of(&logits, vocab, &out.emitted, n)?;
+                    }
                     if s.want_logits {
                         out.logits = Some(logits[..out.emitted.len() * vocab].to_vec());
                     }

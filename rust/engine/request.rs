@@ -1,7 +1,7 @@
 //! What a caller submits and what the engine reports back.
 
 use super::draft::DraftConfig;
-use crate::model::SamplingParams;
+use crate::model::{SamplingParams, TokenLogprobs};
 
 /// A sequence's id, unique within one engine.
 pub type SeqId = u64;
@@ -25,6 +25,9 @@ pub struct Request {
     pub draft: Option<DraftConfig>,
     /// Report the logits row of every emitted token (parity and bit-exactness checks).
     pub want_logits: bool,
+    /// Report every emitted token's log-probability and this many most likely alternatives
+    /// (at most [`crate::model::MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<usize>,
 }
 
 impl Request {
@@ -39,6 +42,7 @@ impl Request {
             use_cache: true,
             draft: None,
             want_logits: false,
+            logprobs: None,
         }
     }
 }
@@ -106,6 +110,8 @@ pub enum Event {
         index: usize,
         /// The logits row it was picked from, when the request asked for them.
         logits: Option<Vec<f32>>,
+        /// Its log-probability and the likeliest alternatives, when the request asked.
+        logprobs: Option<TokenLogprobs>,
     },
     /// Sequence `seq` finished; its resources are released.
     Finished {

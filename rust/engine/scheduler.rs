@@ -8,6 +8,7 @@ use super::draft::{DraftController, StepCost};
 use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 use super::request::{Event, FinishReason, Request, SeqId, SeqStats};
 use super::EngineError;
+use crate::model::{TokenLogprobs, MAX_TOP_LOGPROBS};
 
 /// Bounds of the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -162,6 +163,11 @@ impl Engine {
         if let Some(d) = &req.draft {
             d.validate().map_err(EngineError::Input)?;
         }
+        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::Input(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities per token, got {n}"
+            )));
+        }
         if self.waiting.len() >= self.cfg.max_queue {
             return Err(EngineError::QueueFull {
                 waiting: self.waiting.len(),
@@ -249,6 +255,7 @@ impl Engine {
                 use_cache: seq.req.use_cache,
                 sample_first: seq.req.max_new_tokens > 0,
                 want_logits: seq.req.want_logits,
+                logprobs: seq.req.logprobs,
             });
         }
         out
@@ -276,7 +283,8 @@ impl Engine {
                             seq.stats.cache_hit = true;
                             seq.phase = Phase::Decode;
                             let logits = adm.first_logits.map(|l| vec![l]);
-                            events.extend(self.emit(a.seq, &[token], logits));
+                            let logprobs = adm.first_logprobs.into_iter().collect();
+                            events.extend(self.emit(a.seq, &[token], logits, logprobs));
                         }
                         _ if adm.cached_tokens == n && seq.req.max_new_tokens == 0 => {
                             seq.stats.cache_hit = true;
@@ -423,7 +431,7 @@ impl Engine {
                     } else if last {
                         seq.phase = Phase::Decode;
                         let logits = split_rows(out.logits, out.emitted.len());
-                        events.extend(self.emit(entry.seq, &out.emitted, logits));
+                        events.extend(self.emit(entry.seq, &out.emitted, logits, out.logprobs));
                     }
                 }
                 EntryKind::Decode => {
@@ -438,7 +446,7 @@ impl Engine {
                         }
                     }
                     let logits = split_rows(out.logits, out.emitted.len());
-                    events.extend(self.emit(entry.seq, &out.emitted, logits));
+                    events.extend(self.emit(entry.seq, &out.emitted, logits, out.logprobs));
                 }
             }
         }
@@ -457,9 +465,16 @@ impl Engine {
     }
 
     /// Appends emitted tokens, stopping at a stop id or the length limit.
-    fn emit(&mut self, id: SeqId, tokens: &[u32], logits: Option<Vec<Vec<f32>>>) -> Vec<Event> {
+    fn emit(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        logits: Option<Vec<Vec<f32>>>,
+        logprobs: Vec<TokenLogprobs>,
+    ) -> Vec<Event> {
         let mut events = Vec::new();
         let mut logits = logits.map(Vec::into_iter);
+        let mut logprobs = logprobs.into_iter();
         let mut reason = None;
         {
             let seq = self.seqs.get_mut(&id).expect("emitting sequences exist");
@@ -477,6 +492,7 @@ impl Engine {
                     token,
                     index,
                     logits: logits.as_mut().and_then(Iterator::next),
+                    logprobs: logprobs.next(),
                 });
                 if seq.req.stop_ids.contains(&token) {
                     reason = Some(FinishReason::Stop);

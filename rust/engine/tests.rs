@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use super::*;
 use crate::model::testing::{tiny_weights, tiny_weights_with};
 use crate::model::{
-    argmax, ChunkInput, LlamaWeights, LogitsWanted, NativeLlamaPipeline, Precision, RangeSession,
-    SamplingParams, SessionConfig,
+    argmax, token_logprobs, ChunkInput, LlamaWeights, LogitsWanted, NativeLlamaPipeline, Precision,
+    RangeSession, SamplingParams, SessionConfig, TokenLogprobs,
 };
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, VolumeKey};
@@ -38,6 +38,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 struct Output {
     tokens: Vec<u32>,
     logits: Vec<Vec<f32>>,
+    logprobs: Vec<TokenLogprobs>,
     reason: Option<FinishReason>,
     stats: SeqStats,
 }
@@ -54,11 +55,16 @@ fn drain(engine: &mut Engine, ex: &mut LocalExecutor) -> std::collections::HashM
         for ev in step(&shared, ex) {
             match ev {
                 Event::Token {
-                    seq, token, logits, ..
+                    seq,
+                    token,
+                    logits,
+                    logprobs,
+                    ..
                 } => {
                     let o = outs.entry(seq).or_default();
                     o.tokens.push(token);
                     o.logits.extend(logits);
+                    o.logprobs.extend(logprobs);
                 }
                 Event::Finished { seq, reason, stats } => {
                     let o = outs.entry(seq).or_default();
@@ -153,6 +159,10 @@ fn assert_batched_equals_alone(
         let got = outs.remove(id).unwrap();
         assert_eq!(got.tokens, alone[i].tokens, "{label}request {i}: tokens");
         assert!(got.logits == alone[i].logits, "{label}request {i}: logits");
+        assert!(
+            got.logprobs == alone[i].logprobs,
+            "{label}request {i}: logprobs"
+        );
     }
     ex
 }
@@ -555,4 +565,68 @@ fn step_totals_count_every_batch_and_its_rows() {
         "one decode row per sequence and step"
     );
     assert!(t.busy_seconds > 0.0);
+}
+
+/// Log-probabilities are those of the rows the tokens were picked from, whoever shares the
+/// batch, with or without speculation, and from a replayed volume's logits.
+#[test]
+fn logprobs_are_those_of_the_emitted_rows_batched_speculative_and_cached() {
+    let w = tiny_weights(39);
+    let with_logprobs = |n: usize, r: Request| Request {
+        logprobs: Some(n),
+        ..r
+    };
+    let p = copy_heavy_prompt();
+    let plain = run_one(
+        &w,
+        with_logprobs(3, request(p.clone(), 20, SamplingParams::default())),
+    );
+    assert_eq!(plain.logprobs.len(), plain.tokens.len());
+    for ((lp, row), &t) in plain.logprobs.iter().zip(&plain.logits).zip(&plain.tokens) {
+        assert_eq!(*lp, token_logprobs(row, t, 3).unwrap());
+        assert_eq!(lp.top[0].0, t, "greedy picks the likeliest token");
+    }
+    let spec = run_one(
+        &w,
+        with_logprobs(
+            3,
+            Request {
+                draft: Some(DraftConfig::default()),
+                ..request(p.clone(), 20, SamplingParams::default())
+            },
+        ),
+    );
+    assert!(spec.stats.draft_accepted > 0);
+    assert!(
+        spec.logprobs == plain.logprobs,
+        "speculation changed a logprob"
+    );
+    let reqs = vec![
+        with_logprobs(3, request(p.clone(), 20, SamplingParams::default())),
+        with_logprobs(0, request(prompt(20, 6), 12, seeded(3))),
+        request(prompt(25, 2), 12, SamplingParams::default()),
+    ];
+    assert_batched_equals_alone(&w, &reqs, EngineConfig::default(), "logprobs: ");
+    let sampled = run_one(&w, reqs[1].clone());
+    assert!(sampled.logprobs.iter().all(|lp| lp.top.is_empty()));
+    assert!(run_one(&w, reqs[2].clone()).logprobs.is_empty());
+    // An exact hit's first token comes from the volume's logits: the same values.
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(&w);
+    let cached = || Request {
+        use_cache: true,
+        ..with_logprobs(3, request(p.clone(), 6, SamplingParams::default()))
+    };
+    for _ in 0..2 {
+        let id = engine.submit(cached()).unwrap();
+        let out = drain(&mut engine, &mut ex).remove(&id).unwrap();
+        assert!(out.logprobs[..] == plain.logprobs[..6]);
+    }
+    assert_eq!(ex.pipeline().cache().stats().hits, 1);
+    // Too many alternatives: refused, nothing queued.
+    let err = engine
+        .submit(with_logprobs(21, request(p, 4, SamplingParams::default())))
+        .unwrap_err();
+    assert!(matches!(err, EngineError::Input(_)), "{err:?}");
+    assert_eq!(engine.waiting(), 0);
 }

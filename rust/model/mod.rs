@@ -34,7 +34,9 @@ pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, Slidi
 pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};
 pub use pipeline::{NativeLlamaPipeline, ReplayOutcome, DEFAULT_MIN_PREFIX_REUSE};
-pub use sampling::{argmax, Sampler, SamplingError, SamplingParams};
+pub use sampling::{
+    argmax, token_logprobs, Sampler, SamplingError, SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS,
+};
 pub use session::RangeSession;
 pub use weights::{LayerView, LlamaWeights, TensorInfo};
 

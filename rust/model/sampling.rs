@@ -283,6 +283,66 @@ impl Sampler {
     }
 }
 
+/// The most alternatives a token's [`TokenLogprobs`] may list (OpenAI's `top_logprobs` bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A token's log-probability under the model's own distribution, the softmax of the raw
+/// logits (no temperature, top-k or top-p: what was computed, not how it was picked), and
+/// the most likely tokens with theirs, as OpenAI's `logprobs` report them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token.
+    pub token: u32,
+    /// Its natural log-probability (≤ 0).
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, higher first, lower id on ties.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprobs`] of `token` from one logits row, with `top_n` (at most
+/// [`MAX_TOP_LOGPROBS`]) alternatives. The normaliser is summed in f64, in id order, so the
+/// values are a pure function of the row: batched equals alone, mesh equals one process.
+pub fn token_logprobs(
+    logits: &[f32],
+    token: u32,
+    top_n: usize,
+) -> Result<TokenLogprobs, SamplingError> {
+    check_logits(logits)?;
+    if token as usize >= logits.len() {
+        return Err(SamplingError(format!(
+            "token {token} is outside the {} logits",
+            logits.len()
+        )));
+    }
+    if top_n > MAX_TOP_LOGPROBS {
+        return Err(SamplingError(format!(
+            "at most {MAX_TOP_LOGPROBS} top log-probabilities, got {top_n}"
+        )));
+    }
+    let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = logits.iter().map(|&l| f64::from((l - best).exp())).sum();
+    let log_norm = f64::from(best) + total.ln();
+    let logprob = |l: f32| (f64::from(l) - log_norm).min(0.0) as f32;
+    // The head of the order "higher logit, lower id": a short sorted list that a value
+    // enters only when it beats its last (most of the vocabulary is one comparison).
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n + 1);
+    if top_n > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() == top_n && by_logit(&(i as u32, l), &top[top_n - 1]) != Ordering::Less {
+                continue;
+            }
+            let at = top.partition_point(|x| by_logit(x, &(i as u32, l)) == Ordering::Less);
+            top.insert(at, (i as u32, l));
+            top.truncate(top_n);
+        }
+    }
+    Ok(TokenLogprobs {
+        token,
+        logprob: logprob(logits[token as usize]),
+        top: top.into_iter().map(|(i, l)| (i, logprob(l))).collect(),
+    })
+}
+
 /// Highest logit first; equal logits by lower id, so the order is total and stable.
 fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
     b.1.partial_cmp(&a.1)

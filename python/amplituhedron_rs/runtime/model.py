@@ -52,6 +52,9 @@ class Generation:
     draft_proposed: int = 0
     draft_accepted: int = 0
     verify_steps: int = 0
+    #: With ``generate(..., logprobs=N)``: each output token's log-probability under the
+    #: model's own distribution and its N likeliest alternatives.
+    logprobs: list[_core.TokenLogprobs] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's ``--json`` shape."""
@@ -68,6 +71,12 @@ class Generation:
             "draft_proposed": self.draft_proposed,
             "draft_accepted": self.draft_accepted,
             "verify_steps": self.verify_steps,
+            "logprobs": None
+            if self.logprobs is None
+            else [
+                {"token": t.token, "logprob": t.logprob, "top": [list(a) for a in t.top]}
+                for t in self.logprobs
+            ],
         }
 
 
@@ -179,6 +188,7 @@ class Model:
         stop_ids: Sequence[int] | None = None,
         draft: Literal["prompt-lookup"] | None = None,
         draft_max: int = 8,
+        logprobs: int | None = None,
         stream: Callable[[str], None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
     ) -> Generation:
@@ -189,7 +199,9 @@ class Model:
         ``temperature=1.0`` samples: see :class:`SamplingParams`). With the cache on, a
         prompt seen before skips prefill entirely: its volume is replayed into the live ring
         and the first token comes from the cached logits. ``draft="prompt-lookup"``
-        speculates (greedy output is bit-identical to plain decoding). ``stream`` receives
+        speculates (greedy output is bit-identical to plain decoding). ``logprobs=N`` reports
+        each output token's log-probability (the softmax of the raw logits: no temperature
+        or truncation) and its N (≤ 20) likeliest alternatives. ``stream`` receives
         text pieces as they are generated; ``on_prefill(done, total)`` reports prefill
         progress. Bad arguments raise :class:`InputError` (a ``ValueError``) before anything
         runs; a failure of the model run raises :class:`ModelError`.
@@ -201,6 +213,10 @@ class Model:
             raise InputError(f"token id {outside} is outside the vocabulary of {self.vocab_size}")
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= _core.MAX_TOP_LOGPROBS:
+            raise InputError(
+                f"logprobs must be between 0 and {_core.MAX_TOP_LOGPROBS}, got {logprobs}"
+            )
         if draft not in (None, "prompt-lookup"):
             raise InputError(f"draft must be None or 'prompt-lookup', got {draft!r}")
         sampling = SamplingParams(temperature, top_k, top_p, seed).core_kwargs()
@@ -214,8 +230,10 @@ class Model:
             stop_ids=list(stop_ids),
             use_cache=use_cache,
             draft_max=draft_max if draft else None,
+            logprobs=logprobs,
         )
         out: list[int] = []
+        token_logprobs: list[_core.TokenLogprobs] = []
         finished = None
         try:
             while finished is None:
@@ -226,6 +244,8 @@ class Model:
                         finished = ev
                     elif ev.token is not None:
                         out.append(ev.token)
+                        if ev.logprobs is not None:
+                            token_logprobs.append(ev.logprobs)
                         if decoder is not None and stream is not None:
                             piece = decoder.push(ev.token)
                             if piece:
@@ -255,6 +275,7 @@ class Model:
             draft_proposed=int(stats.get("draft_proposed", 0)),
             draft_accepted=int(stats.get("draft_accepted", 0)),
             verify_steps=int(stats.get("verify_steps", 0)),
+            logprobs=None if logprobs is None else token_logprobs,
         )
 
     # --- cache ---------------------------------------------------------------------------

@@ -292,3 +292,40 @@ fn argmax_is_the_first_largest_value() {
     assert_eq!(argmax(&[f32::NAN; 5]), 0);
     assert_eq!(argmax(&[]), 0);
 }
+
+#[test]
+fn logprobs_are_the_log_softmax_of_the_raw_logits_with_the_head_of_the_order() {
+    let logits = [1.0f32, 3.0, 3.0, -2.0, 0.5, 2.0];
+    let lp = token_logprobs(&logits, 4, 3).unwrap();
+    let norm: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+    let expect = |l: f32| (f64::from(l) - norm.ln()) as f32;
+    assert_eq!(lp.token, 4);
+    assert!((lp.logprob - expect(0.5)).abs() < 1e-6);
+    // Ties by lower id; exactly top_n of them.
+    let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+    assert_eq!(ids, vec![1, 2, 5]);
+    for &(i, v) in &lp.top {
+        assert!((v - expect(logits[i as usize])).abs() < 1e-6);
+    }
+    // The probabilities of the whole row sum to one.
+    let all = token_logprobs(&logits, 0, logits.len()).unwrap();
+    let mass: f64 = all.top.iter().map(|t| f64::from(t.1).exp()).sum();
+    assert!((mass - 1.0).abs() < 1e-6);
+    assert!(token_logprobs(&logits, 0, 0).unwrap().top.is_empty());
+    // Shifting every logit changes nothing: no temperature or truncation enters.
+    let shifted: Vec<f32> = logits.iter().map(|l| l + 100.0).collect();
+    assert!((token_logprobs(&shifted, 4, 0).unwrap().logprob - lp.logprob).abs() < 1e-5);
+}
+
+#[test]
+fn logprobs_refuse_bad_rows_tokens_and_counts() {
+    assert!(token_logprobs(&[0.0, f32::NAN], 0, 1).is_err());
+    assert!(token_logprobs(&[0.0, 1.0], 2, 1).is_err());
+    assert!(token_logprobs(&[], 0, 0).is_err());
+    let row = vec![0.0f32; 64];
+    assert!(token_logprobs(&row, 0, MAX_TOP_LOGPROBS + 1).is_err());
+    let uniform = token_logprobs(&row, 63, MAX_TOP_LOGPROBS).unwrap();
+    assert!((uniform.logprob - (1.0f32 / 64.0).ln()).abs() < 1e-6);
+    let ids: Vec<u32> = uniform.top.iter().map(|t| t.0).collect();
+    assert_eq!(ids, (0..MAX_TOP_LOGPROBS as u32).collect::<Vec<_>>());
+}
