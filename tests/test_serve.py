@@ -210,6 +210,66 @@ def test_a_request_that_speculates_gets_the_plain_greedy_reply(server: Server) -
         )
 
 
+def reference_logprobs(prompt: list[int], n: int, top: int) -> list[Any]:
+    """The first ``n`` greedy tokens after ``prompt`` and their log-probabilities, computed
+    in this process: the whole sequence's logits in one forward pass (no cache, no batch)."""
+    import amplituhedron_rs as ar
+    from amplituhedron_rs import _core
+
+    model = ar.load_model(cache=ar.CacheOptions(enabled=False))
+    out = model.generate(prompt, n, stop_at_eos=False).output_ids
+    rows = model.logits_all(prompt + out[:-1])[len(prompt) - 1 :]
+    return [_core.token_logprobs(row, t, top) for row, t in zip(rows, out, strict=True)]
+
+
+def test_logprobs_are_the_model_distribution_plain_streamed_cached_and_speculative(
+    server: Server,
+) -> None:
+    c, m = server.client(), server.model()
+    ids = Tokenizer(read_model_file()).encode("The weather today is")
+    expected = reference_logprobs(ids, 8, 3)
+    drafts: list[dict[str, str]] = [{}, {}, {"draft": "prompt-lookup"}]
+    runs = [
+        c.completions.create(model=m, prompt=ids, max_tokens=8, logprobs=3, extra_body=body)
+        for body in drafts
+    ]
+    assert runs[1].usage is not None and runs[1].usage.prompt_tokens_details is not None
+    assert runs[1].usage.prompt_tokens_details.cached_tokens == len(ids), "an exact hit"
+    tok = Tokenizer(read_model_file())
+    for r in runs:
+        lp = r.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert lp.token_logprobs == [e.logprob for e in expected], "bit-exact, as JSON floats"
+        assert r.choices[0].finish_reason == "length"
+        assert lp.tokens == [tok.token_bytes(e.token).decode("utf-8", "replace") for e in expected]
+        assert "".join(lp.tokens) == r.choices[0].text
+        for alts, e in zip(lp.top_logprobs, expected, strict=True):
+            assert list(alts.values()) == [p for _, p in e.top]
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    # Chat: plain and streamed agree; the tokens' bytes spell the reply; greedy picks the
+    # likeliest token.
+    plain = chat(c, m, "Is it sunny?", max_tokens=12, logprobs=True, top_logprobs=2)
+    content = plain.choices[0].logprobs.content
+    text = plain.choices[0].message.content
+    eos = 1 if plain.choices[0].finish_reason == "stop" else 0
+    assert len(content) == plain.usage.completion_tokens - eos
+    assert b"".join(bytes(e.bytes) for e in content) == text.encode()
+    for e in content:
+        assert [a.logprob for a in e.top_logprobs] == sorted(
+            (a.logprob for a in e.top_logprobs), reverse=True
+        )
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+        assert e.logprob <= 0
+    streamed: list[Any] = []
+    for chunk in chat(c, m, "Is it sunny?", max_tokens=12, stream=True, logprobs=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed.extend(choice.logprobs.content or [])
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)
+    assert chat(c, m, "Is it sunny?", max_tokens=4).choices[0].logprobs is None
+
+
 def test_a_repeated_system_prompt_is_served_from_the_cache(server: Server) -> None:
     c, m = server.client(), server.model()
     chat(c, m, "What is fog?", max_tokens=4)
@@ -338,7 +398,9 @@ def test_bad_parameters_get_openai_errors(server: Server) -> None:
         ({"model": m, "messages": msgs, "max_tokens": 0}, "max_tokens"),
         ({"model": m, "messages": msgs, "max_tokens": 10**9}, "max_tokens"),
         ({"model": m, "messages": msgs, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"model": m, "messages": msgs, "logprobs": True}, "logprobs"),
+        ({"model": m, "messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+        ({"model": m, "messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"model": m, "messages": msgs, "logprobs": "yes"}, "logprobs"),
         ({"model": m, "messages": msgs, "presence_penalty": 1.0}, None),
         ({"model": m, "messages": msgs, "seed": -1}, "seed"),
         ({"model": m, "messages": []}, "messages"),
@@ -361,6 +423,8 @@ def test_bad_parameters_get_openai_errors(server: Server) -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         r = h.post("/v1/completions", json={"model": m, "prompt": [10**6], "max_tokens": 4})
         assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+        r = h.post("/v1/completions", json={"model": m, "prompt": "x", "logprobs": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
         for raw in (b'{"model": "x", "messages": [], "temperature": NaN}', b"{not json", b""):
             r = h.post(
                 "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}

@@ -18,6 +18,8 @@ file without a chat template gets its architecture's own turn format where one i
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -106,6 +108,7 @@ class Tokenizer:
         self.eos_id: int | None = model_file.eos_id
         self.add_bos = model_file.add_bos
         self._tokens = tokens
+        self._byte_level = kind == "gpt2"
         self._template_source = model_file.chat_template or _FALLBACK_TEMPLATES.get(
             model_file.architecture
         )
@@ -130,6 +133,22 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of one id (byte-level form)."""
         return self._tokens[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for in decoded text (a byte-level token may hold part of a
+        UTF-8 character; OpenAI's ``logprobs`` report them as ``bytes``)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise InputError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        piece = self._tokens[token_id]
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()  # an added token, written as itself
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def render_chat(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = True
@@ -171,6 +190,24 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(self._template_source)
         return self._template
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written
+    as in a byte-level vocabulary → that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 def _byte_level_bpe(model_file: ModelFile) -> Any:

@@ -35,6 +35,8 @@ from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
     new_id,
     now,
     usage,
@@ -150,6 +152,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 stop_ids=[eos] if eos is not None else [],
                 salt=salt,
                 draft_max=settings.draft_max if draft else None,
+                logprobs=body.logprobs_count(),
             ),
             body.stop_list(),
             body.stream,
@@ -237,12 +240,14 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             )
         text = await _until_done_or_disconnect(generation.collect(), request, front, stream)
         choice: dict[str, Any] = {"index": 0, "finish_reason": generation.finish_reason}
+        logprobs = generation.logprobs_payload(generation.sent_logprobs, chat=chat, offset=0)
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = logprobs
             obj = "chat.completion"
         else:
             choice["text"] = text
-            choice["logprobs"] = None
+            choice["logprobs"] = logprobs
             obj = "text_completion"
         return JSONResponse(
             {
@@ -275,6 +280,10 @@ class _Generation:
         started: float,
     ) -> None:
         self.stream = stream
+        self.tokenizer = tokenizer
+        self.wants_logprobs = p.params.logprobs is not None
+        #: Log-probabilities of the tokens whose text was sent, in order.
+        self.sent_logprobs: list[_core.TokenLogprobs] = []
         self.text = TextStream(tokenizer, p.stops)
         self.prompt_tokens = len(p.params.prompt)
         self.completion_tokens = 0
@@ -284,16 +293,28 @@ class _Generation:
         self.started = started
         self.last_token_at: float | None = None
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas as tokens arrive; ends when the sequence or a stop sequence ends."""
+    async def deltas(self) -> AsyncIterator[_Delta]:
+        """Text deltas as tokens arrive, each with the log-probabilities of the tokens whose
+        text it completes (when asked for); ends when the sequence or a stop sequence ends.
+        Tokens that send no text (a stop id, the tokens of a stop sequence) report none."""
+        pending: list[_core.TokenLogprobs] = []
+
+        def delta(piece: str) -> _Delta:
+            nonlocal pending
+            sent, pending = pending, []
+            self.sent_logprobs.extend(sent)
+            return _Delta(piece, sent)
+
         async for ev in self.stream.events():
             if ev.kind == "token":
                 assert ev.token is not None
                 self._timing()
                 self.completion_tokens += 1
+                if ev.logprobs is not None:
+                    pending.append(ev.logprobs)
                 piece = self.text.push(ev.token)
                 if piece:
-                    yield piece
+                    yield delta(piece)
                 if self.text.stopped:
                     self.finish_reason = "stop"
                     return
@@ -301,13 +322,24 @@ class _Generation:
             self._finished(ev)
             tail = self.text.finish()
             if tail:
-                yield tail
+                yield delta(tail)
             return
 
     async def collect(self) -> str:
         async for _ in self.deltas():
             pass
         return self.text.text
+
+    def logprobs_payload(
+        self, entries: list[_core.TokenLogprobs], *, chat: bool, offset: int
+    ) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for ``entries`` (None when the request asked for
+        none); ``offset``: where their text starts in the reply (completions' offsets)."""
+        if not self.wants_logprobs:
+            return None
+        if chat:
+            return chat_logprobs(entries, self.tokenizer.token_bytes)
+        return completion_logprobs(entries, self.tokenizer.token_bytes, offset)
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -331,13 +363,27 @@ class _Generation:
 
 
 @dataclass(frozen=True)
+class _Delta:
+    """A piece of reply text and the log-probabilities of the tokens it completes."""
+
+    text: str
+    logprobs: list[_core.TokenLogprobs]
+
+
+@dataclass(frozen=True)
 class _ChunkShape:
     rid: str
     created: int
     model: str
     chat: bool
 
-    def chunk(self, delta: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        delta: str | None,
+        finish: str | None,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if self.chat:
             d: dict[str, Any] = {}
@@ -346,10 +392,11 @@ class _ChunkShape:
             if delta is not None:
                 d["content"] = delta
             choice["delta"] = d
+            choice["logprobs"] = logprobs
             obj = "chat.completion.chunk"
         else:
             choice["text"] = delta or ""
-            choice["logprobs"] = None
+            choice["logprobs"] = logprobs
             obj = "text_completion"
         return {
             "id": self.rid,
@@ -376,8 +423,11 @@ async def _sse(
             yield _event(shape.chunk("", None, first=True))
             first = False
         try:
-            async for piece in g.deltas():
-                yield _event(shape.chunk(piece, None, first=first))
+            sent = 0  # characters of reply text so far (completions' text offsets)
+            async for d in g.deltas():
+                logprobs = g.logprobs_payload(d.logprobs, chat=shape.chat, offset=sent)
+                yield _event(shape.chunk(d.text, None, first=first, logprobs=logprobs))
+                sent += len(d.text)
                 first = False
         except APIError as exc:
             # Headers are gone: report in-band, as OpenAI does, then end the stream.

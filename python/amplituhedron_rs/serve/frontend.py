@@ -81,6 +81,8 @@ class GenerationParams:
     salt: str | None = None
     use_cache: bool = True
     draft_max: int | None = None
+    #: Report each token's log-probability with this many alternatives (None: none).
+    logprobs: int | None = None
 
 
 class RequestStream:
@@ -138,6 +140,7 @@ class EngineFront:
                 salt=p.salt,
                 use_cache=p.use_cache,
                 draft_max=p.draft_max,
+                logprobs=p.logprobs,
             )
             stream = RequestStream(seq)
             self._streams[seq] = stream

@@ -1,15 +1,16 @@
 """The OpenAI wire format: request bodies (validated) and the shapes of the replies.
 
 Only what the server implements is accepted: a parameter it cannot honour (``n > 1``,
-``logprobs``, penalties, tools…) is a 400 that names it, never silently ignored. Unknown
-extra fields are ignored, as OpenAI's own server does.
+penalties, tools…) is a 400 that names it, never silently ignored. Unknown extra fields are
+ignored, as OpenAI's own server does.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -19,6 +20,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from amplituhedron_rs._core import MAX_TOP_LOGPROBS
+
+if TYPE_CHECKING:
+    from amplituhedron_rs._core import TokenLogprobs
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
@@ -73,7 +79,6 @@ class _SamplingFields(BaseModel):
     # Accepted only at their neutral value.
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    logprobs: StrictBool | int | None = None
     logit_bias: dict[str, float] | None = None
 
     @field_validator("stop")
@@ -94,8 +99,6 @@ class _SamplingFields(BaseModel):
             raise ValueError("n: only n = 1 is supported")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
-        if self.logprobs:
-            raise ValueError("logprobs: not supported")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         return self
@@ -110,9 +113,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    #: Report each generated token's log-probability (the model's own distribution) and
+    #: ``top_logprobs`` alternatives.
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _chat_supported(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
         if self.tools:
             raise ValueError("tools: tool calling is not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -122,12 +131,18 @@ class ChatCompletionRequest(_SamplingFields):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprobs_count(self) -> int | None:
+        """Alternatives to report per token, or None for no log-probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[str]
     max_tokens: int | None = Field(default=16, ge=0)
     echo: StrictBool = False
     suffix: str | None = None
+    #: Report each generated token's log-probability and this many alternatives.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
@@ -141,6 +156,10 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
+
+    def logprobs_count(self) -> int | None:
+        """Alternatives to report per token, or None for no log-probabilities."""
+        return self.logprobs
 
 
 # --- replies ---------------------------------------------------------------------------------
@@ -168,3 +187,43 @@ def error_body(
 ) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def chat_logprobs(
+    entries: Sequence[TokenLogprobs], token_bytes: Callable[[int], bytes]
+) -> dict[str, Any]:
+    """Chat's ``logprobs``: per token its text, log-probability, bytes and alternatives."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        b = token_bytes(token)
+        return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+
+    return {
+        "content": [
+            {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprobs], token_bytes: Callable[[int], bytes], offset: int
+) -> dict[str, Any]:
+    """Legacy completions' ``logprobs``: parallel lists of token texts, log-probabilities,
+    alternatives (text → log-probability) and the tokens' offsets in the reply text."""
+
+    def text(token: int) -> str:
+        return token_bytes(token).decode("utf-8", "replace")
+
+    texts = [text(e.token) for e in entries]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
