@@ -98,6 +98,38 @@ def test_mesh_replies_equal_the_single_process_server(
 
 
 @pytest.mark.serve
+def test_logprobs_over_the_mesh_equal_the_single_process_servers(
+    mesh_server: Server, local_server: Server
+) -> None:
+    """The exit station computes them from its own logits: a prefill's, a verify step's
+    rows, and after an all-hit replay the cached logits the first token is sampled from."""
+    ids = [1, 504, 3458, 282, 4195, 314]
+
+    def run(srv: Server, **kw: Any) -> tuple[Any, ...]:
+        r = srv.client().completions.create(
+            model=srv.model(), prompt=ids, max_tokens=10, logprobs=2, **kw
+        )
+        lp = r.choices[0].logprobs
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        return (r.choices[0].text, lp.tokens, lp.token_logprobs, lp.top_logprobs), cached
+
+    local, _ = run(local_server)
+    assert local[2] and len(local[2]) == 10
+    first, _ = run(mesh_server)
+    again, cached = run(mesh_server)
+    spec, _ = run(mesh_server, extra_body={"draft": "prompt-lookup"})
+    assert cached == len(ids), "an exact hit on the stations"
+    assert first == local and again == local and spec == local
+    c, m = mesh_server.client(), mesh_server.model()
+    reply = chat(c, m, "Is it foggy?", max_tokens=8, logprobs=True, top_logprobs=1)
+    lp = reply.choices[0].logprobs
+    assert lp is not None and lp.content
+    text = reply.choices[0].message.content
+    assert text is not None and b"".join(bytes(e.bytes or []) for e in lp.content) == text.encode()
+
+
+@pytest.mark.serve
 def test_plain_and_streamed_replies_agree_over_the_mesh(mesh_server: Server) -> None:
     c, m = mesh_server.client(), mesh_server.model()
     plain = chat(c, m, "Is it windy?", max_tokens=20)

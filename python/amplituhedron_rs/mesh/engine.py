@@ -16,9 +16,9 @@ from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
 from amplituhedron_rs.mesh.client import StationClient
-from amplituhedron_rs.mesh.executor import MeshExecutor, SeqTrace
+from amplituhedron_rs.mesh.executor import MeshExecutor
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
-from amplituhedron_rs.mesh.sessions import MeshLink
+from amplituhedron_rs.mesh.sessions import MeshLink, SeqTrace
 
 
 def mesh_link(

@@ -6,7 +6,8 @@ The engine (``_core.Engine.external``) plans; this executor carries each plan ou
 - admissions open the sequence's session on every station, all or nothing (with its
   sampling, and its salt as the tenant header; each station draws its own id, so a sequence
   holds one per station), then the replay fan-out (exact, then longest-prefix, per
-  station); on an all-hit the exit station samples the first token from the cached logits;
+  station); on an all-hit the exit station samples the first token from the cached logits
+  (with its log-probabilities when asked for: the exit station computes them too);
 - each planned step goes through the stations in order with ONE request per station
   (``/batch/step``): every running sequence's decode row (plus its drafts when speculating:
   k+1 rows per hop) and the prompt chunks the budget allows. The exit station samples or
@@ -42,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from amplituhedron_rs import _core
@@ -59,23 +60,22 @@ from amplituhedron_rs.mesh.rebuild import (
     rounds,
 )
 from amplituhedron_rs.mesh.replicas import Chain
-from amplituhedron_rs.mesh.sessions import MeshLink, StationVerdict
+from amplituhedron_rs.mesh.sessions import (
+    MeshLink,
+    SeqTrace,
+    StationVerdict,
+    note_step,
+    sampling_of,
+)
 
 
-def sampling_of(a: _core.EngineAdmission) -> wire.SamplingSpec:
-    """The session's sampling on the wire: the same core sampler as the engine's."""
-    if a.greedy:
-        return wire.SamplingSpec(seed=a.seed)
-    return wire.SamplingSpec(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+@dataclass(frozen=True)
+class _Admitted:
+    """One admission's ``admitted`` tuple ``(seq, cached_tokens, first_token, error)``, and
+    an all-hit's first-token log-probabilities when the request asked for them."""
 
-
-@dataclass
-class SeqTrace:
-    """What the mesh did for one sequence: admission timings and each station's verdict."""
-
-    open_ms: float = 0.0
-    replay_ms: float = 0.0
-    stations: list[StationVerdict] = field(default_factory=list)
+    result: tuple[int, int, int | None, str | None]
+    logprobs: wire.TokenLogprobsWire | None = None
 
 
 class MeshExecutor:
@@ -149,18 +149,20 @@ class MeshExecutor:
         admissions = self.engine.plan_admissions()
         if admissions:
             results = await asyncio.gather(*(self._admit(a) for a in admissions))
-            events.extend(self.engine.admitted(list(results)))
+            firsts = [None if r.logprobs is None else r.logprobs.as_tuple() for r in results]
+            events.extend(self.engine.admitted([r.result for r in results], logprobs=firsts))
         batch = self.engine.plan_batch()
         if batch:
             try:
-                emitted = await self._run(batch)
+                entries = await self._run(batch)
             except MeshError as exc:
                 # Every sequence of the step finishes with the error: no token after it.
                 events.extend(self.engine.complete([], error=str(exc)))
             else:
-                for e, out in zip(batch, emitted, strict=True):
-                    self._emitted(e, out)
-                events.extend(self.engine.complete(emitted))
+                logprobs = [[lp.as_tuple() for lp in r.logprobs or []] for r in entries]
+                events.extend(
+                    self.engine.complete(self._emitted(batch, entries), logprobs=logprobs)
+                )
         await self._release(self.engine.take_released())
         return events
 
@@ -213,7 +215,7 @@ class MeshExecutor:
         self._pending.clear()
 
     # --- admissions ------------------------------------------------------------------------
-    async def _admit(self, a: _core.EngineAdmission) -> tuple[int, int, int | None, str | None]:
+    async def _admit(self, a: _core.EngineAdmission) -> _Admitted:
         opening = wire.OpenSessionRequest(prompt_tokens=list(a.prompt), sampling=sampling_of(a))
         state = SeqState(
             tokens=list(a.prompt),
@@ -223,30 +225,31 @@ class MeshExecutor:
             salt=a.salt,
             use_cache=a.use_cache,
             greedy=a.greedy,
+            logprobs=a.logprobs,
         )
         for _ in range(self.max_failovers + 1):
             try:
                 chain = await self._chain()
             except MeshError as exc:
-                return a.seq, 0, None, str(exc)
+                return _Admitted((a.seq, 0, None, str(exc)))
             try:
                 result = await self._admit_on(a, state, chain)
             except StationFailed as exc:
                 error = await self._recover(exc, chain)
                 if error is not None:
                     # The engine finishes the sequence with the error and releases it.
-                    return a.seq, 0, None, error
+                    return _Admitted((a.seq, 0, None, error))
                 await self._release([a.seq])
                 continue
             except MeshError as exc:
-                return a.seq, 0, None, str(exc)
+                return _Admitted((a.seq, 0, None, str(exc)))
             self._resumed()
             return result
-        return a.seq, 0, None, f"gave up admitting after {self.max_failovers} station failures"
+        return _Admitted(
+            (a.seq, 0, None, f"gave up admitting after {self.max_failovers} station failures")
+        )
 
-    async def _admit_on(
-        self, a: _core.EngineAdmission, state: SeqState, chain: Chain
-    ) -> tuple[int, int, int | None, str | None]:
+    async def _admit_on(self, a: _core.EngineAdmission, state: SeqState, chain: Chain) -> _Admitted:
         """Opens the sequence's sessions on ``chain``, replays, and (all hit) samples the
         first token from the cached logits."""
         trace = SeqTrace(
@@ -263,7 +266,7 @@ class MeshExecutor:
         state.settle(chain, sids)
         self.seqs[a.seq] = state
         if not a.use_cache:
-            return a.seq, 0, None, None
+            return _Admitted((a.seq, 0, None, None))
         found = await sessions.replay(
             self.link, sids, a.prompt, state.prefix_hash, stations=chain.stations
         )
@@ -271,19 +274,22 @@ class MeshExecutor:
         for v, (status, held) in zip(trace.stations, found.verdicts, strict=True):
             v.replay, v.replayed_tokens = status, held if found.hit else found.kept
         if not found.hit:
-            return a.seq, found.kept, None, None
-        first = None
-        if a.sample_first:
-            first = await sessions.sample_cached(self.link, sids, stations=chain.stations)
-            state.tokens.append(first)
-        return a.seq, len(a.prompt), first, None
+            return _Admitted((a.seq, found.kept, None, None))
+        if not a.sample_first:
+            return _Admitted((a.seq, len(a.prompt), None, None))
+        first = await sessions.sample_cached(
+            self.link, sids, stations=chain.stations, logprobs=a.logprobs
+        )
+        state.tokens.append(first.token)
+        return _Admitted((a.seq, len(a.prompt), first.token, None), first.logprobs)
 
     # --- steps -----------------------------------------------------------------------------
-    async def _run(self, batch: Sequence[_core.EngineEntry]) -> list[list[int]]:
+    async def _run(self, batch: Sequence[_core.EngineEntry]) -> list[wire.BatchEntryResult]:
         """One step: one request per station of the current chain, in order; the exit
-        station's emitted tokens. A station that fails is replaced by a live replica of its
-        range, the step's sequences are rebuilt on the new chain, and the step runs again:
-        nothing of the failed attempt reaches the engine."""
+        station's answer per entry (emitted tokens, their log-probabilities when asked). A
+        station that fails is replaced by a live replica of its range, the step's sequences
+        are rebuilt on the new chain, and the step runs again: nothing of the failed attempt
+        reaches the engine."""
         for _ in range(self.max_failovers + 1):
             chain = await self._chain()  # MeshError: a range has no live replica
             try:
@@ -307,17 +313,20 @@ class MeshExecutor:
                     last=e.last,
                     emit=e.emit and e.kind == "prefill",
                     capture=e.kind == "prefill" and self.seqs[e.seq].use_cache,
+                    logprobs=self.seqs[e.seq].logprobs,
                 )
                 for e in batch
             ]
         except KeyError as exc:
             raise MeshError(f"sequence {exc} has no sessions on the mesh") from exc
 
-    async def _step(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> list[list[int]]:
+    async def _step(
+        self, batch: Sequence[_core.EngineEntry], chain: Chain
+    ) -> list[wire.BatchEntryResult]:
         specs = self._specs(batch)
         phase = "decode step" if all(e.kind == "decode" for e in specs) else "prefill step"
         reply = await self._hop(chain, phase, [e.seq for e in batch], specs, batch)
-        return [list(r.emitted) for r in reply.entries]
+        return reply.entries
 
     async def _hop(
         self,
@@ -359,17 +368,21 @@ class MeshExecutor:
                     f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
                 )
             if self.trace and batch is not None:
-                self._note(i, batch, specs, reply)
+                note_step(self.traces, i, [e.seq for e in batch], specs, reply)
         assert reply is not None
         return reply
 
-    def _emitted(self, e: _core.EngineEntry, out: Sequence[int]) -> None:
-        """Records a step's emitted tokens: they follow the entry's last input row."""
-        state = self.seqs.get(e.seq)
-        if state is None or not out:
-            return
-        at = e.start + len(e.tokens) if e.kind == "prefill" else e.start + 1
-        state.tokens[at:] = out
+    def _emitted(
+        self, batch: Sequence[_core.EngineEntry], entries: Sequence[wire.BatchEntryResult]
+    ) -> list[list[int]]:
+        """Records a step's emitted tokens (each follows its entry's last input row); returns
+        them per entry."""
+        emitted = [list(r.emitted) for r in entries]
+        for e, out in zip(batch, emitted, strict=True):
+            if out and (state := self.seqs.get(e.seq)) is not None:
+                at = e.start + len(e.tokens) if e.kind == "prefill" else e.start + 1
+                state.tokens[at:] = out
+        return emitted
 
     # --- rebuilding ------------------------------------------------------------------------
     async def _rebuild(self, batch: Sequence[_core.EngineEntry], chain: Chain) -> None:
@@ -467,22 +480,6 @@ class MeshExecutor:
         prompt = state.tokens[: state.prompt_len]
         found = await sessions.replay(self.link, sids, prompt, state.prefix_hash, stations=stations)
         return found.kept
-
-    def _note(
-        self,
-        station: int,
-        batch: Sequence[_core.EngineEntry],
-        specs: Sequence[wire.BatchEntrySpec],
-        reply: wire.BatchStepReply,
-    ) -> None:
-        """Counts prefill requests and captured bytes per station, for the trace."""
-        for e, spec, res in zip(batch, specs, reply.entries, strict=True):
-            trace = self.traces.get(e.seq)
-            if trace is None or spec.kind != "prefill":
-                continue
-            trace.stations[station].prefill_requests += 1
-            if spec.capture:
-                trace.stations[station].captured_bytes += res.captured
 
     async def _release(self, seqs: Sequence[int]) -> None:
         gone = [(seq, self.seqs[seq]) for seq in seqs if seq in self.seqs]

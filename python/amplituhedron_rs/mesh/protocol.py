@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from amplituhedron_rs._core import MAX_TOP_LOGPROBS, TokenLogprobs
 from amplituhedron_rs.runtime.sampling import SamplingParams
 
 U64_MAX = 2**64 - 1
@@ -142,8 +143,27 @@ class Configured(BaseModel):
     stats: dict[str, int]
 
 
+class TokenLogprobsWire(BaseModel):
+    """One emitted token's log-probability and its most likely alternatives
+    (``(id, logprob)``, higher first), as the exit station computed them."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, t: TokenLogprobs) -> TokenLogprobsWire:
+        return cls(token=t.token, logprob=t.logprob, top=t.top)
+
+    def as_tuple(self) -> tuple[int, float, list[tuple[int, float]]]:
+        """What the engine's ``admitted``/``complete`` take."""
+        return self.token, self.logprob, self.top
+
+
 class Sampled(BaseModel):
     token: int
+    #: Its log-probabilities, when asked for (``?logprobs=N``).
+    logprobs: TokenLogprobsWire | None = None
 
 
 class RolledBack(BaseModel):
@@ -188,6 +208,9 @@ class BatchEntrySpec(_Strict):
     #: a prompt longer than a station's longest captured prefix caches its head from the
     #: chunk that computes the head's last position.
     capture: bool = False
+    #: Exit station: report each emitted token's log-probability with this many
+    #: alternatives (None: none).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class BatchStepRequest(_Strict):
@@ -203,6 +226,8 @@ class BatchEntryResult(BaseModel):
     emitted: list[int] = Field(default_factory=list)
     #: Bytes of the captured volume (0: declined or not asked).
     captured: int = 0
+    #: Exit station, when asked: the emitted tokens' log-probabilities, in order.
+    logprobs: list[TokenLogprobsWire] | None = None
 
 
 class BatchStepReply(BaseModel):

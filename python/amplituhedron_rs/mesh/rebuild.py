@@ -45,6 +45,8 @@ class SeqState:
     salt: str | None
     use_cache: bool
     greedy: bool
+    #: Alternatives of the log-probabilities each emitted token reports (None: none).
+    logprobs: int | None = None
     #: Per range: the session id (None: none now) and the station and life it lives on.
     sids: list[str | None] = field(default_factory=list)
     places: list[tuple[StationInfo, int] | None] = field(default_factory=list)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from amplituhedron_rs._core import MeshError
+from amplituhedron_rs._core import EngineAdmission, MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh.client import Reply, StationClient, StationFailed
 from amplituhedron_rs.mesh.launcher import MeshSpec, StationInfo
@@ -75,6 +75,40 @@ class StationVerdict:
     replayed_tokens: int = 0
     captured_bytes: int = 0
     prefill_requests: int = 0
+
+
+@dataclass
+class SeqTrace:
+    """What the mesh did for one sequence: admission timings and each station's verdict."""
+
+    open_ms: float = 0.0
+    replay_ms: float = 0.0
+    stations: list[StationVerdict] = field(default_factory=list)
+
+
+def note_step(
+    traces: Mapping[int, SeqTrace],
+    station: int,
+    seqs: Sequence[int],
+    specs: Sequence[wire.BatchEntrySpec],
+    reply: wire.BatchStepReply,
+) -> None:
+    """Counts a step's prefill requests and captured bytes at ``station`` (its index in the
+    chain) in the traces of the step's sequences ``seqs``."""
+    for seq, spec, res in zip(seqs, specs, reply.entries, strict=True):
+        trace = traces.get(seq)
+        if trace is None or spec.kind != "prefill":
+            continue
+        trace.stations[station].prefill_requests += 1
+        if spec.capture:
+            trace.stations[station].captured_bytes += res.captured
+
+
+def sampling_of(a: EngineAdmission) -> wire.SamplingSpec:
+    """A session's sampling on the wire: the same core sampler as the engine's."""
+    if a.greedy:
+        return wire.SamplingSpec(seed=a.seed)
+    return wire.SamplingSpec(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
 
 
 @dataclass(frozen=True)
@@ -236,13 +270,18 @@ async def replay(
 
 
 async def sample_cached(
-    link: MeshLink, sids: Sequence[str], stations: Sequence[StationInfo] | None = None
-) -> int:
+    link: MeshLink,
+    sids: Sequence[str],
+    stations: Sequence[StationInfo] | None = None,
+    logprobs: int | None = None,
+) -> wire.Sampled:
     """After an all-hit replay: the exit station samples the first token from the cached
-    logits (no model run). ``stations``: the sessions' chain."""
+    logits (no model run), with its log-probabilities when ``logprobs`` asks for them.
+    ``stations``: the sessions' chain."""
     exit_station = (link.stations if stations is None else stations)[-1]
-    r = await link.call("first token", exit_station, "POST", f"/sessions/{sids[-1]}/sample")
-    return wire.Sampled.model_validate_json(r.content).token
+    query = "" if logprobs is None else f"?logprobs={logprobs}"
+    r = await link.call("first token", exit_station, "POST", f"/sessions/{sids[-1]}/sample{query}")
+    return wire.Sampled.model_validate_json(r.content)
 
 
 async def close_sessions(

@@ -39,6 +39,7 @@ from amplituhedron_rs.mesh.protocol import (
     BatchEntrySpec,
     BatchStepReply,
     BatchStepRequest,
+    TokenLogprobsWire,
     pack_frame,
     split_frame,
 )
@@ -193,12 +194,20 @@ class BatchStepper:
         ids = np.asarray(e.tokens, dtype=np.uint32) if st.is_entry else None
         live.note_prompt(ids, e.start, hidden, logits, self._logits(e))
         emitted: list[int] = []
+        logprobs = None
         if st.is_exit and logits is not None:
             assert live.sampler is not None
             if e.kind == "decode":
                 emitted = list(live.sampler.verify(logits, e.tokens[1:], e.start + 1))
+                rows = logits
             elif e.emit:
                 emitted = [int(live.sampler.sample(logits[-1], e.start + len(e.tokens)))]
+                rows = logits[-1:]
+            if e.logprobs is not None:
+                logprobs = [
+                    TokenLogprobsWire.of(_core.token_logprobs(rows[j], t, e.logprobs))
+                    for j, t in enumerate(emitted)
+                ]
         captured = 0
         if e.capture:
             # A refused (positions not the prompt), declined or failed capture never fails
@@ -213,6 +222,7 @@ class BatchStepper:
             rows=0 if st.is_exit else int(hidden.shape[0]),
             emitted=emitted,
             captured=captured,
+            logprobs=logprobs,
         )
 
 

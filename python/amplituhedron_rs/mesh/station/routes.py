@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 
+from amplituhedron_rs._core import MAX_TOP_LOGPROBS
 from amplituhedron_rs.mesh.protocol import (
     DECODE_ROUTE,
     FORWARD_ROUTE,
@@ -49,6 +50,7 @@ from amplituhedron_rs.mesh.protocol import (
     Sampled,
     SessionCount,
     SessionOpened,
+    TokenLogprobsWire,
     VolumeRequest,
 )
 from amplituhedron_rs.mesh.station.errors import Cancelled, NotFound
@@ -256,10 +258,16 @@ async def decode(
 
 
 @router.post("/sessions/{session_id}/sample")
-def sample_next(station: StationDep, session_id: SessionIdPath) -> Sampled:
+def sample_next(
+    station: StationDep,
+    session_id: SessionIdPath,
+    logprobs: Annotated[int | None, Query(ge=0, le=MAX_TOP_LOGPROBS)] = None,
+) -> Sampled:
     """Exit station: samples the next token from the session's last logits (after an
-    all-hit replay, those are the cached logits: the first token needs no model run)."""
-    return Sampled(token=station.sample(session_id))
+    all-hit replay, those are the cached logits: the first token needs no model run); with
+    ``logprobs=N``, its log-probability and N alternatives too."""
+    token, lp = station.sample(session_id, logprobs)
+    return Sampled(token=token, logprobs=None if lp is None else TokenLogprobsWire.of(lp))
 
 
 # --- fault injection (only with --fault-injection) -----------------------------------------

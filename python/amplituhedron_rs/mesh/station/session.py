@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from amplituhedron_rs import _core
-from amplituhedron_rs.mesh.station.errors import BadBody, Busy, Cancelled, NotFound
+from amplituhedron_rs.mesh.station.errors import BadBody, Busy, Cancelled, Conflict, NotFound
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.options import (
     DEFAULT_KV_DTYPE,
@@ -73,6 +73,10 @@ class StationSettings:
         return load_weights(read_model_file(self.model_path), self.precision, self.kv_dtype)
 
 
+#: A sampled token and, when asked for, its log-probabilities.
+SampledToken = tuple[int, _core.TokenLogprobs | None]
+
+
 @dataclass
 class LiveSession:
     """A session's ring buffer plus what the station needs to serve it.
@@ -117,6 +121,17 @@ class LiveSession:
                 self.clock = int(self.session.clock)
         finally:
             self.lock.release()
+
+    def sample_next(self, sid: str, clock: int, logprobs: int | None) -> SampledToken:
+        """Exit station, under the session's lock: the token at position ``clock`` sampled
+        from the last logits, and its log-probabilities (``logprobs`` alternatives) when
+        asked."""
+        if (logits := self.last_logits) is None:
+            raise Conflict(f"session {sid!r} has no logits yet")
+        assert self.sampler is not None
+        token = int(self.sampler.sample(logits, clock))
+        lp = None if logprobs is None else _core.token_logprobs(logits, token, logprobs)
+        return token, lp
 
     def note_prompt(
         self,

@@ -55,6 +55,7 @@ from amplituhedron_rs.mesh.station.session import (
     LiveSession,
     LogitsRows,
     Octets,
+    SampledToken,
     StationSettings,
     f32_bytes,
     floats,
@@ -474,17 +475,14 @@ class Station:
             wait=wait,
         )
 
-    def sample(self, sid: str) -> int:
+    def sample(self, sid: str, logprobs: int | None = None) -> SampledToken:
         """Exit station: the next token from the session's last logits (after an all-hit
         replay, those are the cached logits: the first token needs no model run)."""
         if not self.is_exit:
             raise BadBody("only the exit station samples")
         live = self.get_session(sid)
         with live.use(sid, self.settings.busy_wait_s) as session:
-            if live.last_logits is None:
-                raise Conflict(f"session {sid!r} has no logits yet")
-            assert live.sampler is not None
-            return int(live.sampler.sample(live.last_logits, int(session.clock)))
+            return live.sample_next(sid, int(session.clock), logprobs)
 
     def rollback(self, sid: str, clock: int) -> int:
         live = self.get_session(sid)
