@@ -204,6 +204,12 @@ pub(super) unsafe fn attend_avx2(
     kernel::<Avx2Lanes>(inputs, dims, scale, heads, scratch, out)
 }
 
+/// [`super::kernel::exp_shifted_lanes`] on AVX2 + FMA.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn exp_shifted_avx2(values: &[f32], shift: f32, out: &mut [f32]) {
+    super::kernel::exp_shifted_lanes::<Avx2Lanes>(values, shift, out)
+}
+
 /// `exp` of 16 values on AVX2 (for the cross-ISA exp test).
 #[cfg(test)]
 #[target_feature(enable = "avx2,fma,f16c")]

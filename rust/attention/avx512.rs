@@ -157,6 +157,12 @@ pub(super) unsafe fn attend_avx512(
     kernel::<Avx512Lanes>(inputs, dims, scale, heads, scratch, out)
 }
 
+/// [`super::kernel::exp_shifted_lanes`] on AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_shifted_avx512(values: &[f32], shift: f32, out: &mut [f32]) {
+    super::kernel::exp_shifted_lanes::<Avx512Lanes>(values, shift, out)
+}
+
 /// `exp` of 16 values on AVX-512F (for the cross-ISA exp test).
 #[cfg(test)]
 #[target_feature(enable = "avx512f")]

@@ -124,6 +124,27 @@ pub(super) trait Lanes: Copy {
     }
 }
 
+/// `e^(v − shift)` of every value (each ≤ `shift`) into `out` (as long), 16 lanes at a time
+/// with the kernel's exp: the same bits on every ISA.
+///
+/// # Safety
+/// The lanes' CPU features must be present.
+#[inline(always)]
+pub(super) unsafe fn exp_shifted_lanes<V: Lanes>(values: &[f32], shift: f32, out: &mut [f32]) {
+    debug_assert_eq!(values.len(), out.len());
+    let m = V::splat(shift);
+    let whole = values.len() / LANES * LANES;
+    let (src, dst) = (values.as_ptr(), out.as_mut_ptr());
+    for b in (0..whole).step_by(LANES) {
+        V::exp_nonpositive(V::sub(V::load(src.add(b)), m)).store(dst.add(b));
+    }
+    let tail = values.len() - whole;
+    if tail > 0 {
+        let x = V::sub(V::load_partial(src.add(whole), tail), m);
+        V::exp_nonpositive(x).store_partial(dst.add(whole), tail);
+    }
+}
+
 /// How the kernel reads one stored K/V value type: f32, or f16 bit patterns (`u16`).
 pub(super) trait KvElem: Copy {
     /// 16 values at `ptr` as lanes.

@@ -455,6 +455,34 @@ fn run_heads(
     }
 }
 
+/// `out[i] = e^(values[i] − shift)` for values at most `shift` (a softmax's numerators; below
+/// −87.34 they are 0), with the attention kernel's exp on the widest ISA: the same bits on
+/// every ISA ([`exp_shifted_with`]). Panics if the lengths differ.
+pub fn exp_shifted(values: &[f32], shift: f32, out: &mut [f32]) {
+    exp_shifted_with(Isa::best(), values, shift, out)
+}
+
+/// [`exp_shifted`] on a chosen, available ISA (for tests).
+pub fn exp_shifted_with(isa: Isa, values: &[f32], shift: f32, out: &mut [f32]) {
+    assert_eq!(values.len(), out.len(), "exp_shifted: lengths differ");
+    assert!(
+        isa.is_available(),
+        "exp_shifted: {isa:?} is not available on this CPU"
+    );
+    match isa {
+        // SAFETY: the scalar lanes use no CPU extension; the lengths are equal.
+        Isa::Scalar => unsafe { kernel::exp_shifted_lanes::<ScalarLanes>(values, shift, out) },
+        // SAFETY: AVX2, FMA and F16C are present (checked above); the lengths are equal.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2Fma => unsafe { avx2::exp_shifted_avx2(values, shift, out) },
+        // SAFETY: AVX-512F is present (checked above); the lengths are equal.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::exp_shifted_avx512(values, shift, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("non-x86 ISAs are never available"),
+    }
+}
+
 // ----- chunk helper ------------------------------------------------------------------------
 
 /// Keys a row must attend to before [`attend_batch`] splits its heads over threads when its

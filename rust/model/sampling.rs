@@ -300,8 +300,10 @@ pub struct TokenLogprobs {
 }
 
 /// [`TokenLogprobs`] of `token` from one logits row, with `top_n` (at most
-/// [`MAX_TOP_LOGPROBS`]) alternatives. The normaliser is summed in f64, in id order, so the
-/// values are a pure function of the row: batched equals alone, mesh equals one process.
+/// [`MAX_TOP_LOGPROBS`]) alternatives. The normaliser `Σ e^(l − max)` takes the attention
+/// kernel's exp (identical on every ISA) and sums it in f64 over 8 interleaved partial sums
+/// added in a fixed order, so the values are a pure function of the row: batched equals
+/// alone, mesh equals one process.
 pub fn token_logprobs(
     logits: &[f32],
     token: u32,
@@ -319,21 +321,28 @@ pub fn token_logprobs(
             "at most {MAX_TOP_LOGPROBS} top log-probabilities, got {top_n}"
         )));
     }
-    let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let total: f64 = logits.iter().map(|&l| f64::from((l - best).exp())).sum();
-    let log_norm = f64::from(best) + total.ln();
+    let best = max_of(logits);
+    let log_norm = f64::from(best) + exp_sum(logits, best).ln();
     let logprob = |l: f32| (f64::from(l) - log_norm).min(0.0) as f32;
     // The head of the order "higher logit, lower id": a short sorted list that a value
     // enters only when it beats its last (most of the vocabulary is one comparison).
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n + 1);
     if top_n > 0 {
-        for (i, &l) in logits.iter().enumerate() {
-            if top.len() == top_n && by_logit(&(i as u32, l), &top[top_n - 1]) != Ordering::Less {
+        for (b, block) in logits.chunks(LANES).enumerate() {
+            // Ids grow along the scan, so a value no higher than the last kept one cannot
+            // enter (on a tie the kept one has the lower id): most blocks are skipped whole.
+            if top.len() == top_n && max_of(block) <= top[top_n - 1].1 {
                 continue;
             }
-            let at = top.partition_point(|x| by_logit(x, &(i as u32, l)) == Ordering::Less);
-            top.insert(at, (i as u32, l));
-            top.truncate(top_n);
+            for (j, &l) in block.iter().enumerate() {
+                if top.len() == top_n && l <= top[top_n - 1].1 {
+                    continue;
+                }
+                let id = (b * LANES + j) as u32;
+                let at = top.partition_point(|x| by_logit(x, &(id, l)) == Ordering::Less);
+                top.insert(at, (id, l));
+                top.truncate(top_n);
+            }
         }
     }
     Ok(TokenLogprobs {
@@ -341,6 +350,29 @@ pub fn token_logprobs(
         logprob: logprob(logits[token as usize]),
         top: top.into_iter().map(|(i, l)| (i, logprob(l))).collect(),
     })
+}
+
+/// `Σ e^(l − shift)` over a row whose values are at most `shift`: the exps a block at a time
+/// (the attention kernel's, vectorized), summed in f64 into 8 partial sums by index.
+fn exp_sum(row: &[f32], shift: f32) -> f64 {
+    const BLOCK: usize = 1024;
+    let mut exps = [0.0f32; BLOCK];
+    let mut partial = [0.0f64; 8];
+    for block in row.chunks(BLOCK) {
+        let exps = &mut exps[..block.len()];
+        crate::attention::exp_shifted(block, shift, exps);
+        let whole = exps.len() / 8 * 8;
+        for c in exps[..whole].chunks_exact(8) {
+            for j in 0..8 {
+                partial[j] += f64::from(c[j]);
+            }
+        }
+        for (p, &e) in partial.iter_mut().zip(&exps[whole..]) {
+            *p += f64::from(e);
+        }
+    }
+    let [a, b, c, d, e, f, g, h] = partial;
+    ((a + b) + (c + d)) + ((e + f) + (g + h))
 }
 
 /// Highest logit first; equal logits by lower id, so the order is total and stable.
@@ -375,6 +407,14 @@ const LANES: usize = 16;
 /// Index of the largest value; ties go to the lowest index, and a NaN is never the largest. A
 /// pass of per-lane maxima (it vectorizes), then the first index holding their maximum.
 pub fn argmax(values: &[f32]) -> u32 {
+    let best = max_of(values);
+    // No value equals it only when every value is NaN (or there are none): then index 0.
+    values.iter().position(|&v| v == best).unwrap_or(0) as u32
+}
+
+/// The largest value, ignoring NaNs (−∞ when there is none): per-lane maxima, which
+/// vectorize, then the largest of them.
+fn max_of(values: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let whole = values.len() / LANES * LANES;
     for c in values[..whole].chunks_exact(LANES) {
@@ -386,8 +426,7 @@ pub fn argmax(values: &[f32]) -> u32 {
     for &v in lanes.iter().chain(&values[whole..]) {
         best = if v > best { v } else { best };
     }
-    // No value equals it only when every value is NaN (or there are none): then index 0.
-    values.iter().position(|&v| v == best).unwrap_or(0) as u32
+    best
 }
 
 #[cfg(test)]

@@ -329,3 +329,34 @@ fn logprobs_refuse_bad_rows_tokens_and_counts() {
     let ids: Vec<u32> = uniform.top.iter().map(|t| t.0).collect();
     assert_eq!(ids, (0..MAX_TOP_LOGPROBS as u32).collect::<Vec<_>>());
 }
+
+#[test]
+fn the_logprobs_normaliser_is_the_same_on_every_isa_and_close_to_libm() {
+    use crate::attention::{exp_shifted_with, Isa};
+    let row: Vec<f32> = (0..5000)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37)
+        .collect();
+    let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut reference = vec![0.0f32; row.len()];
+    exp_shifted_with(Isa::Scalar, &row, best, &mut reference);
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+        let mut got = vec![0.0f32; row.len()];
+        exp_shifted_with(isa, &row, best, &mut got);
+        assert!(got == reference, "{isa:?}");
+    }
+    for (&l, &e) in row.iter().zip(&reference) {
+        let exact = f64::from(l - best).exp();
+        assert!(
+            (f64::from(e) - exact).abs() <= 2e-7 * exact + 1e-38,
+            "{l}: {e} vs {exact}"
+        );
+    }
+    let lp = token_logprobs(&row, 3, 5).unwrap();
+    let norm: f64 = row
+        .iter()
+        .map(|&l| (f64::from(l) - f64::from(best)).exp())
+        .sum();
+    let exact = f64::from(row[3]) - f64::from(best) - norm.ln();
+    // Within the f32 the logprob is stored in.
+    assert!((f64::from(lp.logprob) - exact).abs() <= 1e-7 * exact.abs() + 1e-6);
+}
