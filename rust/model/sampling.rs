@@ -208,38 +208,49 @@ impl Sampler {
     }
 
     /// Fills `candidates`/`weights` with the kept tokens and their unnormalised
-    /// probabilities `exp((l − max) / T)`; returns their total.
+    /// probabilities `e^((l − max) / T)`; returns their total.
     ///
-    /// Canonical definition (what every process computes): without top-k and top-p, every
-    /// token is kept, in id order. With top-k, the k best in the total order "higher logit
-    /// first, lower id on ties". With top-p, the shortest prefix of that order whose weight
-    /// reaches `top_p` of the total weight (summed in id order, or over the top-k set).
-    /// Only that prefix is ever sorted: it is found by selecting ever larger heads of the
-    /// order, so a draw costs a few passes over the vocabulary, not a sort of it.
+    /// Canonical definition (what every process computes): a weight is
+    /// [`scaled_exps`]'s (the attention kernel's exp, lane-wise, so a token's weight has the
+    /// same bits alone or in a block). Without top-k and top-p, every token is kept, in id
+    /// order, and the total is [`exp_sum`]'s. With top-k, the k best in the total order
+    /// "higher logit first, lower id on ties". With top-p, the shortest prefix of that order
+    /// whose weight reaches `top_p` of the pool's total weight ([`exp_sum`] over the
+    /// vocabulary, or summed in order over the top-k set). Only that prefix is ever sorted:
+    /// it is found by selecting ever larger heads of the order, so a draw costs a few
+    /// passes over the vocabulary, not a sort of it.
     fn distribution(&mut self, logits: &[f32]) -> f64 {
         let p = &self.params;
-        let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let best = max_of(logits);
         let inv_t = 1.0 / p.temperature;
-        let weight = |l: f32| ((l - best) * inv_t).exp() as f64;
-        self.candidates.clear();
-        self.candidates
-            .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
-        let truncate_k = p.top_k > 0 && p.top_k < self.candidates.len();
+        let weight = |l: f32| {
+            let mut w = [0.0f32];
+            scaled_exps(&[l], best, inv_t, &mut w);
+            f64::from(w[0])
+        };
+        let truncate_k = p.top_k > 0 && p.top_k < logits.len();
         if !truncate_k && p.top_p >= 1.0 {
-            self.weights.clear();
-            self.weights.extend(logits.iter().map(|&l| weight(l)));
-            return self.weights.iter().sum();
-        }
-        if truncate_k {
+            self.candidates.clear();
             self.candidates
-                .select_nth_unstable_by(p.top_k - 1, by_logit);
-            self.candidates.truncate(p.top_k);
-            self.candidates.sort_unstable_by(by_logit);
+                .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+            self.weights.resize(logits.len(), 0.0);
+            return exp_sum_into(logits, best, inv_t, Some(&mut self.weights));
         }
+        self.candidates.clear();
         let pool_total: f64 = if truncate_k {
+            top_by_logit(logits, p.top_k, &mut self.candidates);
             self.candidates.iter().map(|&(_, l)| weight(l)).sum()
         } else {
-            logits.iter().map(|&l| weight(l)).sum()
+            // Top-p over the whole vocabulary: only the logits at or above a floor that
+            // surely holds the kept prefix are candidates (a few hundred, not the vocabulary).
+            let total = exp_sum(logits, best, inv_t);
+            let floor = top_p_floor(logits, best, inv_t, p.top_p as f64 * total);
+            self.candidates.extend(
+                (logits.iter().enumerate())
+                    .filter(|&(_, &l)| l >= floor)
+                    .map(|(i, &l)| (i as u32, l)),
+            );
+            total
         };
         let target = p.top_p as f64 * pool_total;
         self.weights.clear();
@@ -322,29 +333,12 @@ pub fn token_logprobs(
         )));
     }
     let best = max_of(logits);
-    let log_norm = f64::from(best) + exp_sum(logits, best).ln();
+    let log_norm = f64::from(best) + exp_sum(logits, best, 1.0).ln();
     let logprob = |l: f32| (f64::from(l) - log_norm).min(0.0) as f32;
     // The head of the order "higher logit, lower id": a short sorted list that a value
     // enters only when it beats its last (most of the vocabulary is one comparison).
-    let mut top: Vec<(u32, f32)> = Vec::with_capacity(top_n + 1);
-    if top_n > 0 {
-        for (b, block) in logits.chunks(LANES).enumerate() {
-            // Ids grow along the scan, so a value no higher than the last kept one cannot
-            // enter (on a tie the kept one has the lower id): most blocks are skipped whole.
-            if top.len() == top_n && max_of(block) <= top[top_n - 1].1 {
-                continue;
-            }
-            for (j, &l) in block.iter().enumerate() {
-                if top.len() == top_n && l <= top[top_n - 1].1 {
-                    continue;
-                }
-                let id = (b * LANES + j) as u32;
-                let at = top.partition_point(|x| by_logit(x, &(id, l)) == Ordering::Less);
-                top.insert(at, (id, l));
-                top.truncate(top_n);
-            }
-        }
-    }
+    let mut top = Vec::with_capacity(top_n + 1);
+    top_by_logit(logits, top_n, &mut top);
     Ok(TokenLogprobs {
         token,
         logprob: logprob(logits[token as usize]),
@@ -352,15 +346,121 @@ pub fn token_logprobs(
     })
 }
 
-/// `Σ e^(l − shift)` over a row whose values are at most `shift`: the exps a block at a time
-/// (the attention kernel's, vectorized), summed in f64 into 8 partial sums by index.
-fn exp_sum(row: &[f32], shift: f32) -> f64 {
-    const BLOCK: usize = 1024;
-    let mut exps = [0.0f32; BLOCK];
-    let mut partial = [0.0f64; 8];
-    for block in row.chunks(BLOCK) {
+/// Up to this many best tokens are found by one scan; more by selection.
+const TOP_SCAN_MAX: usize = 256;
+
+/// The `n` best `(id, logit)` of `logits` in the order "higher logit first, lower id on
+/// ties", appended to `out` (sorted). Small `n`: one scan that keeps a sorted head and skips
+/// every 16-value block whose maximum cannot enter it; large `n`: a selection, then a sort.
+fn top_by_logit(logits: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
+    let n = n.min(logits.len());
+    if n > TOP_SCAN_MAX {
+        let start = out.len();
+        out.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
+        let head = &mut out[start..];
+        if n < head.len() {
+            head.select_nth_unstable_by(n - 1, by_logit);
+        }
+        out.truncate(start + n);
+        out[start..].sort_unstable_by(by_logit);
+        return;
+    }
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (b, block) in logits.chunks(LANES).enumerate() {
+            // Ids grow along the scan, so a value no higher than the last kept one cannot
+            // enter (on a tie the kept one has the lower id): most blocks are skipped whole.
+            if top.len() == n && max_of(block) <= top[n - 1].1 {
+                continue;
+            }
+            for (j, &l) in block.iter().enumerate() {
+                if top.len() == n && l <= top[n - 1].1 {
+                    continue;
+                }
+                let id = (b * LANES + j) as u32;
+                let at = top.partition_point(|x| by_logit(x, &(id, l)) == Ordering::Less);
+                top.insert(at, (id, l));
+                top.truncate(n);
+            }
+        }
+    }
+    out.extend(top);
+}
+
+/// A logit floor below which no token can belong to the top-p prefix: the tokens at or above
+/// it weigh at least `target` (with a margin far above rounding), so the sorted walk that
+/// decides the prefix ends among them. Found from a histogram of the weights by binary
+/// exponent (each bucket's total and its smallest logit), walked from the heaviest bucket;
+/// the floor is a logit, so the candidate set is a prefix of the order whatever the exp's
+/// last-bit behaviour. −∞ when no margin is possible (every token is then a candidate).
+fn top_p_floor(logits: &[f32], best: f32, inv_t: f32, target: f64) -> f32 {
+    const BUCKETS: usize = 128; // weights are in (0, 1]: biased exponents 0..=127
+    let mut mass = [0.0f64; BUCKETS];
+    let mut lowest = [f32::INFINITY; BUCKETS];
+    let mut exps = [0.0f32; EXP_BLOCK];
+    for block in logits.chunks(EXP_BLOCK) {
         let exps = &mut exps[..block.len()];
-        crate::attention::exp_shifted(block, shift, exps);
+        scaled_exps(block, best, inv_t, exps);
+        for (&w, &l) in exps.iter().zip(block) {
+            if w > 0.0 {
+                let e = ((w.to_bits() >> 23) as usize).min(BUCKETS - 1);
+                mass[e] += f64::from(w);
+                lowest[e] = lowest[e].min(l);
+            }
+        }
+    }
+    let needed = target * (1.0 + 1e-9);
+    let (mut cumulative, mut floor) = (0.0, f32::INFINITY);
+    for e in (0..BUCKETS).rev() {
+        cumulative += mass[e];
+        floor = floor.min(lowest[e]);
+        if cumulative >= needed {
+            return floor;
+        }
+    }
+    f32::NEG_INFINITY
+}
+
+/// Values a block of [`scaled_exps`] handles at once (on the stack).
+const EXP_BLOCK: usize = 1024;
+
+/// `e^((l − shift) · scale)` of each value (each at most `shift`, `scale` > 0): the argument
+/// rounded to f32 as written, then the attention kernel's exp (vectorized, the same bits on
+/// every ISA, and lane-wise: a value's result does not depend on its neighbours).
+fn scaled_exps(values: &[f32], shift: f32, scale: f32, out: &mut [f32]) {
+    if scale == 1.0 {
+        // The same bits: `(l − shift) · 1` is `l − shift`, which the kernel computes itself.
+        return crate::attention::exp_shifted(values, shift, out);
+    }
+    let mut args = [0.0f32; EXP_BLOCK];
+    for (block, out) in values.chunks(EXP_BLOCK).zip(out.chunks_mut(EXP_BLOCK)) {
+        let args = &mut args[..block.len()];
+        for (a, &l) in args.iter_mut().zip(block) {
+            *a = (l - shift) * scale;
+        }
+        crate::attention::exp_shifted(args, 0.0, out);
+    }
+}
+
+/// `Σ e^((l − shift) · scale)` over a row ([`scaled_exps`]), summed in f64 into 8 partial
+/// sums by index, added in a fixed order.
+fn exp_sum(row: &[f32], shift: f32, scale: f32) -> f64 {
+    exp_sum_into(row, shift, scale, None)
+}
+
+/// [`exp_sum`], also writing each weight (as f64) to `weights` (as long as `row`).
+fn exp_sum_into(row: &[f32], shift: f32, scale: f32, mut weights: Option<&mut [f64]>) -> f64 {
+    let mut exps = [0.0f32; EXP_BLOCK];
+    let mut partial = [0.0f64; 8];
+    for (k, block) in row.chunks(EXP_BLOCK).enumerate() {
+        let exps = &mut exps[..block.len()];
+        scaled_exps(block, shift, scale, exps);
+        if let Some(w) = weights.as_deref_mut() {
+            let at = k * EXP_BLOCK;
+            for (w, &e) in w[at..at + block.len()].iter_mut().zip(exps.iter()) {
+                *w = f64::from(e);
+            }
+        }
         let whole = exps.len() / 8 * 8;
         for c in exps[..whole].chunks_exact(8) {
             for j in 0..8 {

@@ -360,3 +360,132 @@ fn the_logprobs_normaliser_is_the_same_on_every_isa_and_close_to_libm() {
     // Within the f32 the logprob is stored in.
     assert!((f64::from(lp.logprob) - exact).abs() <= 1e-7 * exact.abs() + 1e-6);
 }
+
+#[test]
+fn a_weight_has_the_same_bits_alone_or_in_a_block_and_sums_close_to_libm() {
+    let row: Vec<f32> = (0..3000)
+        .map(|i| ((i * 53 % 97) as f32 - 60.0) * 0.21)
+        .collect();
+    let best = max_of(&row);
+    let inv_t = 1.0 / 0.7f32;
+    let mut block = vec![0.0f32; row.len()];
+    scaled_exps(&row, best, inv_t, &mut block);
+    for (&l, &w) in row.iter().zip(&block) {
+        let mut alone = [0.0f32];
+        scaled_exps(&[l], best, inv_t, &mut alone);
+        assert_eq!(alone[0].to_bits(), w.to_bits());
+        let exact = (f64::from((l - best) * inv_t)).exp();
+        assert!((f64::from(w) - exact).abs() <= 2e-7 * exact + 1e-38);
+    }
+    let mut weights = vec![0.0f64; row.len()];
+    let total = exp_sum_into(&row, best, inv_t, Some(&mut weights));
+    assert_eq!(total, exp_sum(&row, best, inv_t));
+    assert!(weights.iter().zip(&block).all(|(&w, &b)| w == f64::from(b)));
+    let exact: f64 = row
+        .iter()
+        .map(|&l| f64::from((l - best) * inv_t).exp())
+        .sum();
+    assert!((total - exact).abs() < 1e-6 * exact);
+}
+
+/// The canonical kept set, computed the slow way: sort every token by "higher logit, lower
+/// id", weigh each alone, keep the top-k, then the shortest prefix reaching top-p of the
+/// pool's total.
+fn reference_distribution(logits: &[f32], p: &SamplingParams) -> (Vec<(u32, f32)>, Vec<f64>) {
+    let best = max_of(logits);
+    let inv_t = 1.0 / p.temperature;
+    let weight = |l: f32| {
+        let mut w = [0.0f32];
+        scaled_exps(&[l], best, inv_t, &mut w);
+        f64::from(w[0])
+    };
+    let mut order: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    order.sort_by(by_logit);
+    let truncate_k = p.top_k > 0 && p.top_k < logits.len();
+    if truncate_k {
+        order.truncate(p.top_k);
+    }
+    let total: f64 = if truncate_k {
+        order.iter().map(|&(_, l)| weight(l)).sum()
+    } else {
+        exp_sum(logits, best, inv_t)
+    };
+    let target = f64::from(p.top_p) * total;
+    let (mut kept, mut weights, mut cumulative) = (Vec::new(), Vec::new(), 0.0);
+    for &(id, l) in &order {
+        let w = weight(l);
+        kept.push((id, l));
+        weights.push(w);
+        cumulative += w;
+        if p.top_p < 1.0 && cumulative >= target {
+            break;
+        }
+    }
+    (kept, weights)
+}
+
+#[test]
+fn the_fast_distribution_keeps_exactly_the_canonical_set() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    for case in 0..24 {
+        let n = [50, 1000, 49_152][case % 3];
+        // Peaked, flat, and tied rows.
+        let spread = [2.0, 12.0, 0.5][case / 3 % 3];
+        let logits: Vec<f32> = (0..n)
+            .map(|i| {
+                if case % 5 == 0 && i % 7 == 0 {
+                    1.25
+                } else {
+                    (next() - 0.5) * spread * 2.0
+                }
+            })
+            .collect();
+        for (top_k, top_p, t) in [
+            (0, 0.9, 0.7),
+            (0, 0.5, 1.3),
+            (40, 0.95, 1.0),
+            (300, 0.8, 0.6),
+            (0, 0.999, 1.0),
+            (5, 1.0, 0.9),
+        ] {
+            let p = params(t, top_k, top_p, 1);
+            let mut s = Sampler::new(p.clone()).unwrap();
+            let total = s.distribution(&logits);
+            let (kept, weights) = reference_distribution(&logits, &p);
+            assert_eq!(
+                s.candidates, kept,
+                "case {case}: top_k {top_k} top_p {top_p}"
+            );
+            assert_eq!(s.weights, weights, "case {case}");
+            assert_eq!(total, s.weights.iter().sum::<f64>());
+        }
+    }
+}
+
+#[test]
+fn the_best_tokens_by_scan_equal_a_full_sort() {
+    let logits: Vec<f32> = (0..5000)
+        .map(|i| ((i * 7919 % 1013) as f32) * 0.01)
+        .collect();
+    let mut sorted: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    sorted.sort_by(by_logit);
+    for n in [0, 1, 20, TOP_SCAN_MAX, TOP_SCAN_MAX + 1, 1000, 5000, 6000] {
+        let mut got = Vec::new();
+        top_by_logit(&logits, n, &mut got);
+        assert_eq!(got, sorted[..n.min(5000)], "n = {n}");
+    }
+}
