@@ -223,18 +223,19 @@ impl Sampler {
         let p = &self.params;
         let best = max_of(logits);
         let inv_t = 1.0 / p.temperature;
-        let weight = |l: f32| {
-            let mut w = [0.0f32];
-            scaled_exps(&[l], best, inv_t, &mut w);
-            f64::from(w[0])
-        };
+        let weight = |l: f32| weight_of(l, best, inv_t);
         let truncate_k = p.top_k > 0 && p.top_k < logits.len();
         if !truncate_k && p.top_p >= 1.0 {
             self.candidates.clear();
             self.candidates
                 .extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)));
             self.weights.resize(logits.len(), 0.0);
-            return exp_sum_into(logits, best, inv_t, Some(&mut self.weights));
+            let weights = &mut self.weights;
+            return exp_sum_with(logits, best, inv_t, |at, _, exps| {
+                for (w, &e) in weights[at..at + exps.len()].iter_mut().zip(exps) {
+                    *w = f64::from(e);
+                }
+            });
         }
         self.candidates.clear();
         let pool_total: f64 = if truncate_k {
@@ -243,8 +244,11 @@ impl Sampler {
         } else {
             // Top-p over the whole vocabulary: only the logits at or above a floor that
             // surely holds the kept prefix are candidates (a few hundred, not the vocabulary).
-            let total = exp_sum(logits, best, inv_t);
-            let floor = top_p_floor(logits, best, inv_t, p.top_p as f64 * total);
+            let mut histogram = WeightHistogram::new();
+            let total = exp_sum_with(logits, best, inv_t, |_, block, exps| {
+                histogram.add(block, exps)
+            });
+            let floor = histogram.floor(p.top_p as f64 * total);
             self.candidates.extend(
                 (logits.iter().enumerate())
                     .filter(|&(_, &l)| l >= floor)
@@ -387,38 +391,53 @@ fn top_by_logit(logits: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
     out.extend(top);
 }
 
-/// A logit floor below which no token can belong to the top-p prefix: the tokens at or above
-/// it weigh at least `target` (with a margin far above rounding), so the sorted walk that
-/// decides the prefix ends among them. Found from a histogram of the weights by binary
-/// exponent (each bucket's total and its smallest logit), walked from the heaviest bucket;
-/// the floor is a logit, so the candidate set is a prefix of the order whatever the exp's
-/// last-bit behaviour. −∞ when no margin is possible (every token is then a candidate).
-fn top_p_floor(logits: &[f32], best: f32, inv_t: f32, target: f64) -> f32 {
-    const BUCKETS: usize = 128; // weights are in (0, 1]: biased exponents 0..=127
-    let mut mass = [0.0f64; BUCKETS];
-    let mut lowest = [f32::INFINITY; BUCKETS];
-    let mut exps = [0.0f32; EXP_BLOCK];
-    for block in logits.chunks(EXP_BLOCK) {
-        let exps = &mut exps[..block.len()];
-        scaled_exps(block, best, inv_t, exps);
-        for (&w, &l) in exps.iter().zip(block) {
+/// Weights in (0, 1] by binary exponent: biased exponents 0..=127.
+const WEIGHT_BUCKETS: usize = 128;
+
+/// A histogram of a row's weights by binary exponent (each bucket's total and its smallest
+/// logit), filled in the same pass that sums them, to find a top-p floor.
+struct WeightHistogram {
+    mass: [f64; WEIGHT_BUCKETS],
+    lowest: [f32; WEIGHT_BUCKETS],
+}
+
+impl WeightHistogram {
+    fn new() -> Self {
+        WeightHistogram {
+            mass: [0.0; WEIGHT_BUCKETS],
+            lowest: [f32::INFINITY; WEIGHT_BUCKETS],
+        }
+    }
+
+    /// Adds a block of logits and their weights.
+    fn add(&mut self, logits: &[f32], weights: &[f32]) {
+        for (&w, &l) in weights.iter().zip(logits) {
             if w > 0.0 {
-                let e = ((w.to_bits() >> 23) as usize).min(BUCKETS - 1);
-                mass[e] += f64::from(w);
-                lowest[e] = lowest[e].min(l);
+                let e = ((w.to_bits() >> 23) as usize).min(WEIGHT_BUCKETS - 1);
+                self.mass[e] += f64::from(w);
+                self.lowest[e] = self.lowest[e].min(l);
             }
         }
     }
-    let needed = target * (1.0 + 1e-9);
-    let (mut cumulative, mut floor) = (0.0, f32::INFINITY);
-    for e in (0..BUCKETS).rev() {
-        cumulative += mass[e];
-        floor = floor.min(lowest[e]);
-        if cumulative >= needed {
-            return floor;
+
+    /// A logit floor below which no token can belong to the top-p prefix: the tokens at or
+    /// above it weigh at least `target` (with a margin far above rounding), so the sorted
+    /// walk that decides the prefix ends among them. The buckets are walked from the
+    /// heaviest; the floor is a logit, so the candidate set is a prefix of the order whatever
+    /// the exp's last-bit behaviour. −∞ when no margin is possible (every token is then a
+    /// candidate).
+    fn floor(&self, target: f64) -> f32 {
+        let needed = target * (1.0 + 1e-9);
+        let (mut cumulative, mut floor) = (0.0, f32::INFINITY);
+        for e in (0..WEIGHT_BUCKETS).rev() {
+            cumulative += self.mass[e];
+            floor = floor.min(self.lowest[e]);
+            if cumulative >= needed {
+                return floor;
+            }
         }
+        f32::NEG_INFINITY
     }
-    f32::NEG_INFINITY
 }
 
 /// Values a block of [`scaled_exps`] handles at once (on the stack).
@@ -442,25 +461,34 @@ fn scaled_exps(values: &[f32], shift: f32, scale: f32, out: &mut [f32]) {
     }
 }
 
+/// One token's weight `e^((l − best) · inv_t)` as a block computes it ([`scaled_exps`] is
+/// lane-wise), widened to f64.
+fn weight_of(l: f32, best: f32, inv_t: f32) -> f64 {
+    let mut w = [0.0f32];
+    scaled_exps(&[l], best, inv_t, &mut w);
+    f64::from(w[0])
+}
+
 /// `Σ e^((l − shift) · scale)` over a row ([`scaled_exps`]), summed in f64 into 8 partial
 /// sums by index, added in a fixed order.
 fn exp_sum(row: &[f32], shift: f32, scale: f32) -> f64 {
-    exp_sum_into(row, shift, scale, None)
+    exp_sum_with(row, shift, scale, |_, _, _| {})
 }
 
-/// [`exp_sum`], also writing each weight (as f64) to `weights` (as long as `row`).
-fn exp_sum_into(row: &[f32], shift: f32, scale: f32, mut weights: Option<&mut [f64]>) -> f64 {
+/// [`exp_sum`], handing each block to `visit` as `(start, logits, weights)` on the way (to
+/// keep the weights, or to histogram them), so the row's exps are computed once.
+fn exp_sum_with(
+    row: &[f32],
+    shift: f32,
+    scale: f32,
+    mut visit: impl FnMut(usize, &[f32], &[f32]),
+) -> f64 {
     let mut exps = [0.0f32; EXP_BLOCK];
     let mut partial = [0.0f64; 8];
     for (k, block) in row.chunks(EXP_BLOCK).enumerate() {
         let exps = &mut exps[..block.len()];
         scaled_exps(block, shift, scale, exps);
-        if let Some(w) = weights.as_deref_mut() {
-            let at = k * EXP_BLOCK;
-            for (w, &e) in w[at..at + block.len()].iter_mut().zip(exps.iter()) {
-                *w = f64::from(e);
-            }
-        }
+        visit(k * EXP_BLOCK, block, exps);
         let whole = exps.len() / 8 * 8;
         for c in exps[..whole].chunks_exact(8) {
             for j in 0..8 {

@@ -89,36 +89,11 @@ fn the_kept_set_equals_a_full_sort_of_the_vocabulary() {
         let logits: Vec<f32> = (0..vocab).map(|_| (next() * 40.0).round() / 4.0).collect();
         let top_k = [0, 1, 5, 40, vocab + 3][case % 5];
         let top_p = [1.0, 0.9, 0.5, 0.05, 0.999][case / 5 % 5];
-        let mut s = Sampler::new(params(0.7, top_k, top_p, 1)).unwrap();
+        let p = params(0.7, top_k, top_p, 1);
+        let mut s = Sampler::new(p.clone()).unwrap();
         s.distribution(&logits);
-        let mut order: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
-        order.sort_by(by_logit);
-        if top_k > 0 && top_k < vocab {
-            order.truncate(top_k);
-        }
-        let best = order[0].1;
-        let w = |l: f32| ((l - best) * (1.0 / 0.7f32)).exp() as f64;
-        let total: f64 = if top_k > 0 && top_k < vocab {
-            order.iter().map(|&(_, l)| w(l)).sum()
-        } else {
-            logits.iter().map(|&l| w(l)).sum()
-        };
-        let mut keep = order.len();
-        if top_p < 1.0 {
-            let mut c = 0.0;
-            for (i, &(_, l)) in order.iter().enumerate() {
-                c += w(l);
-                if c >= top_p as f64 * total {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        let mut want: Vec<u32> = order[..keep].iter().map(|&(id, _)| id).collect();
+        let (kept, _) = reference_distribution(&logits, &p);
+        let mut want: Vec<u32> = kept.iter().map(|&(id, _)| id).collect();
         let mut got: Vec<u32> = s.candidates.iter().map(|&(id, _)| id).collect();
         if !(top_k > 0 && top_k < vocab) && top_p >= 1.0 {
             // No truncation: every token, in id order.
@@ -378,7 +353,11 @@ fn a_weight_has_the_same_bits_alone_or_in_a_block_and_sums_close_to_libm() {
         assert!((f64::from(w) - exact).abs() <= 2e-7 * exact + 1e-38);
     }
     let mut weights = vec![0.0f64; row.len()];
-    let total = exp_sum_into(&row, best, inv_t, Some(&mut weights));
+    let total = exp_sum_with(&row, best, inv_t, |at, _, exps| {
+        for (w, &e) in weights[at..at + exps.len()].iter_mut().zip(exps) {
+            *w = f64::from(e);
+        }
+    });
     assert_eq!(total, exp_sum(&row, best, inv_t));
     assert!(weights.iter().zip(&block).all(|(&w, &b)| w == f64::from(b)));
     let exact: f64 = row
@@ -394,11 +373,7 @@ fn a_weight_has_the_same_bits_alone_or_in_a_block_and_sums_close_to_libm() {
 fn reference_distribution(logits: &[f32], p: &SamplingParams) -> (Vec<(u32, f32)>, Vec<f64>) {
     let best = max_of(logits);
     let inv_t = 1.0 / p.temperature;
-    let weight = |l: f32| {
-        let mut w = [0.0f32];
-        scaled_exps(&[l], best, inv_t, &mut w);
-        f64::from(w[0])
-    };
+    let weight = |l: f32| weight_of(l, best, inv_t);
     let mut order: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
