@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import amplituhedron_rs as ar
-from amplituhedron_rs import Model, SessionOptions
+from amplituhedron_rs import InputError, Model, SessionOptions, _core
 from amplituhedron_rs.runtime.tokenizer import StreamDecoder
 
 pytestmark = pytest.mark.model
@@ -252,6 +252,35 @@ def test_logprobs_are_those_of_the_rows_the_tokens_come_from(
     assert [t.token for t in sampled.logprobs] == sampled.output_ids
     assert all(t.top == [] and t.logprob <= 0 for t in sampled.logprobs)
     assert model.generate(ids, 2).logprobs is None
+
+
+def test_prompt_logprobs_score_every_prompt_token(model: Model, prompts: dict[str, Any]) -> None:
+    """Each prompt token after the first, scored by the logits row before it: the values of
+    a whole-sequence forward pass, whether or not the prompt is cached (it is then computed,
+    not replayed), with or without output tokens; the output is unchanged."""
+    ids = prompts["json"]["token_ids"]
+    rows = model.logits_all(ids)
+    expected = [(t, _core.token_logprobs(row, t, 3)) for row, t in zip(rows, ids[1:], strict=False)]
+
+    def flat(entries: list[_core.TokenLogprobs] | None) -> list[tuple[Any, ...]]:
+        assert entries is not None
+        return [(e.token, e.logprob, e.top) for e in entries]
+
+    reference = flat([e for _, e in expected])
+    assert [t for t, _ in expected] == ids[1:]
+    plain = model.generate(ids, 4, stop_at_eos=False)
+    assert plain.prompt_logprobs is None
+    for use_cache in (False, True, True):
+        g = model.generate(ids, 4, stop_at_eos=False, use_cache=use_cache, prompt_logprobs=3)
+        assert flat(g.prompt_logprobs) == reference
+        assert g.output_ids == plain.output_ids
+        assert g.replayed_tokens == 0 and not g.cache_hit
+    scored = model.generate(ids, 0, prompt_logprobs=0)
+    assert scored.output_ids == [] and scored.prompt_logprobs is not None
+    assert [(e.token, e.logprob) for e in scored.prompt_logprobs] == [r[:2] for r in reference]
+    assert all(e.top == [] for e in scored.prompt_logprobs)
+    with pytest.raises(InputError, match="prompt_logprobs"):
+        model.generate(ids, 2, prompt_logprobs=21)
 
 
 def test_generation_stops_at_a_stop_id(model: Model, prompts: dict[str, Any]) -> None:

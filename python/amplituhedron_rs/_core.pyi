@@ -575,10 +575,12 @@ def token_logprobs(logits: NDArray[np.float32], token: int, top_n: int) -> Token
 
 @final
 class EngineEvent:
-    """A token (``kind == "token"``) or the end of a sequence (``kind == "finished"``)."""
+    """A token (``kind == "token"``), a computed prompt's log-probabilities (``kind ==
+    "prompt"``, only for requests that asked) or the end of a sequence (``kind ==
+    "finished"``)."""
 
     @property
-    def kind(self) -> Literal["token", "finished"]: ...
+    def kind(self) -> Literal["token", "prompt", "finished"]: ...
     @property
     def seq(self) -> int: ...
     @property
@@ -589,6 +591,8 @@ class EngineEvent:
     def logits(self) -> NDArray[np.float32] | None: ...
     @property
     def logprobs(self) -> TokenLogprobs | None: ...
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs] | None: ...
     @property
     def reason(self) -> Literal["stop", "length", "cancelled", "error"] | None: ...
     @property
@@ -622,6 +626,8 @@ class EngineAdmission:
     def sample_first(self) -> bool: ...
     @property
     def logprobs(self) -> int | None: ...
+    @property
+    def prompt_logprobs(self) -> int | None: ...
 
 @final
 class EngineEntry:
@@ -686,6 +692,7 @@ class Engine:
         draft_max: int | None = None,
         want_logits: bool = False,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> int: ...
     @staticmethod
     def external(*, max_running: int, max_queue: int, step_tokens: int) -> Engine: ...

@@ -21,8 +21,10 @@ use crate::model::{
 use super::exceptions::InputError;
 use super::model::PyPipeline;
 
-/// One thing a step reported: a token (`kind == "token"`) or the end of a sequence
-/// (`kind == "finished"`, with `reason` and `stats`).
+/// One thing a step reported: a token (`kind == "token"`), a computed prompt's
+/// log-probabilities (`kind == "prompt"`, `prompt_logprobs`: one per prompt token after the
+/// first; only for requests that asked) or the end of a sequence (`kind == "finished"`, with
+/// `reason` and `stats`).
 #[pyclass(
     name = "EngineEvent",
     module = "amplituhedron_rs._core",
@@ -36,6 +38,7 @@ pub struct PyEvent {
     index: Option<usize>,
     logits: Option<Py<PyArray1<f32>>>,
     logprobs: Option<Py<PyTokenLogprobs>>,
+    prompt_logprobs: Option<Vec<Py<PyTokenLogprobs>>>,
     reason: Option<&'static str>,
     error: Option<String>,
     stats: Option<Py<PyDict>>,
@@ -119,6 +122,24 @@ fn to_py(py: Python<'_>, ev: Event) -> PyResult<PyEvent> {
             logprobs: logprobs
                 .map(|t| Py::new(py, PyTokenLogprobs::from(t)))
                 .transpose()?,
+            prompt_logprobs: None,
+            reason: None,
+            error: None,
+            stats: None,
+        },
+        Event::Prompt { seq, logprobs } => PyEvent {
+            kind: "prompt",
+            seq,
+            token: None,
+            index: None,
+            logits: None,
+            logprobs: None,
+            prompt_logprobs: Some(
+                logprobs
+                    .into_iter()
+                    .map(|t| Py::new(py, PyTokenLogprobs::from(t)))
+                    .collect::<PyResult<_>>()?,
+            ),
             reason: None,
             error: None,
             stats: None,
@@ -146,6 +167,7 @@ fn to_py(py: Python<'_>, ev: Event) -> PyResult<PyEvent> {
                 index: None,
                 logits: None,
                 logprobs: None,
+                prompt_logprobs: None,
                 reason: Some(reason.as_str()),
                 error,
                 stats: Some(d.unbind()),
@@ -173,6 +195,7 @@ pub struct PyAdmission {
     use_cache: bool,
     sample_first: bool,
     logprobs: Option<usize>,
+    prompt_logprobs: Option<usize>,
 }
 
 impl From<&Admission> for PyAdmission {
@@ -189,6 +212,7 @@ impl From<&Admission> for PyAdmission {
             use_cache: a.use_cache,
             sample_first: a.sample_first,
             logprobs: a.logprobs,
+            prompt_logprobs: a.prompt_logprobs,
         }
     }
 }
@@ -444,6 +468,7 @@ impl PyEngine {
                         .into_iter()
                         .map(from_tuple)
                         .collect(),
+                    prompt_logprobs: Vec::new(),
                 })
                 .collect()),
         };
@@ -458,7 +483,7 @@ impl PyEngine {
 
     /// Queues a request; returns its sequence id. Raises InputError for a bad request and
     /// QueueFullError when the queue is full (nothing is queued either way).
-    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None))]
+    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None, prompt_logprobs=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -475,7 +500,14 @@ impl PyEngine {
         draft_max: Option<usize>,
         want_logits: bool,
         logprobs: Option<usize>,
+        prompt_logprobs: Option<usize>,
     ) -> PyResult<u64> {
+        if prompt_logprobs.is_some() && self.executor.is_none() {
+            // A mesh's exit station computes logits only for the rows that emit tokens.
+            return Err(InputError::new_err(
+                "prompt log-probabilities are computed in process only, not over a mesh",
+            ));
+        }
         let req = Request {
             prompt,
             max_new_tokens,
@@ -495,6 +527,7 @@ impl PyEngine {
             }),
             want_logits,
             logprobs,
+            prompt_logprobs,
         };
         self.engine().submit(req).map_err(PyErr::from)
     }

@@ -25,6 +25,10 @@ pub struct Admission {
     pub want_logits: bool,
     /// Report emitted tokens' log-probabilities with this many alternatives.
     pub logprobs: Option<usize>,
+    /// Report the prompt tokens' log-probabilities with this many alternatives: the executor
+    /// then replays nothing (the cache keeps no logits rows of a prompt's inner positions)
+    /// and computes every prompt row's logits.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// What admission found.
@@ -79,6 +83,9 @@ pub struct EntryOutcome {
     pub logits: Option<Vec<f32>>,
     /// The log-probabilities of each emitted token, in order (only when asked for).
     pub logprobs: Vec<TokenLogprobs>,
+    /// For a prefill chunk of a sequence that asked for prompt log-probabilities: those of
+    /// the prompt tokens its rows predict (each row's next token, when it is in the prompt).
+    pub prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 /// Runs what the engine plans. A failed `run` fails every sequence of that batch.

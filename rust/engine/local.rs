@@ -22,6 +22,7 @@ struct LocalSeq {
     use_cache: bool,
     want_logits: bool,
     logprobs: Option<usize>,
+    prompt_logprobs: Option<usize>,
 }
 
 /// The log-probabilities of `tokens`, one logits row each (`rows`, concatenated), with
@@ -144,7 +145,8 @@ impl LocalExecutor {
         let mut admitted = Admitted::default();
         let replay = {
             let mut pipeline = lock(&self.pipeline);
-            if a.use_cache && pipeline.cache().is_enabled() {
+            // Prompt log-probabilities need every prompt row's logits, which no volume keeps.
+            if a.use_cache && a.prompt_logprobs.is_none() && pipeline.cache().is_enabled() {
                 pipeline.amplituhedron_replay(&mut kv, &a.prompt, a.salt.as_deref())
             } else {
                 Ok(ReplayOutcome::Miss)
@@ -191,6 +193,7 @@ impl LocalExecutor {
                 use_cache: a.use_cache,
                 want_logits: a.want_logits,
                 logprobs: a.logprobs,
+                prompt_logprobs: a.prompt_logprobs,
             },
         );
         Ok(admitted)
@@ -210,6 +213,7 @@ impl LocalExecutor {
         let mut pipeline = lock(&self.pipeline);
         let head = pipeline.cache().config().max_prefix_len;
         let hidden_w = self.range.weights().config().hidden;
+        let vocab = self.range.weights().config().vocab;
         for c in self.pending_captures.drain(..) {
             let Some(s) = self.seqs.get(&c.seq) else {
                 continue;
@@ -234,7 +238,9 @@ impl LocalExecutor {
             }
             if c.last {
                 let last = c.start + c.len - 1;
-                let logits = Some(&self.logits[c.row][..]);
+                // The last row's (a chunk that kept every row's logits has them last).
+                let rows = &self.logits[c.row];
+                let logits = Some(&rows[rows.len() - vocab..]);
                 let _ = pipeline.amplituhedron_capture(&s.kv, &s.prompt, tail(last), logits, salt);
             }
         }
@@ -269,6 +275,14 @@ impl Executor for LocalExecutor {
         }
         self.hidden.resize_with(batch.len(), Vec::new);
         self.logits.resize_with(batch.len(), Vec::new);
+        // Prompt chunks of sequences that asked for prompt log-probabilities keep every row.
+        let every_row: Vec<Option<usize>> = batch
+            .iter()
+            .map(|e| match e.kind {
+                EntryKind::Prefill { .. } => self.seqs[&e.seq].prompt_logprobs,
+                EntryKind::Decode => None,
+            })
+            .collect();
         {
             let prompts: Vec<(&[u32], Option<&str>)> = batch
                 .iter()
@@ -285,16 +299,20 @@ impl Executor for LocalExecutor {
                 .map(|(&id, s)| (id, &mut s.kv))
                 .collect();
             let mut segments = Vec::with_capacity(batch.len());
-            for (((e, h), l), shared_prefix) in batch
+            for ((((e, h), l), shared_prefix), every_row) in batch
                 .iter()
                 .zip(&mut self.hidden)
                 .zip(&mut self.logits)
                 .zip(shared)
+                .zip(&every_row)
             {
                 let kv = kvs.remove(&e.seq).ok_or_else(|| {
                     EngineError::Executor(format!("sequence {} appears twice in a batch", e.seq))
                 })?;
                 let (span, logits) = match e.kind {
+                    EntryKind::Prefill { .. } if every_row.is_some() => {
+                        (SpanType::User, LogitsWanted::All)
+                    }
                     EntryKind::Prefill { last: false, .. } => (SpanType::User, LogitsWanted::None),
                     EntryKind::Prefill { last: true, .. } => (SpanType::User, LogitsWanted::Last),
                     EntryKind::Decode if e.tokens.len() == 1 => {
@@ -320,6 +338,16 @@ impl Executor for LocalExecutor {
             // so a step allocates no logits (1 MB per row for a 262k vocabulary).
             let logits = std::mem::take(&mut self.logits[k]);
             let mut out = EntryOutcome::default();
+            if let Some(n) = every_row[k] {
+                // Row i predicts the prompt token after it; the last prompt row predicts the
+                // first output token instead.
+                let prompt = &self.seqs[&e.seq].prompt;
+                let next = &prompt[(e.start + 1).min(prompt.len())..];
+                let rows = e.tokens.len().min(next.len());
+                out.prompt_logprobs = logprobs_of(&logits, vocab, &next[..rows], n)?;
+            }
+            // The row a prompt's first token is sampled from: its last.
+            let last_row = logits.len().saturating_sub(vocab);
             if let EntryKind::Prefill { last, .. } = e.kind {
                 self.pending_captures.push(PendingCapture {
                     seq: e.seq,
@@ -335,15 +363,16 @@ impl Executor for LocalExecutor {
                     if emit {
                         let s = self.seqs.get_mut(&e.seq).expect("checked above");
                         let index = (e.start + e.tokens.len()) as u64;
+                        let row = &logits[last_row..];
                         let token = s
                             .sampler
-                            .sample(&logits, index)
+                            .sample(row, index)
                             .map_err(|err| EngineError::Executor(err.to_string()))?;
                         out.emitted.push(token);
                         if let Some(n) = s.logprobs {
-                            out.logprobs = logprobs_of(&logits, vocab, &out.emitted, n)?;
+                            out.logprobs = logprobs_of(row, vocab, &out.emitted, n)?;
                         }
-                        out.logits = s.want_logits.then(|| logits.clone());
+                        out.logits = s.want_logits.then(|| row.to_vec());
                     }
                 }
                 EntryKind::Decode => {

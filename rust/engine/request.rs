@@ -28,6 +28,11 @@ pub struct Request {
     /// Report every emitted token's log-probability and this many most likely alternatives
     /// (at most [`crate::model::MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<usize>,
+    /// Report every prompt token's log-probability given the tokens before it, with this
+    /// many alternatives (at most [`crate::model::MAX_TOP_LOGPROBS`]), as one
+    /// [`Event::Prompt`]. The whole prompt is then computed: its logits rows are not in the
+    /// volume cache, so it is not replayed (what it captures is unchanged).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Request {
@@ -43,6 +48,7 @@ impl Request {
             draft: None,
             want_logits: false,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -112,6 +118,15 @@ pub enum Event {
         logits: Option<Vec<f32>>,
         /// Its log-probability and the likeliest alternatives, when the request asked.
         logprobs: Option<TokenLogprobs>,
+    },
+    /// The prompt of sequence `seq` is computed: the log-probabilities of its tokens after
+    /// the first (the first has nothing before it), in order, when the request asked. Comes
+    /// before the sequence's first token.
+    Prompt {
+        /// The sequence.
+        seq: SeqId,
+        /// One entry per prompt token after the first.
+        logprobs: Vec<TokenLogprobs>,
     },
     /// Sequence `seq` finished; its resources are released.
     Finished {

@@ -73,6 +73,8 @@ struct Sequence {
     first_token: Option<Instant>,
     /// Drafts sent with the sequence's entry in the step under way.
     in_flight_drafts: usize,
+    /// Prompt log-probabilities computed so far (when the request asked for them).
+    prompt_logprobs: Vec<TokenLogprobs>,
 }
 
 impl Sequence {
@@ -163,10 +165,12 @@ impl Engine {
         if let Some(d) = &req.draft {
             d.validate().map_err(EngineError::Input)?;
         }
-        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
-            return Err(EngineError::Input(format!(
-                "at most {MAX_TOP_LOGPROBS} top log-probabilities per token, got {n}"
-            )));
+        for n in [req.logprobs, req.prompt_logprobs].into_iter().flatten() {
+            if n > MAX_TOP_LOGPROBS {
+                return Err(EngineError::Input(format!(
+                    "at most {MAX_TOP_LOGPROBS} top log-probabilities per token, got {n}"
+                )));
+            }
         }
         if self.waiting.len() >= self.cfg.max_queue {
             return Err(EngineError::QueueFull {
@@ -189,6 +193,7 @@ impl Engine {
             admitted: None,
             first_token: None,
             in_flight_drafts: 0,
+            prompt_logprobs: Vec::new(),
         };
         self.seqs.insert(id, seq);
         self.waiting.push_back(id);
@@ -256,6 +261,7 @@ impl Engine {
                 sample_first: seq.req.max_new_tokens > 0,
                 want_logits: seq.req.want_logits,
                 logprobs: seq.req.logprobs,
+                prompt_logprobs: seq.req.prompt_logprobs,
             });
         }
         out
@@ -277,6 +283,13 @@ impl Engine {
                 Err(e) => events.push(self.finish(a.seq, FinishReason::Error(e.to_string()))),
                 Ok(adm) => {
                     let n = seq.req.prompt.len();
+                    if seq.req.prompt_logprobs.is_some() {
+                        // Every prompt row's logits are wanted: nothing replayed counts (the
+                        // run rolls back whatever an executor replayed anyway).
+                        seq.phase = Phase::Prefill { next: 0 };
+                        seq.stats.cached_tokens = 0;
+                        continue;
+                    }
                     seq.stats.cached_tokens = adm.cached_tokens.min(n);
                     match adm.first_token {
                         Some(token) if adm.cached_tokens == n => {
@@ -353,7 +366,12 @@ impl Engine {
                 continue;
             };
             let n = seq.req.prompt.len();
-            let end = (next + budget).min(n);
+            // A chunk whose every row's logits are kept is bounded (they are vocab-wide).
+            let rows = match seq.req.prompt_logprobs {
+                Some(_) => budget.min(PROMPT_LOGPROBS_ROWS),
+                None => budget,
+            };
+            let end = (next + rows).min(n);
             budget -= end - next;
             batch.push(BatchEntry {
                 seq: id,
@@ -426,6 +444,13 @@ impl Engine {
                 EntryKind::Prefill { last, emit } => {
                     let end = entry.start + entry.tokens.len();
                     seq.phase = Phase::Prefill { next: end };
+                    seq.prompt_logprobs.extend(out.prompt_logprobs);
+                    if last && seq.req.prompt_logprobs.is_some() {
+                        events.push(Event::Prompt {
+                            seq: entry.seq,
+                            logprobs: std::mem::take(&mut seq.prompt_logprobs),
+                        });
+                    }
                     if last && !emit {
                         events.push(self.finish(entry.seq, FinishReason::Length));
                     } else if last {
@@ -568,6 +593,10 @@ pub fn step(engine: &Mutex<Engine>, ex: &mut dyn Executor) -> Vec<Event> {
     }
     events
 }
+
+/// Prompt rows per chunk of a sequence that asked for prompt log-probabilities (each row's
+/// logits are kept until the chunk's log-probabilities are taken from them).
+const PROMPT_LOGPROBS_ROWS: usize = 32;
 
 fn split_rows(logits: Option<Vec<f32>>, rows: usize) -> Option<Vec<Vec<f32>>> {
     let l = logits?;

@@ -39,6 +39,7 @@ struct Output {
     tokens: Vec<u32>,
     logits: Vec<Vec<f32>>,
     logprobs: Vec<TokenLogprobs>,
+    prompt_logprobs: Option<Vec<TokenLogprobs>>,
     reason: Option<FinishReason>,
     stats: SeqStats,
 }
@@ -65,6 +66,12 @@ fn drain(engine: &mut Engine, ex: &mut LocalExecutor) -> std::collections::HashM
                     o.tokens.push(token);
                     o.logits.extend(logits);
                     o.logprobs.extend(logprobs);
+                }
+                Event::Prompt { seq, logprobs } => {
+                    let o = outs.entry(seq).or_default();
+                    assert!(o.tokens.is_empty(), "the prompt's event comes first");
+                    assert!(o.prompt_logprobs.is_none(), "one prompt event");
+                    o.prompt_logprobs = Some(logprobs);
                 }
                 Event::Finished { seq, reason, stats } => {
                     let o = outs.entry(seq).or_default();
@@ -162,6 +169,10 @@ fn assert_batched_equals_alone(
         assert!(
             got.logprobs == alone[i].logprobs,
             "{label}request {i}: logprobs"
+        );
+        assert!(
+            got.prompt_logprobs == alone[i].prompt_logprobs,
+            "{label}request {i}: prompt logprobs"
         );
     }
     ex
@@ -626,6 +637,89 @@ fn logprobs_are_those_of_the_emitted_rows_batched_speculative_and_cached() {
     // Too many alternatives: refused, nothing queued.
     let err = engine
         .submit(with_logprobs(21, request(p, 4, SamplingParams::default())))
+        .unwrap_err();
+    assert!(matches!(err, EngineError::Input(_)), "{err:?}");
+    assert_eq!(engine.waiting(), 0);
+}
+
+/// Prompt log-probabilities are those of one session's logits rows over the whole prompt
+/// (each row scoring the prompt token after it): in 32-row chunks or whole, batched or
+/// alone, with no tokens asked for, and with a volume of the prompt in the cache (which is
+/// then not replayed). They come in one event, before the first token.
+#[test]
+fn prompt_logprobs_are_those_of_every_prompt_row() {
+    let w = tiny_weights(41);
+    let vocab = w.config().vocab;
+    let p = prompt(75, 4);
+    let mut s = RangeSession::new(Arc::clone(&w), 0, 3, &session_cfg()).unwrap();
+    let mut rows = Vec::new();
+    for chunk in p.chunks(25) {
+        let (mut h, mut l) = (Vec::new(), Vec::new());
+        s.forward(
+            ChunkInput::Tokens(chunk),
+            SpanType::User,
+            LogitsWanted::All,
+            &mut h,
+            &mut l,
+        )
+        .unwrap();
+        rows.extend(l);
+    }
+    let expected: Vec<TokenLogprobs> = (1..p.len())
+        .map(|i| token_logprobs(&rows[(i - 1) * vocab..i * vocab], p[i], 2).unwrap())
+        .collect();
+    let with_prompt = |max_new: usize, p: Vec<u32>| Request {
+        prompt_logprobs: Some(2),
+        ..request(p, max_new, SamplingParams::default())
+    };
+    let out = run_one(&w, with_prompt(5, p.clone()));
+    assert!(out.prompt_logprobs.as_ref() == Some(&expected));
+    let (tokens, logits) = plain_greedy(&w, &p, 5);
+    assert_eq!(out.tokens, tokens, "asking for them changes no token");
+    assert!(out.logits == logits);
+    let scoring_only = run_one(&w, with_prompt(0, p.clone()));
+    assert!(scoring_only.prompt_logprobs.as_ref() == Some(&expected));
+    assert!(scoring_only.tokens.is_empty());
+    assert_eq!(scoring_only.reason, Some(FinishReason::Length));
+    assert_eq!(
+        run_one(&w, request(p.clone(), 3, SamplingParams::default())).prompt_logprobs,
+        None
+    );
+    let one_token = run_one(&w, with_prompt(2, vec![5]));
+    assert!(
+        one_token.prompt_logprobs == Some(Vec::new()),
+        "nothing before the first token"
+    );
+    let reqs = vec![
+        with_prompt(6, p.clone()),
+        request(prompt(40, 1), 9, seeded(5)),
+        with_prompt(0, prompt(50, 2)),
+        with_prompt(4, prompt(20, 3)),
+    ];
+    assert_batched_equals_alone(&w, &reqs, EngineConfig::default(), "prompt logprobs: ");
+    // A cached prompt: the volume is not replayed, every row is computed again.
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(&w);
+    let cached = |r: Request| Request {
+        use_cache: true,
+        ..r
+    };
+    let id = engine
+        .submit(cached(request(p.clone(), 2, SamplingParams::default())))
+        .unwrap();
+    drain(&mut engine, &mut ex).remove(&id).unwrap();
+    let id = engine.submit(cached(with_prompt(5, p.clone()))).unwrap();
+    let again = drain(&mut engine, &mut ex).remove(&id).unwrap();
+    assert!(again.prompt_logprobs.as_ref() == Some(&expected));
+    assert_eq!(again.tokens, tokens);
+    assert_eq!(again.stats.cached_tokens, 0);
+    assert_eq!(ex.pipeline().cache().stats().hits, 0);
+    // Too many alternatives: refused, nothing queued.
+    let err = engine
+        .submit(Request {
+            prompt_logprobs: Some(21),
+            ..request(p, 1, SamplingParams::default())
+        })
         .unwrap_err();
     assert!(matches!(err, EngineError::Input(_)), "{err:?}");
     assert_eq!(engine.waiting(), 0);

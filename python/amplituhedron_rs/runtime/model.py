@@ -55,6 +55,9 @@ class Generation:
     #: With ``generate(..., logprobs=N)``: each output token's log-probability under the
     #: model's own distribution and its N likeliest alternatives.
     logprobs: list[_core.TokenLogprobs] | None = None
+    #: With ``generate(..., prompt_logprobs=N)``: each prompt token's log-probability given
+    #: the tokens before it (from the second on: the first has nothing before it).
+    prompt_logprobs: list[_core.TokenLogprobs] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's ``--json`` shape."""
@@ -71,13 +74,17 @@ class Generation:
             "draft_proposed": self.draft_proposed,
             "draft_accepted": self.draft_accepted,
             "verify_steps": self.verify_steps,
-            "logprobs": None
-            if self.logprobs is None
-            else [
-                {"token": t.token, "logprob": t.logprob, "top": [list(a) for a in t.top]}
-                for t in self.logprobs
-            ],
+            "logprobs": _logprobs_json(self.logprobs),
+            "prompt_logprobs": _logprobs_json(self.prompt_logprobs),
         }
+
+
+def _logprobs_json(entries: list[_core.TokenLogprobs] | None) -> list[dict[str, Any]] | None:
+    if entries is None:
+        return None
+    return [
+        {"token": t.token, "logprob": t.logprob, "top": [list(a) for a in t.top]} for t in entries
+    ]
 
 
 def _as_ids(ids: Sequence[int] | npt.NDArray[np.integer[Any]]) -> list[int]:
@@ -189,6 +196,7 @@ class Model:
         draft: Literal["prompt-lookup"] | None = None,
         draft_max: int = 8,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         stream: Callable[[str], None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
     ) -> Generation:
@@ -201,7 +209,9 @@ class Model:
         and the first token comes from the cached logits. ``draft="prompt-lookup"``
         speculates (greedy output is bit-identical to plain decoding). ``logprobs=N`` reports
         each output token's log-probability (the softmax of the raw logits: no temperature
-        or truncation) and its N (≤ 20) likeliest alternatives. ``stream`` receives
+        or truncation) and its N (≤ 20) likeliest alternatives; ``prompt_logprobs=N`` the
+        same for every prompt token after the first, given the tokens before it (scoring
+        text: the whole prompt is computed, not replayed). ``stream`` receives
         text pieces as they are generated; ``on_prefill(done, total)`` reports prefill
         progress. Bad arguments raise :class:`InputError` (a ``ValueError``) before anything
         runs; a failure of the model run raises :class:`ModelError`.
@@ -213,10 +223,9 @@ class Model:
             raise InputError(f"token id {outside} is outside the vocabulary of {self.vocab_size}")
         if max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if logprobs is not None and not 0 <= logprobs <= _core.MAX_TOP_LOGPROBS:
-            raise InputError(
-                f"logprobs must be between 0 and {_core.MAX_TOP_LOGPROBS}, got {logprobs}"
-            )
+        for name, n in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if n is not None and not 0 <= n <= _core.MAX_TOP_LOGPROBS:
+                raise InputError(f"{name} must be between 0 and {_core.MAX_TOP_LOGPROBS}, got {n}")
         if draft not in (None, "prompt-lookup"):
             raise InputError(f"draft must be None or 'prompt-lookup', got {draft!r}")
         sampling = SamplingParams(temperature, top_k, top_p, seed).core_kwargs()
@@ -231,9 +240,11 @@ class Model:
             use_cache=use_cache,
             draft_max=draft_max if draft else None,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         out: list[int] = []
         token_logprobs: list[_core.TokenLogprobs] = []
+        scored: list[_core.TokenLogprobs] | None = None
         finished = None
         try:
             while finished is None:
@@ -242,6 +253,8 @@ class Model:
                         continue
                     if ev.kind == "finished":
                         finished = ev
+                    elif ev.kind == "prompt":
+                        scored = ev.prompt_logprobs
                     elif ev.token is not None:
                         out.append(ev.token)
                         if ev.logprobs is not None:
@@ -276,6 +289,7 @@ class Model:
             draft_accepted=int(stats.get("draft_accepted", 0)),
             verify_steps=int(stats.get("verify_steps", 0)),
             logprobs=None if logprobs is None else token_logprobs,
+            prompt_logprobs=scored,
         )
 
     # --- cache ---------------------------------------------------------------------------
