@@ -270,6 +270,64 @@ def test_logprobs_are_the_model_distribution_plain_streamed_cached_and_speculati
     assert chat(c, m, "Is it sunny?", max_tokens=4).choices[0].logprobs is None
 
 
+def test_echo_scores_the_prompt_for_loglikelihood_evaluation(server: Server) -> None:
+    """``echo`` with ``logprobs`` (what lm-evaluation-harness sends): the reply starts with
+    the prompt, whose tokens after the first are scored exactly as a whole-sequence forward
+    pass in this process scores them; plain and streamed agree; ``max_tokens: 0`` only
+    scores; the completion after the prompt is the one a request without echo gets."""
+    import amplituhedron_rs as ar
+    from amplituhedron_rs import _core
+
+    c, m = server.client(), server.model()
+    text = "The weather today is cold and"
+    tok = Tokenizer(read_model_file())
+    ids = tok.encode(text)
+    model = ar.load_model(cache=ar.CacheOptions(enabled=False))
+    rows = model.logits_all(ids)
+    scores = [_core.token_logprobs(row, t, 1) for row, t in zip(rows, ids[1:], strict=False)]
+    plain = c.completions.create(model=m, prompt=text, max_tokens=3)
+    r = c.completions.create(model=m, prompt=text, max_tokens=3, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == text + plain.choices[0].text
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.tokens is not None
+    n = len(ids)
+    assert lp.tokens == [tok.token_bytes(t).decode("utf-8", "replace") for t in ids] + lp.tokens[n:]
+    assert len(lp.tokens) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == [s.logprob for s in scores], "bit-exact, as JSON floats"
+    assert [list(a.values()) for a in lp.top_logprobs[1:n]] == [
+        [p for _, p in s.top] for s in scores
+    ]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    assert r.usage is not None and r.usage.prompt_tokens == n
+    assert r.usage.prompt_tokens_details is not None
+    assert r.usage.prompt_tokens_details.cached_tokens == 0, "scored, not replayed"
+    # Streamed: the prompt's chunk first, then the completion's.
+    pieces, streamed = [], {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in c.completions.create(
+        model=m, prompt=text, max_tokens=3, echo=True, logprobs=1, stream=True
+    ):
+        for ch in chunk.choices:
+            pieces.append(ch.text)
+            if ch.logprobs is not None:
+                for key, values in streamed.items():
+                    values.extend(getattr(ch.logprobs, key) or [])
+    assert pieces[0] == text and "".join(pieces) == choice.text
+    assert streamed == {k: getattr(lp, k) for k in streamed}
+    # Scoring only; echo without logprobs; token ids as the prompt.
+    only = c.completions.create(model=m, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == tok.decode(ids) and only.usage is not None
+    assert only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs is not None
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    echoed = c.completions.create(model=m, prompt=text, max_tokens=3, echo=True)
+    assert echoed.choices[0].text == choice.text and echoed.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model=m, prompt=text, max_tokens=0)
+
+
 def test_a_repeated_system_prompt_is_served_from_the_cache(server: Server) -> None:
     c, m = server.client(), server.model()
     chat(c, m, "What is fog?", max_tokens=4)

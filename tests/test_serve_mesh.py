@@ -130,6 +130,16 @@ def test_logprobs_over_the_mesh_equal_the_single_process_servers(
 
 
 @pytest.mark.serve
+def test_echo_over_the_mesh(mesh_server: Server, local_server: Server) -> None:
+    """The echoed reply equals the single process server's; scoring the prompt is refused
+    with a 400 that says why (the exit station keeps only the logits rows that emit)."""
+    kw: dict[str, Any] = {"max_tokens": 6, "echo": True}
+    assert complete(mesh_server, "Fog is", **kw)[0] == complete(local_server, "Fog is", **kw)[0]
+    with pytest.raises(openai.BadRequestError, match="not over a mesh"):
+        complete(mesh_server, "Fog is", logprobs=1, **kw)
+
+
+@pytest.mark.serve
 def test_plain_and_streamed_replies_agree_over_the_mesh(mesh_server: Server) -> None:
     c, m = mesh_server.client(), mesh_server.model()
     plain = chat(c, m, "Is it windy?", max_tokens=20)

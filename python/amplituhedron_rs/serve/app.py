@@ -65,6 +65,8 @@ class _Prepared:
     stops: list[str]
     stream: bool
     include_usage: bool
+    #: The prompt's text, when the reply starts with it (completions' ``echo``).
+    echo: str | None = None
 
 
 def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings) -> FastAPI:
@@ -120,6 +122,9 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         prompt: list[int],
         max_tokens: int | None,
         who: str,
+        *,
+        echo: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> _Prepared:
         check_model(body.model)
         if not prompt:
@@ -153,10 +158,12 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 salt=salt,
                 draft_max=settings.draft_max if draft else None,
                 logprobs=body.logprobs_count(),
+                prompt_logprobs=prompt_logprobs,
             ),
             body.stop_list(),
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
+            echo,
         )
 
     def submit(p: _Prepared) -> RequestStream:
@@ -207,10 +214,13 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, who: str = auth) -> Any:
+        text: str | None = None
         if isinstance(body.prompt, str):
-            prompt = tokenizer.encode(body.prompt)
+            text = body.prompt
         elif body.prompt and isinstance(body.prompt[0], str):
-            prompt = tokenizer.encode(str(body.prompt[0]))
+            text = str(body.prompt[0])
+        if text is not None:
+            prompt = tokenizer.encode(text)
         else:
             prompt = [int(t) for t in body.prompt]
             bad = [t for t in prompt if t >= tokenizer.vocab_size]
@@ -219,9 +229,17 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                     f"token id {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}",
                     param="prompt",
                 )
-        if body.max_tokens == 0:
-            raise bad_request("max_tokens must be at least 1", param="max_tokens")
-        prepared = prepare(body, prompt, body.max_tokens, who)
+        echo = None
+        if body.echo:
+            echo = text if text is not None else tokenizer.decode(prompt)
+        prepared = prepare(
+            body,
+            prompt,
+            body.max_tokens,
+            who,
+            echo=echo,
+            prompt_logprobs=body.prompt_logprobs_count(),
+        )
         return await respond(prepared, request, chat=False)
 
     async def respond(p: _Prepared, request: Request, *, chat: bool) -> Any:
@@ -240,13 +258,13 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             )
         text = await _until_done_or_disconnect(generation.collect(), request, front, stream)
         choice: dict[str, Any] = {"index": 0, "finish_reason": generation.finish_reason}
-        logprobs = generation.logprobs_payload(generation.sent_logprobs, chat=chat, offset=0)
+        logprobs = generation.reply_logprobs(chat=chat)
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = logprobs
             obj = "chat.completion"
         else:
-            choice["text"] = text
+            choice["text"] = (p.echo or "") + text
             choice["logprobs"] = logprobs
             obj = "text_completion"
         return JSONResponse(
@@ -284,6 +302,10 @@ class _Generation:
         self.wants_logprobs = p.params.logprobs is not None
         #: Log-probabilities of the tokens whose text was sent, in order.
         self.sent_logprobs: list[_core.TokenLogprobs] = []
+        self.echo = p.echo
+        self.first_prompt_token = p.params.prompt[0]
+        #: The prompt's tokens after the first, scored (echo with logprobs).
+        self.prompt_scores: list[_core.TokenLogprobs] = []
         self.text = TextStream(tokenizer, p.stops)
         self.prompt_tokens = len(p.params.prompt)
         self.completion_tokens = 0
@@ -305,7 +327,15 @@ class _Generation:
             self.sent_logprobs.extend(sent)
             return _Delta(piece, sent)
 
+        scoring = self.echo is not None and self.wants_logprobs
+        if self.echo is not None and not scoring:
+            yield _Delta(self.echo, [], prompt=True)
         async for ev in self.stream.events():
+            if ev.kind == "prompt":
+                self.prompt_scores = list(ev.prompt_logprobs or [])
+                if self.echo is not None:
+                    yield _Delta(self.echo, self.prompt_scores, prompt=True)
+                continue
             if ev.kind == "token":
                 assert ev.token is not None
                 self._timing()
@@ -330,16 +360,29 @@ class _Generation:
             pass
         return self.text.text
 
-    def logprobs_payload(
-        self, entries: list[_core.TokenLogprobs], *, chat: bool, offset: int
-    ) -> dict[str, Any] | None:
-        """OpenAI's ``logprobs`` object for ``entries`` (None when the request asked for
-        none); ``offset``: where their text starts in the reply (completions' offsets)."""
+    def logprobs_payload(self, d: _Delta, *, chat: bool, offset: int) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` object for a delta's tokens (None when the request asked
+        for none); ``offset``: where their text starts in the reply (completions' offsets)."""
         if not self.wants_logprobs:
             return None
         if chat:
-            return chat_logprobs(entries, self.tokenizer.token_bytes)
-        return completion_logprobs(entries, self.tokenizer.token_bytes, offset)
+            return chat_logprobs(d.logprobs, self.tokenizer.token_bytes)
+        first = self.first_prompt_token if d.prompt else None
+        return completion_logprobs(d.logprobs, self.tokenizer.token_bytes, offset, first)
+
+    def reply_logprobs(self, *, chat: bool) -> dict[str, Any] | None:
+        """A whole (not streamed) reply's ``logprobs``: the echoed prompt's, then the
+        completion's."""
+        sent = _Delta(self.text.text, self.sent_logprobs)
+        if self.echo is None:
+            return self.logprobs_payload(sent, chat=chat, offset=0)
+        head = self.logprobs_payload(
+            _Delta(self.echo, self.prompt_scores, prompt=True), chat=chat, offset=0
+        )
+        tail = self.logprobs_payload(sent, chat=chat, offset=len(self.echo))
+        if head is None or tail is None:
+            return None
+        return {key: head[key] + tail[key] for key in head}
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -368,6 +411,8 @@ class _Delta:
 
     text: str
     logprobs: list[_core.TokenLogprobs]
+    #: The echoed prompt (its first token unscored), not generated text.
+    prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -425,7 +470,7 @@ async def _sse(
         try:
             sent = 0  # characters of reply text so far (completions' text offsets)
             async for d in g.deltas():
-                logprobs = g.logprobs_payload(d.logprobs, chat=shape.chat, offset=sent)
+                logprobs = g.logprobs_payload(d, chat=shape.chat, offset=sent)
                 yield _event(shape.chunk(d.text, None, first=first, logprobs=logprobs))
                 sent += len(d.text)
                 first = False

@@ -83,6 +83,8 @@ class GenerationParams:
     draft_max: int | None = None
     #: Report each token's log-probability with this many alternatives (None: none).
     logprobs: int | None = None
+    #: The same for every prompt token after the first (None: none).
+    prompt_logprobs: int | None = None
 
 
 class RequestStream:
@@ -141,6 +143,7 @@ class EngineFront:
                 use_cache=p.use_cache,
                 draft_max=p.draft_max,
                 logprobs=p.logprobs,
+                prompt_logprobs=p.prompt_logprobs,
             )
             stream = RequestStream(seq)
             self._streams[seq] = stream

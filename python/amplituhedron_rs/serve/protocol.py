@@ -139,6 +139,9 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[str]
     max_tokens: int | None = Field(default=16, ge=0)
+    #: Reply with the prompt, then the completion; with ``logprobs``, the prompt's tokens
+    #: are scored too (the first has nothing before it: ``null``). ``max_tokens: 0`` with
+    #: ``echo`` only scores the prompt (loglikelihood evaluation).
     echo: StrictBool = False
     suffix: str | None = None
     #: Report each generated token's log-probability and this many alternatives.
@@ -151,8 +154,8 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("prompt: must not be empty")
             if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
                 raise ValueError("prompt: only one prompt per request is supported")
-        if self.echo:
-            raise ValueError("echo: not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo)")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
@@ -160,6 +163,10 @@ class CompletionRequest(_SamplingFields):
     def logprobs_count(self) -> int | None:
         """Alternatives to report per token, or None for no log-probabilities."""
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives to report per prompt token (echo with logprobs), or None."""
+        return self.logprobs if self.echo else None
 
 
 # --- replies ---------------------------------------------------------------------------------
@@ -208,22 +215,28 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprobs], token_bytes: Callable[[int], bytes], offset: int
+    entries: Sequence[TokenLogprobs],
+    token_bytes: Callable[[int], bytes],
+    offset: int,
+    first_token: int | None = None,
 ) -> dict[str, Any]:
     """Legacy completions' ``logprobs``: parallel lists of token texts, log-probabilities,
-    alternatives (text → log-probability) and the tokens' offsets in the reply text."""
+    alternatives (text → log-probability) and the tokens' offsets in the reply text. An
+    echoed prompt's ``first_token`` leads them, unscored (``null``), as OpenAI's did."""
 
     def text(token: int) -> str:
         return token_bytes(token).decode("utf-8", "replace")
 
-    texts = [text(e.token) for e in entries]
+    lead = [] if first_token is None else [first_token]
+    texts = [text(t) for t in lead] + [text(e.token) for e in entries]
     offsets = []
     for t in texts:
         offsets.append(offset)
         offset += len(t)
+    unscored: list[Any] = [None] * len(lead)
     return {
         "tokens": texts,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "token_logprobs": unscored + [e.logprob for e in entries],
+        "top_logprobs": unscored + [{text(t): lp for t, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
