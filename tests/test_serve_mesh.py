@@ -130,13 +130,29 @@ def test_logprobs_over_the_mesh_equal_the_single_process_servers(
 
 
 @pytest.mark.serve
-def test_echo_over_the_mesh(mesh_server: Server, local_server: Server) -> None:
-    """The echoed reply equals the single process server's; scoring the prompt is refused
-    with a 400 that says why (the exit station keeps only the logits rows that emit)."""
-    kw: dict[str, Any] = {"max_tokens": 6, "echo": True}
-    assert complete(mesh_server, "Fog is", **kw)[0] == complete(local_server, "Fog is", **kw)[0]
-    with pytest.raises(openai.BadRequestError, match="not over a mesh"):
-        complete(mesh_server, "Fog is", logprobs=1, **kw)
+def test_echo_and_prompt_scores_over_the_mesh_equal_the_single_process_servers(
+    mesh_server: Server, local_server: Server
+) -> None:
+    """The exit station scores each prompt row's next token from its own logits, in every
+    prefill chunk (this prompt takes two): the same reply, bit for bit, as in process."""
+    text = " ".join(["Fog forms when moist air cools to its dew point near the ground."] * 4)
+
+    def run(srv: Server, **kw: Any) -> tuple[Any, ...]:
+        r = srv.client().completions.create(model=srv.model(), prompt=text, echo=True, **kw)
+        lp = r.choices[0].logprobs
+        scores = None if lp is None else (lp.tokens, lp.token_logprobs, lp.top_logprobs)
+        return r.choices[0].text, scores
+
+    for kw in (
+        {"max_tokens": 4, "logprobs": 2},
+        {"max_tokens": 0, "logprobs": 0},
+        {"max_tokens": 3},
+    ):
+        local = run(local_server, **kw)
+        assert local[0].startswith(text)
+        assert run(mesh_server, **kw) == local, kw
+    scores = run(mesh_server, max_tokens=1, logprobs=1)[1]
+    assert scores is not None and len(scores[1]) > 33 and scores[1][0] is None
 
 
 @pytest.mark.serve

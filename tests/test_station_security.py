@@ -705,6 +705,10 @@ def test_the_batched_step_refuses_the_attacks(secure: LocalMesh) -> None:
             ]
         )
         assert r.status_code == 422 and "vocabulary" in r.text, r.text
+        # Prompt scores come from prefill rows only.
+        decode = {**whole, "start": len(PROMPT), "tokens": [5], "kind": "decode"}
+        r = post([{**decode, "last": False, "capture": False, "prompt_logprobs": 1}])
+        assert r.status_code == 400 and "prompt_logprobs" in r.text, r.text
         assert captures() == before and httpx.get(f"{entry.url}/healthz").status_code == 200
         # A session fed other tokens (here through forward) never captures, even after a
         # step recomputes its prompt: the batched step keeps forward's capture rule.

@@ -436,25 +436,33 @@ impl PyEngine {
         Ok(pending.iter().map(PyEntry::from).collect())
     }
 
-    /// External mode: the outcome of the planned step — per entry, the emitted tokens, and
-    /// with `logprobs` per entry each emitted token's `(token, logprob, top)` — or `error`
+    /// External mode: the outcome of the planned step — per entry, the emitted tokens; with
+    /// `logprobs` per entry each emitted token's `(token, logprob, top)`, with
+    /// `prompt_logprobs` per entry those of the prompt tokens its rows predict — or `error`
     /// when the step failed (every sequence of the step then finishes with it).
-    #[pyo3(signature = (emitted, error=None, logprobs=None))]
+    #[pyo3(signature = (emitted, error=None, logprobs=None, prompt_logprobs=None))]
     fn complete(
         &self,
         py: Python<'_>,
         emitted: Vec<Vec<u32>>,
         error: Option<String>,
         logprobs: Option<Vec<Vec<LogprobsTuple>>>,
+        prompt_logprobs: Option<Vec<Vec<LogprobsTuple>>>,
     ) -> PyResult<Vec<PyEvent>> {
         self.external_only()?;
-        if logprobs.as_ref().is_some_and(|l| l.len() != emitted.len()) {
-            return Err(InputError::new_err(
-                "logprobs must hold one list per entry of the step",
-            ));
+        for (name, lists) in [
+            ("logprobs", &logprobs),
+            ("prompt_logprobs", &prompt_logprobs),
+        ] {
+            if lists.as_ref().is_some_and(|l| l.len() != emitted.len()) {
+                return Err(InputError::new_err(format!(
+                    "{name} must hold one list per entry of the step"
+                )));
+            }
         }
         let batch = std::mem::take(&mut *lock(&self.planned_batch));
         let mut per_entry = logprobs.unwrap_or_default().into_iter();
+        let mut prompt_per_entry = prompt_logprobs.unwrap_or_default().into_iter();
         let outcome = match error {
             Some(m) => Err(EngineError::Executor(m)),
             None => Ok(emitted
@@ -468,7 +476,12 @@ impl PyEngine {
                         .into_iter()
                         .map(from_tuple)
                         .collect(),
-                    prompt_logprobs: Vec::new(),
+                    prompt_logprobs: prompt_per_entry
+                        .next()
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(from_tuple)
+                        .collect(),
                 })
                 .collect()),
         };
@@ -502,12 +515,6 @@ impl PyEngine {
         logprobs: Option<usize>,
         prompt_logprobs: Option<usize>,
     ) -> PyResult<u64> {
-        if prompt_logprobs.is_some() && self.executor.is_none() {
-            // A mesh's exit station computes logits only for the rows that emit tokens.
-            return Err(InputError::new_err(
-                "prompt log-probabilities are computed in process only, not over a mesh",
-            ));
-        }
         let req = Request {
             prompt,
             max_new_tokens,

@@ -160,9 +160,9 @@ class MeshExecutor:
                 events.extend(self.engine.complete([], error=str(exc)))
             else:
                 logprobs = [[lp.as_tuple() for lp in r.logprobs or []] for r in entries]
-                events.extend(
-                    self.engine.complete(self._emitted(batch, entries), logprobs=logprobs)
-                )
+                scored = [[lp.as_tuple() for lp in r.prompt_logprobs or []] for r in entries]
+                emitted = self._emitted(batch, entries)
+                events.extend(self.engine.complete(emitted, None, logprobs, scored))
         await self._release(self.engine.take_released())
         return events
 
@@ -223,9 +223,10 @@ class MeshExecutor:
             prefix_hash=int(_core.prefix_hash(a.prompt)),
             opening=opening,
             salt=a.salt,
-            use_cache=a.use_cache,
+            use_cache=a.use_cache and a.prompt_logprobs is None,
             greedy=a.greedy,
             logprobs=a.logprobs,
+            prompt_logprobs=a.prompt_logprobs,
         )
         for _ in range(self.max_failovers + 1):
             try:
@@ -314,6 +315,9 @@ class MeshExecutor:
                     emit=e.emit and e.kind == "prefill",
                     capture=e.kind == "prefill" and self.seqs[e.seq].use_cache,
                     logprobs=self.seqs[e.seq].logprobs,
+                    prompt_logprobs=self.seqs[e.seq].prompt_logprobs
+                    if e.kind == "prefill"
+                    else None,
                 )
                 for e in batch
             ]

@@ -211,6 +211,9 @@ class BatchEntrySpec(_Strict):
     #: Exit station: report each emitted token's log-probability with this many
     #: alternatives (None: none).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: Exit station, prefill: report the log-probability of each prompt token a row
+    #: predicts (the one after it, within the prompt) with this many alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class BatchStepRequest(_Strict):
@@ -228,6 +231,8 @@ class BatchEntryResult(BaseModel):
     captured: int = 0
     #: Exit station, when asked: the emitted tokens' log-probabilities, in order.
     logprobs: list[TokenLogprobsWire] | None = None
+    #: Exit station, when asked: the prompt tokens' log-probabilities, in order.
+    prompt_logprobs: list[TokenLogprobsWire] | None = None
 
 
 class BatchStepReply(BaseModel):

@@ -47,6 +47,9 @@ class SeqState:
     greedy: bool
     #: Alternatives of the log-probabilities each emitted token reports (None: none).
     logprobs: int | None = None
+    #: Alternatives of the log-probabilities each prompt token reports (None: none). Scoring
+    #: the prompt computes every row of it, so such a sequence does not use the cache.
+    prompt_logprobs: int | None = None
     #: Per range: the session id (None: none now) and the station and life it lives on.
     sids: list[str | None] = field(default_factory=list)
     places: list[tuple[StationInfo, int] | None] = field(default_factory=list)

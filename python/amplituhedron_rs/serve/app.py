@@ -31,17 +31,14 @@ from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
 from amplituhedron_rs.serve.errors import APIError, bad_request
 from amplituhedron_rs.serve.frontend import EngineFront, GenerationParams, RequestStream
+from amplituhedron_rs.serve.generation import Generation, Prepared
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
     new_id,
     now,
-    usage,
 )
-from amplituhedron_rs.serve.text import TextStream
 
 
 @dataclass
@@ -55,18 +52,6 @@ class ServeSettings:
     #: Speculate (prompt lookup) unless a request says ``"draft": "off"``.
     draft_by_default: bool = False
     draft_max: int = 8
-
-
-@dataclass
-class _Prepared:
-    """A validated request, ready for the engine."""
-
-    params: GenerationParams
-    stops: list[str]
-    stream: bool
-    include_usage: bool
-    #: The prompt's text, when the reply starts with it (completions' ``echo``).
-    echo: str | None = None
 
 
 def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings) -> FastAPI:
@@ -125,7 +110,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         *,
         echo: str | None = None,
         prompt_logprobs: int | None = None,
-    ) -> _Prepared:
+    ) -> Prepared:
         check_model(body.model)
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
@@ -149,7 +134,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         )
         eos = tokenizer.eos_id
         salt = f"{who}:{body.cache_salt}" if body.cache_salt is not None else None
-        return _Prepared(
+        return Prepared(
             GenerationParams(
                 prompt=prompt,
                 max_new_tokens=room if max_tokens is None else max_tokens,
@@ -166,7 +151,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             echo,
         )
 
-    def submit(p: _Prepared) -> RequestStream:
+    def submit(p: Prepared) -> RequestStream:
         try:
             return front.submit(p.params)
         except QueueFullError as exc:
@@ -242,13 +227,13 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         )
         return await respond(prepared, request, chat=False)
 
-    async def respond(p: _Prepared, request: Request, *, chat: bool) -> Any:
+    async def respond(p: Prepared, request: Request, *, chat: bool) -> Any:
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = now()
         started = time.perf_counter()
         stream = submit(p)
         metrics.requests.labels("chat" if chat else "completions").inc()
-        generation = _Generation(stream, tokenizer, p, metrics, started)
+        generation = Generation(stream, tokenizer, p, metrics, started)
         if p.stream:
             shape = _ChunkShape(rid, created, settings.model_name, chat)
             return StreamingResponse(
@@ -284,135 +269,6 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
 def _template_role(role: str) -> str:
     # OpenAI's newer "developer" role is the system prompt of older templates.
     return "system" if role == "developer" else role
-
-
-class _Generation:
-    """One request's run: its events turned into text, its counts, its finish reason."""
-
-    def __init__(
-        self,
-        stream: RequestStream,
-        tokenizer: Tokenizer,
-        p: _Prepared,
-        metrics: ServeMetrics,
-        started: float,
-    ) -> None:
-        self.stream = stream
-        self.tokenizer = tokenizer
-        self.wants_logprobs = p.params.logprobs is not None
-        #: Log-probabilities of the tokens whose text was sent, in order.
-        self.sent_logprobs: list[_core.TokenLogprobs] = []
-        self.echo = p.echo
-        self.first_prompt_token = p.params.prompt[0]
-        #: The prompt's tokens after the first, scored (echo with logprobs).
-        self.prompt_scores: list[_core.TokenLogprobs] = []
-        self.text = TextStream(tokenizer, p.stops)
-        self.prompt_tokens = len(p.params.prompt)
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.finish_reason = "length"
-        self.metrics = metrics
-        self.started = started
-        self.last_token_at: float | None = None
-
-    async def deltas(self) -> AsyncIterator[_Delta]:
-        """Text deltas as tokens arrive, each with the log-probabilities of the tokens whose
-        text it completes (when asked for); ends when the sequence or a stop sequence ends.
-        Tokens that send no text (a stop id, the tokens of a stop sequence) report none."""
-        pending: list[_core.TokenLogprobs] = []
-
-        def delta(piece: str) -> _Delta:
-            nonlocal pending
-            sent, pending = pending, []
-            self.sent_logprobs.extend(sent)
-            return _Delta(piece, sent)
-
-        scoring = self.echo is not None and self.wants_logprobs
-        if self.echo is not None and not scoring:
-            yield _Delta(self.echo, [], prompt=True)
-        async for ev in self.stream.events():
-            if ev.kind == "prompt":
-                self.prompt_scores = list(ev.prompt_logprobs or [])
-                if self.echo is not None:
-                    yield _Delta(self.echo, self.prompt_scores, prompt=True)
-                continue
-            if ev.kind == "token":
-                assert ev.token is not None
-                self._timing()
-                self.completion_tokens += 1
-                if ev.logprobs is not None:
-                    pending.append(ev.logprobs)
-                piece = self.text.push(ev.token)
-                if piece:
-                    yield delta(piece)
-                if self.text.stopped:
-                    self.finish_reason = "stop"
-                    return
-                continue
-            self._finished(ev)
-            tail = self.text.finish()
-            if tail:
-                yield delta(tail)
-            return
-
-    async def collect(self) -> str:
-        async for _ in self.deltas():
-            pass
-        return self.text.text
-
-    def logprobs_payload(self, d: _Delta, *, chat: bool, offset: int) -> dict[str, Any] | None:
-        """OpenAI's ``logprobs`` object for a delta's tokens (None when the request asked
-        for none); ``offset``: where their text starts in the reply (completions' offsets)."""
-        if not self.wants_logprobs:
-            return None
-        if chat:
-            return chat_logprobs(d.logprobs, self.tokenizer.token_bytes)
-        first = self.first_prompt_token if d.prompt else None
-        return completion_logprobs(d.logprobs, self.tokenizer.token_bytes, offset, first)
-
-    def reply_logprobs(self, *, chat: bool) -> dict[str, Any] | None:
-        """A whole (not streamed) reply's ``logprobs``: the echoed prompt's, then the
-        completion's."""
-        sent = _Delta(self.text.text, self.sent_logprobs)
-        if self.echo is None:
-            return self.logprobs_payload(sent, chat=chat, offset=0)
-        head = self.logprobs_payload(
-            _Delta(self.echo, self.prompt_scores, prompt=True), chat=chat, offset=0
-        )
-        tail = self.logprobs_payload(sent, chat=chat, offset=len(self.echo))
-        if head is None or tail is None:
-            return None
-        return {key: head[key] + tail[key] for key in head}
-
-    def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    def _timing(self) -> None:
-        t = time.perf_counter()
-        if self.last_token_at is None:
-            self.metrics.ttft.observe(t - self.started)
-        else:
-            self.metrics.itl.observe(t - self.last_token_at)
-        self.last_token_at = t
-
-    def _finished(self, ev: _core.EngineEvent) -> None:
-        stats = ev.stats or {}
-        self.cached_tokens = int(stats.get("cached_tokens", 0))
-        self.metrics.finished(self.prompt_tokens, self.completion_tokens, stats, str(ev.reason))
-        self.metrics.latency.observe(time.perf_counter() - self.started)
-        if ev.reason == "error":
-            raise errors.engine_error(ev.error or "generation failed")
-        self.finish_reason = "stop" if ev.reason == "stop" else "length"
-
-
-@dataclass(frozen=True)
-class _Delta:
-    """A piece of reply text and the log-probabilities of the tokens it completes."""
-
-    text: str
-    logprobs: list[_core.TokenLogprobs]
-    #: The echoed prompt (its first token unscored), not generated text.
-    prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -457,7 +313,7 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 async def _sse(
-    g: _Generation, shape: _ChunkShape, include_usage: bool, front: EngineFront
+    g: Generation, shape: _ChunkShape, include_usage: bool, front: EngineFront
 ) -> AsyncIterator[bytes]:
     """Server-sent events; the client leaving cancels the sequence (Starlette cancels this
     generator, and `finally` hands the cancel to the engine)."""

@@ -114,7 +114,8 @@ class BatchStepper:
                     f"entry {i}: {len(e.tokens)} rows exceed this station's {self.max_rows} "
                     "rows per entry"
                 )
-            if e.kind == "decode" and st.is_exit and len(e.tokens) > st.settings.max_logits_rows:
+            scored = e.kind == "decode" or e.prompt_logprobs is not None
+            if scored and st.is_exit and len(e.tokens) > st.settings.max_logits_rows:
                 raise TooLarge(
                     f"entry {i}: {len(e.tokens)} rows to verify; at most "
                     f"{st.settings.max_logits_rows} rows of logits per entry"
@@ -124,8 +125,12 @@ class BatchStepper:
                 raise InputError(
                     f"entry {i}: token id {bad} is outside the vocabulary of {st.vocab}"
                 )
-            if e.kind == "decode" and (e.last or e.emit or e.capture):
-                raise BadBody(f"entry {i}: last, emit and capture are for prefill entries")
+            if e.kind == "decode" and (
+                e.last or e.emit or e.capture or e.prompt_logprobs is not None
+            ):
+                raise BadBody(
+                    f"entry {i}: last, emit, capture and prompt_logprobs are for prefill entries"
+                )
             if e.emit and not e.last:
                 raise BadBody(f"entry {i}: emit needs the prompt's last chunk")
         rows = sum(len(e.tokens) for e in req.entries)
@@ -182,6 +187,8 @@ class BatchStepper:
             return "none"
         if e.kind == "decode":
             return "last" if len(e.tokens) == 1 else "all"
+        if e.prompt_logprobs is not None:
+            return "all"
         return "last" if e.last else "none"
 
     def _finish(
@@ -194,7 +201,14 @@ class BatchStepper:
         ids = np.asarray(e.tokens, dtype=np.uint32) if st.is_entry else None
         live.note_prompt(ids, e.start, hidden, logits, self._logits(e))
         emitted: list[int] = []
-        logprobs = None
+        logprobs = prompt_logprobs = None
+        if st.is_exit and logits is not None and e.prompt_logprobs is not None:
+            # Row j predicts the prompt token after it (the last prompt row: the first output).
+            after = live.prompt[e.start + 1 : e.start + 1 + len(e.tokens)]
+            prompt_logprobs = [
+                TokenLogprobsWire.of(_core.token_logprobs(logits[j], t, e.prompt_logprobs))
+                for j, t in enumerate(after)
+            ]
         if st.is_exit and logits is not None:
             assert live.sampler is not None
             if e.kind == "decode":
@@ -223,6 +237,7 @@ class BatchStepper:
             emitted=emitted,
             captured=captured,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
