@@ -343,10 +343,16 @@ impl PyEngine {
             n_sys,
             max_chunk,
         };
+        let vocab = (pipeline.inner.lock())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .weights()
+            .config()
+            .vocab;
         let cfg = EngineConfig {
             max_running,
             max_queue,
             step_tokens,
+            scored_rows: EngineConfig::scored_rows_for(vocab),
         };
         let engine = Engine::new(cfg).map_err(PyErr::from)?;
         let executor = LocalExecutor::new(Arc::clone(&pipeline.inner), session, max_running)
@@ -362,6 +368,7 @@ impl PyEngine {
             max_running,
             max_queue,
             step_tokens,
+            ..EngineConfig::default()
         };
         Ok(PyEngine::from_parts(
             Engine::new(cfg).map_err(PyErr::from)?,

@@ -20,6 +20,10 @@ pub struct EngineConfig {
     /// Rows per step: every running sequence's decode rows first, then prompt chunks with
     /// what is left. Bounds a step's latency, so a long prompt never stalls the streams.
     pub step_tokens: usize,
+    /// Prompt rows per chunk of a sequence that asked for prompt log-probabilities: each of
+    /// those rows keeps its vocabulary-wide logits until its score is taken
+    /// ([`EngineConfig::scored_rows_for`] sizes it to a model).
+    pub scored_rows: usize,
 }
 
 impl Default for EngineConfig {
@@ -28,15 +32,28 @@ impl Default for EngineConfig {
             max_running: 8,
             max_queue: 64,
             step_tokens: 64,
+            scored_rows: 32,
         }
     }
 }
 
+/// Logits a scored prompt chunk may keep at once.
+const SCORED_LOGITS_BYTES: usize = 32 << 20;
+
 impl EngineConfig {
+    /// Scored prompt rows per chunk for a `vocab`-wide model: as many as fit
+    /// [`SCORED_LOGITS_BYTES`] of logits (170 for a 49k vocabulary, 32 for 262k), 8 to 256.
+    pub fn scored_rows_for(vocab: usize) -> usize {
+        (SCORED_LOGITS_BYTES / (4 * vocab.max(1))).clamp(8, 256)
+    }
+
     /// Checks the bounds: every running sequence must fit a step with one row.
     pub fn validate(&self) -> Result<(), EngineError> {
         if self.max_running == 0 {
             return Err(EngineError::Input("max_running must be at least 1".into()));
+        }
+        if self.scored_rows == 0 {
+            return Err(EngineError::Input("scored_rows must be at least 1".into()));
         }
         if self.step_tokens < self.max_running {
             return Err(EngineError::Input(format!(
@@ -368,7 +385,7 @@ impl Engine {
             let n = seq.req.prompt.len();
             // A chunk whose every row's logits are kept is bounded (they are vocab-wide).
             let rows = match seq.req.prompt_logprobs {
-                Some(_) => budget.min(PROMPT_LOGPROBS_ROWS),
+                Some(_) => budget.min(self.cfg.scored_rows),
                 None => budget,
             };
             let end = (next + rows).min(n);
@@ -593,10 +610,6 @@ pub fn step(engine: &Mutex<Engine>, ex: &mut dyn Executor) -> Vec<Event> {
     }
     events
 }
-
-/// Prompt rows per chunk of a sequence that asked for prompt log-probabilities (each row's
-/// logits are kept until the chunk's log-probabilities are taken from them).
-const PROMPT_LOGPROBS_ROWS: usize = 32;
 
 fn split_rows(logits: Option<Vec<f32>>, rows: usize) -> Option<Vec<Vec<f32>>> {
     let l = logits?;

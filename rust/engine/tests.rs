@@ -211,6 +211,7 @@ fn batched_requests_equal_each_request_alone() {
         max_running: 3,
         max_queue: 16,
         step_tokens: 20,
+        ..EngineConfig::default()
     };
     let ex = assert_batched_equals_alone(&w, &reqs, cfg, "");
     assert_eq!(ex.live(), 0, "every sequence's KV was released");
@@ -481,6 +482,7 @@ fn a_full_queue_refuses_and_cancellation_frees_the_kv() {
         max_running: 1,
         max_queue: 2,
         step_tokens: 8,
+        ..EngineConfig::default()
     };
     let mut engine = Engine::new(cfg).unwrap();
     let mut ex = executor(&w);
@@ -538,6 +540,7 @@ fn sequences_sharing_a_system_prompt_equal_each_alone() {
             max_running: 4,
             max_queue: 16,
             step_tokens: 24,
+            ..EngineConfig::default()
         };
         assert_batched_equals_alone(&w, &reqs, cfg, &format!("{precision:?} "));
     }
@@ -550,6 +553,7 @@ fn step_totals_count_every_batch_and_its_rows() {
         max_running: 4,
         max_queue: 16,
         step_tokens: 16,
+        ..EngineConfig::default()
     })
     .unwrap();
     assert_eq!(engine.step_totals(), StepTotals::default());
@@ -697,6 +701,12 @@ fn prompt_logprobs_are_those_of_every_prompt_row() {
         with_prompt(4, prompt(20, 3)),
     ];
     assert_batched_equals_alone(&w, &reqs, EngineConfig::default(), "prompt logprobs: ");
+    // Scored in chunks of 5 rows, against 32 alone: the same values.
+    let small = EngineConfig {
+        scored_rows: 5,
+        ..EngineConfig::default()
+    };
+    assert_batched_equals_alone(&w, &reqs, small, "5-row scored chunks: ");
     // A cached prompt: the volume is not replayed, every row is computed again.
     let mut engine = Engine::new(EngineConfig::default()).unwrap();
     let mut ex = executor(&w);
@@ -723,4 +733,18 @@ fn prompt_logprobs_are_those_of_every_prompt_row() {
         .unwrap_err();
     assert!(matches!(err, EngineError::Input(_)), "{err:?}");
     assert_eq!(engine.waiting(), 0);
+}
+
+#[test]
+fn scored_chunks_keep_at_most_32_mib_of_logits() {
+    assert_eq!(EngineConfig::scored_rows_for(49_152), 170);
+    assert_eq!(EngineConfig::scored_rows_for(262_144), 32);
+    assert_eq!(EngineConfig::scored_rows_for(96), 256);
+    assert_eq!(EngineConfig::scored_rows_for(10_000_000), 8);
+    let err = Engine::new(EngineConfig {
+        scored_rows: 0,
+        ..EngineConfig::default()
+    })
+    .unwrap_err();
+    assert!(matches!(err, EngineError::Input(_)), "{err:?}");
 }
