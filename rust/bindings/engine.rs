@@ -470,6 +470,14 @@ impl PyEngine {
         let batch = std::mem::take(&mut *lock(&self.planned_batch));
         let mut per_entry = logprobs.unwrap_or_default().into_iter();
         let mut prompt_per_entry = prompt_logprobs.unwrap_or_default().into_iter();
+        let next = |lists: &mut std::vec::IntoIter<Vec<LogprobsTuple>>| -> Vec<TokenLogprobs> {
+            lists
+                .next()
+                .unwrap_or_default()
+                .into_iter()
+                .map(from_tuple)
+                .collect()
+        };
         let outcome = match error {
             Some(m) => Err(EngineError::Executor(m)),
             None => Ok(emitted
@@ -477,18 +485,8 @@ impl PyEngine {
                 .map(|emitted| EntryOutcome {
                     emitted,
                     logits: None,
-                    logprobs: per_entry
-                        .next()
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(from_tuple)
-                        .collect(),
-                    prompt_logprobs: prompt_per_entry
-                        .next()
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(from_tuple)
-                        .collect(),
+                    logprobs: next(&mut per_entry),
+                    prompt_logprobs: next(&mut prompt_per_entry),
                 })
                 .collect()),
         };

@@ -101,6 +101,14 @@ fn request(prompt: Vec<u32>, max_new: usize, sampling: SamplingParams) -> Reques
     }
 }
 
+/// `r` with the volume cache on.
+fn cached(r: Request) -> Request {
+    Request {
+        use_cache: true,
+        ..r
+    }
+}
+
 fn seeded(seed: u64) -> SamplingParams {
     SamplingParams {
         greedy: false,
@@ -224,10 +232,6 @@ fn cache_on_equals_cache_off_and_skips_prefill() {
     let cold = run_one(&w, request(p.clone(), 8, SamplingParams::default()));
     let mut engine = Engine::new(EngineConfig::default()).unwrap();
     let mut ex = executor(&w);
-    let cached = |r: Request| Request {
-        use_cache: true,
-        ..r
-    };
     let a = engine
         .submit(cached(request(p.clone(), 8, SamplingParams::default())))
         .unwrap();
@@ -271,10 +275,7 @@ fn a_volume_is_captured_before_the_next_admission() {
     let p = prompt(40, 5);
     let mut engine = Engine::new(EngineConfig::default()).unwrap();
     let mut ex = executor(&w);
-    let cached = || Request {
-        use_cache: true,
-        ..request(p.clone(), 12, SamplingParams::default())
-    };
+    let cached = || cached(request(p.clone(), 12, SamplingParams::default()));
     let a = engine.submit(cached()).unwrap();
     let shared = Mutex::new(engine);
     let mut first_steps = 0;
@@ -322,10 +323,7 @@ fn a_prompt_longer_than_the_longest_prefix_caches_its_head() {
     })
     .unwrap();
     let mut run = |p: &[u32]| {
-        let r = Request {
-            use_cache: true,
-            ..request(p.to_vec(), 5, SamplingParams::default())
-        };
+        let r = cached(request(p.to_vec(), 5, SamplingParams::default()));
         let id = engine.submit(r).unwrap();
         drain(&mut engine, &mut ex).remove(&id).unwrap()
     };
@@ -416,11 +414,10 @@ fn a_volume_captured_with_speculation_is_byte_identical() {
     let volume_of = |draft: Option<DraftConfig>| {
         let mut engine = Engine::new(EngineConfig::default()).unwrap();
         let mut ex = executor(&w);
-        let req = Request {
+        let req = cached(Request {
             draft,
-            use_cache: true,
             ..request(p.clone(), 30, SamplingParams::default())
-        };
+        });
         engine.submit(req).unwrap();
         drain(&mut engine, &mut ex);
         let key = VolumeKey {
@@ -628,9 +625,11 @@ fn logprobs_are_those_of_the_emitted_rows_batched_speculative_and_cached() {
     // An exact hit's first token comes from the volume's logits: the same values.
     let mut engine = Engine::new(EngineConfig::default()).unwrap();
     let mut ex = executor(&w);
-    let cached = || Request {
-        use_cache: true,
-        ..with_logprobs(3, request(p.clone(), 6, SamplingParams::default()))
+    let cached = || {
+        cached(with_logprobs(
+            3,
+            request(p.clone(), 6, SamplingParams::default()),
+        ))
     };
     for _ in 0..2 {
         let id = engine.submit(cached()).unwrap();
@@ -710,10 +709,6 @@ fn prompt_logprobs_are_those_of_every_prompt_row() {
     // A cached prompt: the volume is not replayed, every row is computed again.
     let mut engine = Engine::new(EngineConfig::default()).unwrap();
     let mut ex = executor(&w);
-    let cached = |r: Request| Request {
-        use_cache: true,
-        ..r
-    };
     let id = engine
         .submit(cached(request(p.clone(), 2, SamplingParams::default())))
         .unwrap();

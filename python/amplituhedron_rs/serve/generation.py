@@ -70,8 +70,8 @@ class Generation:
             self.sent_logprobs.extend(sent)
             return Delta(piece, sent)
 
-        scoring = self.echo is not None and self.wants_logprobs
-        if self.echo is not None and not scoring:
+        # A scored prompt is sent with its scores, when they come; else at once.
+        if self.echo is not None and not self.wants_logprobs:
             yield Delta(self.echo, [], prompt=True)
         async for ev in self.stream.events():
             if ev.kind == "prompt":

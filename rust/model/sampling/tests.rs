@@ -367,6 +367,17 @@ fn a_weight_has_the_same_bits_alone_or_in_a_block_and_sums_close_to_libm() {
     assert!((total - exact).abs() < 1e-6 * exact);
 }
 
+/// Every `(id, logit)`, higher logit first, lower id first among equals (a full sort).
+fn sorted_by_logit(logits: &[f32]) -> Vec<(u32, f32)> {
+    let mut order: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    order.sort_by(by_logit);
+    order
+}
+
 /// The canonical kept set, computed the slow way: sort every token by "higher logit, lower
 /// id", weigh each alone, keep the top-k, then the shortest prefix reaching top-p of the
 /// pool's total.
@@ -374,12 +385,7 @@ fn reference_distribution(logits: &[f32], p: &SamplingParams) -> (Vec<(u32, f32)
     let best = max_of(logits);
     let inv_t = 1.0 / p.temperature;
     let weight = |l: f32| weight_of(l, best, inv_t);
-    let mut order: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
-    order.sort_by(by_logit);
+    let mut order = sorted_by_logit(logits);
     let truncate_k = p.top_k > 0 && p.top_k < logits.len();
     if truncate_k {
         order.truncate(p.top_k);
@@ -452,12 +458,7 @@ fn the_best_tokens_by_scan_equal_a_full_sort() {
     let logits: Vec<f32> = (0..5000)
         .map(|i| ((i * 7919 % 1013) as f32) * 0.01)
         .collect();
-    let mut sorted: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i as u32, l))
-        .collect();
-    sorted.sort_by(by_logit);
+    let sorted = sorted_by_logit(&logits);
     for n in [0, 1, 20, TOP_SCAN_MAX, TOP_SCAN_MAX + 1, 1000, 5000, 6000] {
         let mut got = Vec::new();
         top_by_logit(&logits, n, &mut got);
