@@ -148,7 +148,6 @@ def test_refusals_get_their_status_from_the_exception_type() -> None:
 
     cases: list[tuple[Exception, int]] = [
         (errors.BadBody("x"), 400),
-        (errors.Unauthorized("x"), 401),
         (errors.NotFound("x"), 404),
         (errors.Conflict("x"), 409),
         (errors.TooLarge("x"), 413),

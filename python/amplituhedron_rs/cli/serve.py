@@ -34,6 +34,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="accepted API key (repeatable; env AMPLITUHEDRON_API_KEY); none: open",
     )
     p.add_argument(
+        "--shared-cache-keys",
+        action="store_true",
+        help="let all API keys share one cache partition (off: each key is its own; sharing "
+        "lets one key learn another's cached prompts through cached_tokens and latency)",
+    )
+    p.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="parse special tokens written in message content as control tokens (off: they "
+        "are text, so a message cannot forge a system or assistant turn)",
+    )
+    p.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="serve /metrics without an API key (for a scraper); off: it needs a key",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        metavar="N",
+        help=f"largest request body, counted as it streams (default {d.max_body_bytes})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
+        help="open connections; past it idle ones are closed first, then new ones get 503 "
+        f"(default {d.max_connections})",
+    )
+    p.add_argument(
         "--max-batch", type=int, default=d.max_batch, metavar="N", help="sequences per step"
     )
     p.add_argument(
@@ -118,6 +150,11 @@ def run(a: argparse.Namespace) -> int:
             mesh=a.mesh,
             stations=a.stations,
             mesh_token=a.mesh_token,
+            shared_cache_keys=a.shared_cache_keys,
+            allow_special_tokens_in_content=a.allow_special_tokens_in_content,
+            open_metrics=a.open_metrics,
+            max_body_bytes=a.max_body_bytes,
+            max_connections=a.max_connections,
         )
     )
     return 0

@@ -14,6 +14,7 @@ from amplituhedron_rs.cli.common import (
     layer_range,
     read_token_file,
 )
+from amplituhedron_rs.edge.limits import EdgeLimits
 
 HELP = "run one station"
 
@@ -43,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--open-metrics", action="store_true", help="serve /metrics without the token"
     )
     serve.add_argument("--max-sessions", type=int, default=8)
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=EdgeLimits.max_connections,
+        metavar="N",
+        help="open connections; past it idle ones are closed first, then 503 "
+        f"(default {EdgeLimits.max_connections})",
+    )
     serve.add_argument(
         "--session-idle",
         type=float,
@@ -122,6 +131,7 @@ def run(a: argparse.Namespace) -> int:
         token=token,
         open_metrics=a.open_metrics,
         max_sessions=a.max_sessions,
+        max_connections=a.max_connections,
         session_idle_s=a.session_idle,
         memory_budget=None if a.memory_budget is None else a.memory_budget * 1024 * 1024,
         cache=CacheOptions(

@@ -41,6 +41,7 @@ callers' drivers (a thread's stepper, an asyncio engine) are in :mod:`.engine`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ from amplituhedron_rs.mesh.sessions import (
     note_step,
     sampling_of,
 )
+
+log = logging.getLogger("amplituhedron.mesh")
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ class MeshExecutor:
         events: list[_core.EngineEvent] = []
         admissions = self.engine.plan_admissions()
         if admissions:
-            results = await asyncio.gather(*(self._admit(a) for a in admissions))
+            results = await asyncio.gather(*(self._admit_or_fail(a) for a in admissions))
             firsts = [None if r.logprobs is None else r.logprobs.as_tuple() for r in results]
             events.extend(self.engine.admitted([r.result for r in results], logprobs=firsts))
         batch = self.engine.plan_batch()
@@ -158,6 +161,12 @@ class MeshExecutor:
             except MeshError as exc:
                 # Every sequence of the step finishes with the error: no token after it.
                 events.extend(self.engine.complete([], error=str(exc)))
+            except Exception as exc:
+                # Not a station's answer: a bug here. It ends this step's sequences, never
+                # the engine (its caller steps the others on).
+                log.exception("a mesh step failed")
+                error = f"the mesh step failed: {type(exc).__name__}: {exc}"
+                events.extend(self.engine.complete([], error=error))
             else:
                 logprobs = [[lp.as_tuple() for lp in r.logprobs or []] for r in entries]
                 scored = [[lp.as_tuple() for lp in r.prompt_logprobs or []] for r in entries]
@@ -215,6 +224,19 @@ class MeshExecutor:
         self._pending.clear()
 
     # --- admissions ------------------------------------------------------------------------
+    async def _admit_or_fail(self, a: _core.EngineAdmission) -> _Admitted:
+        """Admits one sequence; any failure fails that sequence alone (its sessions
+        closed), never the step or the engine."""
+        try:
+            return await self._admit(a)
+        except Exception as exc:
+            log.exception("admitting sequence %d failed", a.seq)
+            try:
+                await self._release([a.seq])
+            except Exception:
+                log.exception("closing the sessions of sequence %d failed", a.seq)
+            return _Admitted((a.seq, 0, None, f"admission failed: {type(exc).__name__}: {exc}"))
+
     async def _admit(self, a: _core.EngineAdmission) -> _Admitted:
         opening = wire.OpenSessionRequest(prompt_tokens=list(a.prompt), sampling=sampling_of(a))
         state = SeqState(

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from amplituhedron_rs._core import MAX_TOP_LOGPROBS, TokenLogprobs
-from amplituhedron_rs.runtime.sampling import SamplingParams
+from amplituhedron_rs.runtime.sampling import TOP_K_MAX, SamplingParams
 
 U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
@@ -72,7 +72,7 @@ class SamplingSpec(_Strict):
     tokens equal the single-process runtime's for the same parameters)."""
 
     temperature: float | None = Field(default=None, ge=0, le=1e6)
-    top_k: int | None = Field(default=None, ge=0, le=1 << 31)
+    top_k: int | None = Field(default=None, ge=0, le=TOP_K_MAX)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int = Field(default=0, ge=0, le=U64_MAX)
 

@@ -39,6 +39,10 @@ def build_app(o: ServeOptions) -> FastAPI:
         api_keys=o.api_keys,
         draft_by_default=o.draft,
         draft_max=o.draft_max,
+        shared_cache_keys=o.shared_cache_keys,
+        allow_special_tokens_in_content=o.allow_special_tokens_in_content,
+        open_metrics=o.open_metrics,
+        max_body_bytes=o.max_body_bytes,
     )
     return create_app(front, tokenizer, settings)
 
@@ -111,7 +115,7 @@ def _mesh_front(o: ServeOptions) -> tuple[EngineFront, Tokenizer, int]:
 
 def serve(o: ServeOptions) -> None:
     """Runs the server until interrupted."""
-    import uvicorn
+    from amplituhedron_rs.edge.server import run
 
     app = build_app(o)
-    uvicorn.run(app, host=o.host, port=o.port, log_level="warning", access_log=False)
+    run(app, o.host, o.port, o.edge_limits())

@@ -7,6 +7,11 @@
 Each request becomes one engine sequence: it consults the volume cache (exact, then longest
 prefix; ``usage.prompt_tokens_details.cached_tokens`` reports what was replayed) and joins
 the running batch. A client that disconnects cancels its sequence at once.
+
+The trust boundary (SPEC §17, SECURITY.md): with ``--api-key``, every path but ``/health``
+needs a key, checked before the body is read; bodies are bounded as they stream; prompts
+are bounded in characters before they are tokenised, off the event loop; each key is its
+own cache partition.
 """
 
 from __future__ import annotations
@@ -26,11 +31,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import QueueFullError
+from amplituhedron_rs.edge.asgi import BearerAuth, BodyLimit, matching_key
+from amplituhedron_rs.edge.limits import DEFAULT_JSON_BYTES
 from amplituhedron_rs.runtime.sampling import SamplingParams
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
 from amplituhedron_rs.serve.errors import APIError, bad_request
-from amplituhedron_rs.serve.frontend import EngineFront, GenerationParams, RequestStream
+from amplituhedron_rs.serve.frontend import (
+    EngineFailed,
+    EngineFront,
+    GenerationParams,
+    RequestStream,
+)
 from amplituhedron_rs.serve.generation import Generation, Prepared
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import (
@@ -52,6 +64,23 @@ class ServeSettings:
     #: Speculate (prompt lookup) unless a request says ``"draft": "off"``.
     draft_by_default: bool = False
     draft_max: int = 8
+    #: Every key shares one cache partition (a prompt oracle across keys: off by default).
+    shared_cache_keys: bool = False
+    #: Special tokens spelled in message content are control tokens (off: text).
+    allow_special_tokens_in_content: bool = False
+    #: /metrics without a key.
+    open_metrics: bool = False
+    max_body_bytes: int = DEFAULT_JSON_BYTES
+
+
+def cache_partition(key_index: int | None, salt: str | None, *, shared: bool) -> str:
+    """The cache salt of a request: a hash of who calls (the index of their API key among
+    the server's, None for an open server) and their ``cache_salt``, so requests of
+    different keys never share volumes unless the operator says ``shared``. Always a hex
+    digest: no length or character of a client's salt reaches a station header."""
+    who = "shared" if shared or key_index is None else f"key:{key_index}"
+    material = f"{who}\0{'' if salt is None else 'salt:' + salt}".encode()
+    return hashlib.sha256(material).hexdigest()
 
 
 def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings) -> FastAPI:
@@ -73,24 +102,46 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
     errors.install(app)
     metrics = ServeMetrics(front)
     keys = [k.encode() for k in settings.api_keys]
+    # Outermost last: the key is checked before the body is read, then the body is
+    # counted as it streams.
+    app.add_middleware(
+        BodyLimit,
+        json_limit=settings.max_body_bytes,
+        octet_limit=settings.max_body_bytes,
+        respond=errors.edge_refusal,
+    )
+    open_paths = {"/health", "/metrics"} if settings.open_metrics else {"/health"}
+    app.add_middleware(
+        BearerAuth, keys=keys, open_paths=open_paths, respond=errors.edge_refusal, what="API key"
+    )
+    # No prompt longer than this many characters can fit the context (each token spells
+    # at most ``max_token_bytes`` characters): refused before it is tokenised.
+    max_prompt_chars = settings.context_len * tokenizer.max_token_bytes
 
-    def tenant(authorization: str | None) -> str:
-        """Who is calling (a hash of their key): the root of their cache salt."""
-        token = (authorization or "").removeprefix("Bearer ")
-        return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-
-    def require_key(authorization: str | None = Header(default=None)) -> str:
+    def caller(authorization: str | None = Header(default=None, include_in_schema=False)) -> int:
+        """Which key authenticated the request (the edge already refused a wrong one)."""
         if not keys:
-            return tenant(None)
-        if authorization is None or not authorization.startswith("Bearer "):
-            raise errors.unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        given = authorization.removeprefix("Bearer ").encode("utf-8", "surrogateescape")
-        # Compare with every key, in constant time per key.
-        if not any(secrets.compare_digest(given, k) for k in keys):
+            return -1
+        raw = authorization.encode("latin-1") if authorization is not None else None
+        index = matching_key(raw, keys)
+        if index is None:  # unreachable behind BearerAuth; refuse rather than share
             raise errors.unauthorized("invalid API key")
-        return tenant(authorization)
+        return index
 
-    auth = Depends(require_key)
+    auth = Depends(caller)
+
+    def check_chars(n: int, param: str) -> None:
+        if n > max_prompt_chars:
+            raise bad_request(
+                f"the prompt has {n} characters; no more than {max_prompt_chars} can fit this "
+                f"model's context of {settings.context_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def tokenize(text: str) -> list[int]:
+        # In a worker thread, without the GIL: a long prompt never stalls the event loop.
+        return await asyncio.to_thread(tokenizer.encode, text)
 
     def check_model(name: str) -> None:
         if name != settings.model_name:
@@ -106,7 +157,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         body: ChatCompletionRequest | CompletionRequest,
         prompt: list[int],
         max_tokens: int | None,
-        who: str,
+        who: int,
         *,
         echo: str | None = None,
         prompt_logprobs: int | None = None,
@@ -133,7 +184,9 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             body.draft == "prompt-lookup" if body.draft is not None else settings.draft_by_default
         )
         eos = tokenizer.eos_id
-        salt = f"{who}:{body.cache_salt}" if body.cache_salt is not None else None
+        salt = cache_partition(
+            None if who < 0 else who, body.cache_salt, shared=settings.shared_cache_keys
+        )
         return Prepared(
             GenerationParams(
                 prompt=prompt,
@@ -157,14 +210,19 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         except QueueFullError as exc:
             metrics.rejected.inc()
             raise errors.queue_full(str(exc)) from exc
+        except EngineFailed as exc:
+            raise errors.engine_error(str(exc), 503) from exc
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
 
     # --- routes ------------------------------------------------------------------------
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_name}
+    def health() -> JSONResponse:
+        if not front.alive:
+            body = {"status": "failed", "model": settings.model_name, "error": front.failure}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "model": settings.model_name})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> PlainTextResponse:
@@ -187,25 +245,30 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
-        body: ChatCompletionRequest, request: Request, who: str = auth
+        body: ChatCompletionRequest, request: Request, who: int = auth
     ) -> Any:
         messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
+        check_chars(sum(len(m["content"]) for m in messages), "messages")
+        special = settings.allow_special_tokens_in_content
         try:
-            prompt = tokenizer.encode(tokenizer.render_chat(messages))
+            prompt = await asyncio.to_thread(
+                tokenizer.encode_chat, messages, special_in_content=special
+            )
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", param="messages") from exc
         prepared = prepare(body, prompt, body.token_limit(), who)
         return await respond(prepared, request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, who: str = auth) -> Any:
+    async def completions(body: CompletionRequest, request: Request, who: int = auth) -> Any:
         text: str | None = None
         if isinstance(body.prompt, str):
             text = body.prompt
         elif body.prompt and isinstance(body.prompt[0], str):
             text = str(body.prompt[0])
         if text is not None:
-            prompt = tokenizer.encode(text)
+            check_chars(len(text), "prompt")
+            prompt = await tokenize(text)
         else:
             prompt = [int(t) for t in body.prompt]
             bad = [t for t in prompt if t >= tokenizer.vocab_size]

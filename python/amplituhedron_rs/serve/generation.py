@@ -11,7 +11,7 @@ from typing import Any
 from amplituhedron_rs import _core
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
-from amplituhedron_rs.serve.frontend import GenerationParams, RequestStream
+from amplituhedron_rs.serve.frontend import EngineFailed, GenerationParams, RequestStream
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import chat_logprobs, completion_logprobs, usage
 from amplituhedron_rs.serve.text import TextStream
@@ -73,7 +73,7 @@ class Generation:
         # A scored prompt is sent with its scores, when they come; else at once.
         if self.echo is not None and not self.wants_logprobs:
             yield Delta(self.echo, [], prompt=True)
-        async for ev in self.stream.events():
+        async for ev in self._events():
             if ev.kind == "prompt":
                 self.prompt_scores = list(ev.prompt_logprobs or [])
                 if self.echo is not None:
@@ -97,6 +97,13 @@ class Generation:
             if tail:
                 yield delta(tail)
             return
+
+    async def _events(self) -> AsyncIterator[_core.EngineEvent]:
+        try:
+            async for ev in self.stream.events():
+                yield ev
+        except EngineFailed as exc:
+            raise errors.engine_error(str(exc), 503) from exc
 
     async def collect(self) -> str:
         async for _ in self.deltas():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from amplituhedron_rs.edge.limits import DEFAULT_JSON_BYTES, EdgeLimits
 from amplituhedron_rs.runtime.options import DEFAULT_KV_DTYPE, BatchOptions, CacheOptions
 
 
@@ -41,3 +42,24 @@ class ServeOptions:
     stations: int | None = None
     #: The mesh's bearer token (None with ``stations``: a fresh one is generated).
     mesh_token: str | None = None
+    #: Let every API key reuse every other key's cached prompts. Off by default: each key
+    #: is its own cache partition, because ``usage.cached_tokens`` (and latency) tell a
+    #: caller whether a prompt was cached, which lets one key recover another's prompts.
+    shared_cache_keys: bool = False
+    #: Parse special tokens spelled inside message content as control tokens (off: content
+    #: is text, so no message can forge a system or assistant turn).
+    allow_special_tokens_in_content: bool = False
+    #: Serve /metrics without a key (for a scraper); /docs and /openapi.json stay closed.
+    open_metrics: bool = False
+    #: Largest request body, counted as it streams (chunked too).
+    max_body_bytes: int = DEFAULT_JSON_BYTES
+    #: Open connections; past it idle ones are closed first, then new ones get a 503.
+    max_connections: int = EdgeLimits.max_connections
+
+    def edge_limits(self) -> EdgeLimits:
+        """The bounds of the server's HTTP surface."""
+        return EdgeLimits(
+            max_connections=self.max_connections,
+            max_json_bytes=self.max_body_bytes,
+            max_octet_bytes=self.max_body_bytes,
+        )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,6 +23,7 @@ from pydantic import (
 )
 
 from amplituhedron_rs._core import MAX_TOP_LOGPROBS
+from amplituhedron_rs.runtime.sampling import TOP_K_MAX
 
 if TYPE_CHECKING:
     from amplituhedron_rs._core import TokenLogprobs
@@ -32,19 +34,35 @@ U64_MAX = 2**64 - 1
 Role = Literal["system", "developer", "user", "assistant"]
 
 
+def _unicode_text(value: str) -> str:
+    """Text that is valid Unicode: JSON's ``"\\ud800"`` escapes decode to lone surrogates,
+    which no UTF-8 tokenizer, header or log line can carry."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"invalid Unicode at character {exc.start} (a lone UTF-16 surrogate)"
+        ) from None
+    return value
+
+
+#: Every string a request carries: valid Unicode, refused with a 400 otherwise.
+Text = Annotated[str, AfterValidator(_unicode_text)]
+
+
 class TextPart(BaseModel):
     """One text part of a message's content (``{"type": "text", "text": …}``)."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -62,20 +80,21 @@ class _SamplingFields(BaseModel):
     runtime's one greedy rule); any other value samples."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str = Field(min_length=1)
+    model: Text = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=0, le=U32_MAX)
+    top_k: int | None = Field(default=None, ge=0, le=TOP_K_MAX)
     seed: int | None = Field(default=None, ge=0, le=U64_MAX)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    #: Splits the caller's cache partition further (it is hashed with the API key's).
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     #: Speculative decoding for this request (an extension): "prompt-lookup" or "off"; the
     #: server's default when absent.
     draft: Literal["prompt-lookup", "off"] | None = None
-    user: str | None = None
+    user: Text | None = None
     # Accepted only at their neutral value.
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
@@ -137,13 +156,13 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[str]
+    prompt: Text | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[Text]
     max_tokens: int | None = Field(default=16, ge=0)
     #: Reply with the prompt, then the completion; with ``logprobs``, the prompt's tokens
     #: are scored too (the first has nothing before it: ``null``). ``max_tokens: 0`` with
     #: ``echo`` only scores the prompt (loglikelihood evaluation).
     echo: StrictBool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     #: Report each generated token's log-probability and this many alternatives.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 

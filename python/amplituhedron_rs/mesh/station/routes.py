@@ -1,7 +1,8 @@
 """The station's HTTP endpoints (SPEC §5, §14): thin FastAPI routes over :class:`.state.Station`.
 
 Every endpoint but ``GET /healthz`` needs ``Authorization: Bearer <mesh token>`` (checked for
-the whole app by :class:`~.app.AuthMiddleware`, so /docs, /openapi.json and /metrics too).
+the whole app by :class:`~amplituhedron_rs.edge.asgi.BearerAuth`, so /docs, /openapi.json and
+/metrics too).
 
 - ``GET /healthz``, ``GET /metrics`` (Prometheus, added by the app), ``GET /openapi.json``
 - ``GET /amplituhedron/stats``, ``POST /amplituhedron/configure``

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from amplituhedron_rs import _core
+from amplituhedron_rs.edge.limits import DEFAULT_JSON_BYTES, EdgeLimits
 from amplituhedron_rs.mesh.station.errors import BadBody, Busy, Cancelled, Conflict, NotFound
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.options import (
@@ -52,7 +53,9 @@ class StationSettings:
     session_idle_s: float = 30.0
     #: Octet bodies (forward, decode); JSON bodies get ``max_json_bytes``.
     max_body_bytes: int = 16 * 1024 * 1024
-    max_json_bytes: int = 1024 * 1024
+    max_json_bytes: int = DEFAULT_JSON_BYTES
+    #: Open connections (idle ones are closed first past it; see amplituhedron_rs.edge).
+    max_connections: int = EdgeLimits.max_connections
     #: Rows one forward may carry (None: the session's ``max_chunk``).
     max_forward_rows: int | None = None
     #: Rows of ``logits=all`` one forward may ask for (each row is vocab × 4 bytes).
