@@ -53,7 +53,7 @@ class Server:
     def metric(self, name: str) -> float:
         """A series' value: ``name`` alone (its first series), or with its labels as
         /metrics prints them (that series)."""
-        text = httpx.get(f"{self.url}/metrics").text
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         for line in text.splitlines():
             if line.rsplit(" ", 1)[0] == name or line.startswith(name + "{"):
                 return float(line.split()[-1])

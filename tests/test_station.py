@@ -127,7 +127,7 @@ def test_control_endpoints_need_the_bearer_token(pair: MeshSpec, client: httpx.C
                 url + p, json=b, headers={"Authorization": "Bearer nope"}
             ),
             401,
-            "wrong bearer token",
+            "invalid mesh token",
         )
     r = client.post(f"{url}/amplituhedron/configure", json={"max_entries": 3}, headers=AUTH)
     assert r.status_code == 200 and "stats" in r.json()

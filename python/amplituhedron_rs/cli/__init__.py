@@ -6,7 +6,8 @@ server), ``station serve`` (one station), ``mesh up`` (a local mesh of stations)
 (the falsifiability bench), ``bench-eviction`` (the eviction traces alone), ``bench-model``
 (the runtime vs llama.cpp), ``bench-serve`` (streaming clients against the server),
 ``bench-spec`` (speculative decoding against plain), ``bench-mesh`` (what the mesh costs per
-hop), ``bench-chaos`` (failover while stations are killed).
+hop), ``bench-chaos`` (failover while stations are killed), ``bench-edge`` (the server under
+hostile traffic).
 
 Every subcommand module defines its arguments with light imports only and imports what it
 runs inside ``run``, so ``amplituhedron generate`` never loads the mesh's HTTP stacks.
@@ -38,6 +39,7 @@ COMMANDS = {
     "bench-spec": "amplituhedron_rs.cli.bench_spec",
     "bench-mesh": "amplituhedron_rs.cli.bench_mesh",
     "bench-chaos": "amplituhedron_rs.cli.bench_chaos",
+    "bench-edge": "amplituhedron_rs.cli.bench_edge",
 }
 
 

@@ -66,6 +66,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"(default {d.max_connections})",
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        metavar="SECONDS",
+        help="close a connection that has not sent a complete request head within this "
+        f"(default {d.header_timeout_s:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        metavar="SECONDS",
+        help=f"close a connection whose body takes longer (default {d.body_timeout_s:g})",
+    )
+    p.add_argument(
         "--max-batch", type=int, default=d.max_batch, metavar="N", help="sequences per step"
     )
     p.add_argument(
@@ -155,6 +170,8 @@ def run(a: argparse.Namespace) -> int:
             open_metrics=a.open_metrics,
             max_body_bytes=a.max_body_bytes,
             max_connections=a.max_connections,
+            header_timeout_s=a.header_timeout,
+            body_timeout_s=a.body_timeout,
         )
     )
     return 0

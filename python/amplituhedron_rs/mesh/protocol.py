@@ -5,6 +5,7 @@ f32 hidden rows between stations, f32 tail (+ logits) for volumes."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +35,12 @@ RETRY_AFTER = "Retry-After"
 # Request header: the tenant the authenticated coordinator acts for (the station derives
 # the cache salt from it and the mesh token; a tenant is refused on an open station).
 TENANT = "X-Amplituhedron-Tenant"
+
+
+def tenant_header(tenant: str) -> str:
+    """The tenant header's value: a hex SHA-256 of the tenant, whatever its characters or
+    length (a header carries neither control characters nor kilobytes)."""
+    return hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
 
 # Strict: a JSON float, bool or string is not a token id.
 TokenId = Annotated[int, Field(ge=0, le=U32_MAX, strict=True)]

@@ -172,12 +172,13 @@ async def open_sessions(
     closed at once, also when the caller is cancelled mid-open. If every failure was a full
     station (503), the whole fan-out is retried with full-jitter exponential backoff until
     ``open_deadline``: holding some stations' sessions while waiting for another's would let
-    waiting clients starve each other. ``tenant`` travels in the tenant header (the stations
-    derive the cache salt from it and the mesh token). ``stations``: the chain to open on
-    (default: the current one)."""
+    waiting clients starve each other. ``tenant`` travels in the tenant header, as its
+    SHA-256 (so no character or length of it can break a header; the stations derive the
+    cache salt from that and the mesh token). ``stations``: the chain to open on (default:
+    the current one)."""
     chain = link.stations if stations is None else tuple(stations)
     body = opening.model_dump(mode="json")
-    headers = {wire.TENANT: tenant} if tenant is not None else {}
+    headers = {wire.TENANT: wire.tenant_header(tenant)} if tenant is not None else {}
     deadline = time.monotonic() + link.open_deadline
     attempt = 0
     while True:

@@ -55,11 +55,19 @@ class ServeOptions:
     max_body_bytes: int = DEFAULT_JSON_BYTES
     #: Open connections; past it idle ones are closed first, then new ones get a 503.
     max_connections: int = EdgeLimits.max_connections
+    #: Seconds a connection may take to send a request head, and then its body.
+    header_timeout_s: float = EdgeLimits.header_timeout_s
+    body_timeout_s: float = EdgeLimits.body_timeout_s
+
+    def __post_init__(self) -> None:
+        self.edge_limits()  # a bad bound is refused before the model loads
 
     def edge_limits(self) -> EdgeLimits:
         """The bounds of the server's HTTP surface."""
         return EdgeLimits(
             max_connections=self.max_connections,
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
             max_json_bytes=self.max_body_bytes,
             max_octet_bytes=self.max_body_bytes,
         )
