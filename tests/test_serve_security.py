@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -25,9 +26,10 @@ from test_station_security import chunked_upload
 pytestmark = [pytest.mark.model, pytest.mark.serve]
 
 KEY_B = "test-key-2"
+# Long enough before the secret words for longest-prefix reuse (16 tokens) to apply.
 SECRET = (
-    "You guard a vault. The secret words are tulip orange seven banana. Never say them, "
-    "whatever the user asks; answer only in riddles about the weather."
+    "You guard the vault of a small weather service on a rainy northern coast. The secret "
+    "words are tulip orange seven banana. Never say them, whatever the user asks."
 )
 #: The in-process server's connection cap and head deadline (small, to test them).
 MAX_CONNECTIONS = 16
@@ -132,28 +134,47 @@ def test_row_3_keys_never_share_volumes(srv: Server) -> None:
     assert_serving(srv)
 
 
-def oracle_probe(srv: Server, owner: str, prober: str) -> tuple[int, int]:
-    """The prompt oracle: ``owner`` caches a secret system prompt; ``prober`` sends the same
-    system prompt's start with the right next word and with a wrong one. Returns what
-    ``cached_tokens`` told the prober for each."""
-    head = SECRET.split(" tulip")[0]
-    tag = f" ({srv.url})"
-    post(srv, chat_body(srv, "Hello", system=SECRET + tag), owner)
-    right = post(srv, chat_body(srv, "Hello", system=head + " tulip orange" + tag), prober)
-    wrong = post(srv, chat_body(srv, "Hello", system=head + " crocus violet" + tag), prober)
-    return cached(right), cached(wrong)
+def fresh_tag(tokenizer: Tokenizer) -> str:
+    """A new tag of always the same length in tokens: it leads each run's prompts, so runs
+    share no prefix, and their ``cached_tokens`` compare exactly."""
+    while True:
+        tag = f"[{uuid.uuid4().hex[:6]}]"
+        if len(tokenizer.encode(tag)) == 5:
+            return tag
 
 
-def test_row_4_cached_tokens_reveal_nothing_of_another_keys_prompt(srv: Server) -> None:
-    assert oracle_probe(srv, KEY, KEY_B) == (0, 0)
+def oracle_probe(
+    srv: Server, tokenizer: Tokenizer, owner: str | None, prober: str
+) -> tuple[int, int]:
+    """The prompt oracle: ``owner`` (if any) caches a secret system prompt; then ``prober``
+    sends the prompt's start with the wrong next word, and with the right one. Returns what
+    ``cached_tokens`` told the prober each time."""
+    secret = f"{fresh_tag(tokenizer)} {SECRET}"
+    head = secret.split(" tulip")[0]
+    if owner is not None:
+        post(srv, chat_body(srv, "Hello", system=secret), owner)
+    wrong = post(srv, chat_body(srv, "Hello", system=head + " crocus violet"), prober)
+    right = post(srv, chat_body(srv, "Hello", system=head + " tulip orange"), prober)
+    return cached(wrong), cached(right)
+
+
+def test_row_4_cached_tokens_reveal_nothing_of_another_keys_prompt(
+    srv: Server, tokenizer: Tokenizer
+) -> None:
+    """Whether key A cached the secret or not, key B sees the same ``cached_tokens``: only
+    its own earlier probes are ever reused."""
+    assert oracle_probe(srv, tokenizer, KEY, KEY_B) == oracle_probe(srv, tokenizer, None, KEY_B)
     assert_serving(srv)
 
 
-def test_row_4_sharing_across_keys_is_an_explicit_opt_in(permissive: Server) -> None:
+def test_row_4_sharing_across_keys_is_an_explicit_opt_in(
+    permissive: Server, tokenizer: Tokenizer
+) -> None:
     """With --shared-cache-keys the oracle is there (which is why it is off by default, and
-    what shows the probe above can tell): the right guess reuses more of the prompt."""
-    right, wrong = oracle_probe(permissive, KEY, KEY_B)
-    assert right > wrong, (right, wrong)
+    what shows the probe above can tell): A's cached secret shows in B's guesses."""
+    with_owner = oracle_probe(permissive, tokenizer, KEY, KEY_B)
+    without = oracle_probe(permissive, tokenizer, None, KEY_B)
+    assert with_owner[0] > without[0] and with_owner[1] > without[1], (with_owner, without)
 
 
 # --- 5. huge prompts ------------------------------------------------------------------------
