@@ -572,7 +572,10 @@ def test_tiny_run_writes_plot_and_report(tiny_run: tuple[Path, dict[str, Any]]) 
         )
     # Re-rendering the saved JSON without a plot says so instead of linking nothing.
     assert "no plot" in bench_report.markdown(r, out / "again.md", None)
-    assert len(bench_report.summary_tables(r)) == 6
+    assert len(bench_report.summary_tables(r)) == 7
+    # The seeds' §7 estimate stands beside the measured figures, in the report too.
+    assert "seeds' §7 estimate" in md and "| uplift | 3.5× |" in md
+    assert r["seed_estimate"]["decode_ms_per_token"] == 280
 
 
 def test_bench_serve_fails_only_on_our_errors() -> None:

@@ -42,6 +42,7 @@ def tenant_header(tenant: str) -> str:
     length (a header carries neither control characters nor kilobytes)."""
     return hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
 
+
 # Strict: a JSON float, bool or string is not a token id.
 TokenId = Annotated[int, Field(ge=0, le=U32_MAX, strict=True)]
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
