@@ -113,10 +113,11 @@ class StationClient:
         except StreamError as exc:
             self._ports.pop(station.url, None)
             self._streams.forget(host, port)
-            what = "did not answer" if exc.timeout else "failed"
-            raise StationFailed(
-                None, f"station {station.url} {what} during {phase}: {exc}", station=station
-            ) from exc
+            if exc.timeout:
+                why = f"did not answer within {self._timeout:g} s during {phase}"
+            else:
+                why = f"failed during {phase}: {exc}"
+            raise StationFailed(None, f"station {station.url} {why}", station=station) from exc
         if reply.status != 200:
             try:
                 body = json.loads(reply.head)

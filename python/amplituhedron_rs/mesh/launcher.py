@@ -310,8 +310,11 @@ class LocalMesh:
                 f"{lo}:{hi}",
                 "--port",
                 str(port),
-                "--stream-port",
-                str(ports[n + i]),
+                *(
+                    []
+                    if "--no-stream" in self.station_args
+                    else ["--stream-port", str(ports[n + i])]
+                ),
                 "--model-index",
                 str(index),
                 *auth,
