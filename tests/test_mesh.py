@@ -28,6 +28,7 @@ from amplituhedron_rs.mesh.launcher import (
     split_layers,
     wait_healthy,
 )
+from amplituhedron_rs.mesh.station.stream import ENDPOINT as STREAM_ENDPOINT
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
 
@@ -62,7 +63,9 @@ def step_requests(mesh: MeshSpec) -> int:
         request = urllib.request.Request(f"{s.url}/metrics", headers=AUTH)
         text = urllib.request.urlopen(request).read().decode()
         for line in text.splitlines():
-            if line.startswith("amplituhedron_requests_total") and 'endpoint="/batch/step"' in line:
+            if line.startswith("amplituhedron_requests_total") and any(
+                f'endpoint="{e}"' in line for e in ("/batch/step", STREAM_ENDPOINT)
+            ):
                 total += int(float(line.split()[-1]))
     return total
 

@@ -24,6 +24,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="serve a layer range over HTTP")
     serve.add_argument("--layers", required=True, metavar="LO:HI", type=layer_range)
     serve.add_argument("--port", type=int, default=8100)
+    stream = serve.add_mutually_exclusive_group()
+    stream.add_argument(
+        "--stream-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the step stream's TCP port on the same host (default 0: any free port, "
+        "announced in /healthz)",
+    )
+    stream.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="serve batched steps over HTTP only (slower hops)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     add_model(serve)
     serve.add_argument("--model-index", metavar="JSON", help=argparse.SUPPRESS)
@@ -143,6 +157,7 @@ def run(a: argparse.Namespace) -> int:
             cache_dir=a.cache_dir,
             max_disk_bytes=a.max_disk_bytes,
         ),
+        stream_port=None if a.no_stream else a.stream_port,
         fault_injection=a.fault_injection,
         precision=a.precision,
         kv_dtype=a.kv_dtype,

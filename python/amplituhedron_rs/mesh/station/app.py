@@ -29,6 +29,7 @@ from amplituhedron_rs._core import InputError
 from amplituhedron_rs.edge import EdgeLimits
 from amplituhedron_rs.edge.asgi import BearerAuth, BodyLimit
 from amplituhedron_rs.mesh.station.batch import router as batch_router
+from amplituhedron_rs.mesh.station.batch import stepper_of
 from amplituhedron_rs.mesh.station.drill import DieOn, armed
 from amplituhedron_rs.mesh.station.errors import (
     HANDLED,
@@ -38,6 +39,8 @@ from amplituhedron_rs.mesh.station.errors import (
 from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
 from amplituhedron_rs.mesh.station.state import Station, StationSettings
+from amplituhedron_rs.mesh.station.stream import ENDPOINT as STREAM_ENDPOINT
+from amplituhedron_rs.mesh.station.stream import StepStreamServer
 
 #: Seconds a station keeps an idle connection open.
 KEEPALIVE_S = 30
@@ -107,10 +110,15 @@ def create_app(station: Station) -> FastAPI:
                 station.sweep_idle()
 
         task = asyncio.create_task(sweep())
+        stream: StepStreamServer | None = app.state.step_stream
+        if stream is not None:
+            station.stream_port = await stream.start(s.stream_host, s.stream_port or 0)
         try:
             yield
         finally:
             task.cancel()
+            if stream is not None:
+                stream.close()
             # A graceful stop leaves every accepted volume on disk for the next start.
             await asyncio.to_thread(station.flush_volumes)
 
@@ -160,11 +168,28 @@ def create_app(station: Station) -> FastAPI:
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode())
 
+    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
+
+    def observe_stream(seconds: float, status: int) -> None:
+        latency.labels(STREAM_ENDPOINT).observe(seconds)
+        requests.labels(STREAM_ENDPOINT, str(status)).inc()
+
+    app.state.step_stream = (
+        None
+        if s.stream_port is None
+        else StepStreamServer(
+            station,
+            lambda: stepper_of(app.state, station),
+            station_limits(s),
+            drill=drill,
+            observe=observe_stream,
+        )
+    )
+
     # Each added middleware wraps the ones before: outermost last.
     app.add_middleware(DecodeFastPath, station=station)
-    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
     if drill is not None:
-        app.add_middleware(DieOn, phase=drill[0], n=drill[1])
+        app.add_middleware(DieOn, drill=drill)
     app.add_middleware(
         BodyLimit, json_limit=s.max_json_bytes, octet_limit=s.max_body_bytes, respond=_refusal
     )
@@ -201,13 +226,18 @@ def serve(settings: StationSettings, host: str = "127.0.0.1", port: int = 8100) 
         raise InputError(
             f"refusing to serve without a token on {host}: --insecure is for loopback only"
         )
+    settings.stream_host = host
     app = create_app(Station(settings))
-    # Idle keep-alive connections live longer here than in the coordinator's pool
+    run(app, host, port, station_limits(settings))
+
+
+def station_limits(settings: StationSettings) -> EdgeLimits:
+    """The edge limits of a station's HTTP port and step stream."""
+    # Idle keep-alive connections live longer here than in the coordinator's pools
     # (StationClient: 15 s), so the client never reuses one the station just closed.
-    limits = EdgeLimits(
+    return EdgeLimits(
         max_connections=settings.max_connections,
         keepalive_s=KEEPALIVE_S,
         max_json_bytes=settings.max_json_bytes,
         max_octet_bytes=settings.max_body_bytes,
     )
-    run(app, host, port, limits)

@@ -67,7 +67,8 @@ OCTET_BODY: dict[str, Any] = {
 _T = TypeVar("_T")
 
 
-def current_station(request: Request) -> Station:
+async def current_station(request: Request) -> Station:
+    # async: FastAPI would run a plain function in a worker thread, a hand-off per request.
     station: Station = request.app.state.station
     return station
 
@@ -120,6 +121,7 @@ async def healthz(station: StationDep) -> Health:
         sessions=len(station.sessions),  # a dict's len: safe from the event loop
         entry=station.is_entry,
         exit=station.is_exit,
+        stream_port=station.stream_port,
     )
 
 
