@@ -81,20 +81,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = text_of_tokens(model.tokenize, args.prompt_tokens)
     model.generate(prompt[:16], 4, use_cache=False)
     single = [
-        model.generate(prompt, args.new_tokens, use_cache=False, stop_at_eos=False)
+        model.generate(prompt, args.max_tokens, use_cache=False, stop_at_eos=False)
         for _ in range(args.repeats)
     ]
-    single_decode = statistics.median(g.decode_ms / max(1, args.new_tokens - 1) for g in single)
+    single_decode = statistics.median(g.decode_ms / max(1, args.max_tokens - 1) for g in single)
     single_prefill = statistics.median(g.prefill_ms for g in single)
     model.clear_cache()
     report: dict[str, Any] = {
         "prompt_tokens": len(prompt),
-        "new_tokens": args.new_tokens,
+        "new_tokens": args.max_tokens,
         "single_process": {"decode_ms_per_token": single_decode, "prefill_ms": single_prefill},
         "meshes": {},
     }
     del model  # free the single-process weights' pages before the stations map theirs
-    table = Table(title=f"{len(prompt)}-token prompt, {args.new_tokens} new tokens")
+    table = Table(title=f"{len(prompt)}-token prompt, {args.max_tokens} new tokens")
     for col in (
         "stations",
         "cold latency",
@@ -107,12 +107,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     table.add_row(
         "1 process", f"{single_prefill:.0f} ms prefill", "—", "—", f"{single_decode:.2f}", "—"
     )
-    for k in args.stations:
+    for k in args.station_counts:
         with err.status(f"{k} stations…"), LocalMesh(k, model_path=args.model) as spec:
 
             async def measure() -> dict[str, Any]:
                 async with Coordinator(spec, chunk=args.chunk) as c:
-                    return await _mesh_sessions(c, spec, prompt, args.new_tokens, args.repeats)
+                    return await _mesh_sessions(c, spec, prompt, args.max_tokens, args.repeats)
 
             r = asyncio.run(measure())
         r["per_hop_overhead_ms"] = (r["decode_ms_per_token"] - single_decode) / k
