@@ -413,7 +413,7 @@ TINY = [
     "3",
     "--prompt-tokens",
     "24",
-    "--new-tokens",
+    "--max-tokens",
     "2",
     "--trace-prefixes",
     "5",

@@ -98,6 +98,28 @@ def test_mesh_replies_equal_the_single_process_server(
 
 
 @pytest.mark.serve
+def test_a_list_of_prompts_over_the_mesh_equals_the_single_process_server(
+    mesh_server: Server, local_server: Server
+) -> None:
+    """Several prompts in one request, each its own sequence batched through the stations:
+    the choices (plain, streamed, echoed with logprobs) equal the single-process server's."""
+    prompts = ["The sky is", "Once upon a time", "Rain falls on"]
+
+    def run(srv: Server) -> tuple[Any, ...]:
+        c, m = srv.client(), srv.model()
+        r = c.completions.create(model=m, prompt=prompts, max_tokens=8, echo=True, logprobs=1)
+        plain = [(ch.index, ch.text, ch.logprobs.token_logprobs) for ch in r.choices]
+        streamed = ["", "", ""]
+        for chunk in c.completions.create(model=m, prompt=prompts, max_tokens=8, stream=True):
+            for ch in chunk.choices:
+                streamed[ch.index] += ch.text
+        return plain, streamed
+
+    assert run(mesh_server) == run(local_server)
+    wait_idle(mesh_server)
+
+
+@pytest.mark.serve
 def test_logprobs_over_the_mesh_equal_the_single_process_servers(
     mesh_server: Server, local_server: Server
 ) -> None:

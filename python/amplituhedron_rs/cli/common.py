@@ -68,7 +68,8 @@ class _Renamed(argparse.Action):
     ) -> None:
         err.print(
             f"[yellow]{option_string} is now {self.new}; the old name goes in the next "
-            "release[/yellow]"
+            "release[/yellow]",
+            soft_wrap=True,
         )
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
 

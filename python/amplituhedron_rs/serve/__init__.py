@@ -11,7 +11,6 @@ Importing this package loads no HTTP stack (:mod:`.options` is what the CLI read
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
     from amplituhedron_rs.serve.frontend import EngineFront
 
 __all__ = ["ServeOptions", "build_app", "serve"]
-
-log = logging.getLogger("amplituhedron.serve")
 
 
 def build_app(o: ServeOptions) -> FastAPI:
@@ -43,9 +40,8 @@ def build_app(o: ServeOptions) -> FastAPI:
         front, tokenizer, context_len = _local_front(o)
     if template is not None:
         tokenizer.set_chat_template(template)
+    # Logged once, at the first chat request (completions on a base model are fine).
     warning = None if template is not None else chat_warning(model_file, o.model_path)
-    if warning is not None:
-        log.warning("%s", warning)
     settings = ServeSettings(
         model_name=o.served_model_name or model_id(o.model_path),
         context_len=context_len,

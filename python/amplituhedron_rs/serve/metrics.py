@@ -137,11 +137,18 @@ class ServeMetrics:
         p, labels = PREFIX, [LABEL]
         self.model = model
 
+        plain: list[Counter | Histogram] = []  # labelled by the model only
+
         def counter(name: str, help_: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{p}{name}", help_, [*labels, *extra], registry=r)
+            c = Counter(f"{p}{name}", help_, [*labels, *extra], registry=r)
+            if not extra:
+                plain.append(c)
+            return c
 
         def histogram(name: str, help_: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"{p}{name}", help_, labels, registry=r, buckets=buckets)
+            h = Histogram(f"{p}{name}", help_, labels, registry=r, buckets=buckets)
+            plain.append(h)
+            return h
 
         self.requests = counter("requests_accepted", "HTTP requests accepted", ("endpoint",))
         self.rejected = counter("requests_rejected", "Requests refused: the queue was full")
@@ -200,6 +207,14 @@ class ServeMetrics:
             "request_params_max_tokens", "The max_tokens a request asked for", _TOKEN_BUCKETS
         )
         self.params_n = histogram("request_params_n", "Choices a request asked for", _N_BUCKETS)
+        # Every series exists from the start (at 0), as vLLM's do: a dashboard shows zeros,
+        # not "no data", before the first request of a kind.
+        for metric in plain:
+            metric.labels(model)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(model, reason)
+        for endpoint in ("chat", "completions"):
+            self.requests.labels(model, endpoint)
         r.register(EngineCollector(front, model))
         r.register(FailoverCollector(front, model))
 

@@ -112,8 +112,9 @@ class _SamplingFields(BaseModel):
     def _supported(self) -> _SamplingFields:
         if self.n != 1:
             raise ValueError("n: only n = 1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: penalties are not supported")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         return self
