@@ -125,7 +125,7 @@ def test_a_bad_flag_prints_the_subcommands_usage(capsys: pytest.CaptureFixture[s
 
 
 def test_an_unknown_model_lists_the_known_names(capsys: pytest.CaptureFixture[str]) -> None:
-    assert MODEL_NAMES == ", ".join(KNOWN_MODELS)
+    assert ", ".join(KNOWN_MODELS) == MODEL_NAMES
     for argv in (["serve", "smollm3"], ["generate", "--prompt", "x", "-m", "smollm3"]):
         with pytest.raises(SystemExit):
             parse(argv)
@@ -222,9 +222,9 @@ def test_chat_on_a_base_checkpoint_warns_once_with_the_reason() -> None:
         _, stderr = proc.communicate(timeout=30)
     assert stderr.count("is a base checkpoint") == 1, stderr
     assert "not instruction-tuned" in stderr
+    argv = ["generate", "-m", "gemma3-270m", "--prompt", "Hi", "--chat", "--max-tokens", "1"]
     out = subprocess.run(
-        [sys.executable, "-m", "amplituhedron_rs.cli", "generate", "-m", "gemma3-270m"]
-        + ["--prompt", "Hi", "--chat", "--max-tokens", "1", "--no-cache", "--json"],
+        [sys.executable, "-m", "amplituhedron_rs.cli", *argv, "--no-cache", "--json"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -218,7 +218,8 @@ def test_tokenize_and_detokenize_speak_vllms_shapes(server: Server, tok: Tokeniz
     assert r.status_code == 200 and set(body) == {"count", "max_model_len", "tokens", "token_strs"}
     assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"])
     assert body["token_strs"] == [tok.token_text(t) for t in body["tokens"]]
-    assert body["max_model_len"] == server.client().models.retrieve(m).model_extra["max_model_len"]
+    card = server.client().models.retrieve(m).model_extra or {}
+    assert body["max_model_len"] == card["max_model_len"]
     assert tok.eos_id in body["tokens"], "special tokens written in the text are recognised"
     back = post(server, "/detokenize", {"model": m, "tokens": body["tokens"]}).json()
     assert back == {"prompt": text}
@@ -230,7 +231,7 @@ def test_tokenize_and_detokenize_speak_vllms_shapes(server: Server, tok: Tokeniz
     assert ids == tok.encode(tok.render_chat(messages))
     open_ = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert len(open_.json()["tokens"]) < len(ids)
-    bad = [
+    bad: list[tuple[str, dict[str, Any], int]] = [
         ("/tokenize", {"prompt": "x", "model": "gpt-17"}, 404),
         ("/tokenize", {"prompt": "x", "bogus": 1}, 400),
         ("/tokenize", {"messages": messages, "add_special_tokens": True}, 400),
@@ -352,8 +353,9 @@ def test_lm_evaluation_harness_local_completions_shapes(server: Server) -> None:
             assert all(t == max(top.values()) for t, top in zip(got, tops, strict=True)) == greedy
     # generate_until: token-id prompts, greedy, the task's stops plus the EOS text.
     contexts = ["Question: What is the largest planet?\nAnswer:", "Once upon a time"]
+    prompts = [encode(t) for t in contexts]
     payload = {
-        "prompt": [encode(t) for t in contexts],
+        "prompt": prompts,
         "model": m,
         "max_tokens": 24,
         "temperature": 0,
@@ -365,9 +367,8 @@ def test_lm_evaluation_harness_local_completions_shapes(server: Server) -> None:
     texts: list[str | None] = [None] * len(contexts)
     for ch in r.json()["choices"]:
         texts[ch["index"]] = ch["text"]
-    for text, ctx in zip(texts, payload["prompt"], strict=True):
-        g = model.generate(ctx, 24)
-        want = g.text
-        cuts = [i for s in UNTIL if (i := want.find(s)) >= 0]
-        assert text == (want[: min(cuts)] if cuts else want)
+    for text, ctx in zip(texts, prompts, strict=True):
+        full = model.generate(ctx, 24).text
+        cuts = [i for s in UNTIL if (i := full.find(s)) >= 0]
+        assert text == (full[: min(cuts)] if cuts else full)
     wait_idle(server)

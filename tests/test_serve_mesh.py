@@ -108,7 +108,9 @@ def test_a_list_of_prompts_over_the_mesh_equals_the_single_process_server(
     def run(srv: Server) -> tuple[Any, ...]:
         c, m = srv.client(), srv.model()
         r = c.completions.create(model=m, prompt=prompts, max_tokens=8, echo=True, logprobs=1)
-        plain = [(ch.index, ch.text, ch.logprobs.token_logprobs) for ch in r.choices]
+        plain = [
+            (ch.index, ch.text, ch.logprobs and ch.logprobs.token_logprobs) for ch in r.choices
+        ]
         streamed = ["", "", ""]
         for chunk in c.completions.create(model=m, prompt=prompts, max_tokens=8, stream=True):
             for ch in chunk.choices:
