@@ -233,7 +233,7 @@ def test_generate_no_cache_over_a_mesh_skips_the_cache_for_that_run_only(
     run(_clear(mesh))
     urls = ",".join(s.url for s in mesh.stations)
     argv = ["generate", "--mesh", urls, "--token", TOKEN, "--prompt-ids", ",".join(map(str, ids))]
-    assert main([*argv, "--max-new-tokens", "3", "--json", "--no-cache"]) == 0
+    assert main([*argv, "--max-tokens", "3", "--json", "--no-cache"]) == 0
     [line] = capsys.readouterr().out.splitlines()
     assert [v["replay"] for v in json.loads(line)["cache"]["stations"]] == ["off"] * 3
     # The stations' caches are still on: the next runs capture, then replay.

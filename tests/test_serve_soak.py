@@ -141,7 +141,7 @@ def test_soak_16_clients_with_disconnects_and_bad_requests(srv: Server) -> None:
     live = 1.0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        live = srv.metric("amplituhedron_serve_live_sequences")
+        live = srv.metric("amplituhedron:live_sequences")
         if live == 0:
             break
         time.sleep(0.25)

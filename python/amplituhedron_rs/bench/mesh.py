@@ -135,7 +135,7 @@ def _run_mesh(
 
         async def go() -> dict[str, Any]:
             async with Coordinator(spec, chunk=args.chunk, transport=transport) as c:
-                return await _measure(c, mesh, prompt, args.new_tokens, args.repeats, reference)
+                return await _measure(c, mesh, prompt, args.max_tokens, args.repeats, reference)
 
         return asyncio.run(go())
     finally:
@@ -155,12 +155,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = text_of_tokens(model.tokenize, args.prompt_tokens)
     n_layers = int(model.weights.n_layers)
     model.generate(prompt[:16], 4, use_cache=False)
-    before = _single(model, prompt, args.new_tokens, args.repeats)
+    before = _single(model, prompt, args.max_tokens, args.repeats)
     single_tokens = model.generate(
-        prompt, args.new_tokens, use_cache=False, stop_at_eos=False
+        prompt, args.max_tokens, use_cache=False, stop_at_eos=False
     ).output_ids
     meshes: dict[str, Any] = {}
-    for k in args.stations:
+    for k in args.station_counts:
         threads = args.station_threads or station_threads(k)
         for transport in args.transport:
             with err.status(f"{k} stations ({transport}, {threads} compute thread(s) each)…"):
@@ -168,13 +168,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r = _run_mesh(mesh, args, transport, prompt, single_tokens)
             r["threads_per_station"] = threads
             meshes[f"{k}/{transport}"] = r
-    after = _single(model, prompt, args.new_tokens, args.repeats)
+    after = _single(model, prompt, args.max_tokens, args.repeats)
     single = {key: min(before[key], after[key]) for key in before}
     report: dict[str, Any] = {
         "host": host,
         "model_layers": n_layers,
         "prompt_tokens": len(prompt),
-        "new_tokens": args.new_tokens,
+        "new_tokens": args.max_tokens,
         "chunk": args.chunk,
         "single_process": {"best": single, "before": before, "after": after},
         "meshes": meshes,

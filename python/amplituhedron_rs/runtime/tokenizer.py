@@ -110,19 +110,45 @@ class Tokenizer:
         self.add_bos = model_file.add_bos
         self._tokens = tokens
         self._byte_level = kind == "gpt2"
+        #: The GGUF tokenizer model (``gpt2``: byte-level BPE; ``llama``: SentencePiece).
+        self.kind = str(kind)
         self._template_source = model_file.chat_template or _FALLBACK_TEMPLATES.get(
             model_file.architecture
+        )
+        #: Where the chat template comes from: the model file, the runtime's built-in turn
+        #: format for the architecture, a given one (:meth:`set_chat_template`), or none.
+        self.template_origin: str | None = (
+            "file" if model_file.chat_template else "built-in" if self._template_source else None
         )
         self._template: Any = None
         self._control = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
         self._literal: Any = None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens written in the text are recognised). The
-        batch call releases the GIL (the single one holds it for the whole text), so a long
-        text tokenised in a worker thread never stalls the event loop."""
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source (None: the model has none)."""
+        return self._template_source
+
+    def set_chat_template(self, source: str) -> None:
+        """Renders chats with ``source`` (Jinja, as ``transformers`` reads it) instead of the
+        file's; checked now, so a broken template fails here, not at the first chat."""
+        from jinja2.exceptions import TemplateError
+
+        previous = (self._template_source, self._template, self.template_origin)
+        self._template_source, self._template, self.template_origin = source, None, "given"
+        try:
+            self._compiled_template()
+        except TemplateError as exc:
+            self._template_source, self._template, self.template_origin = previous
+            raise InputError(f"the chat template does not compile: {exc}") from exc
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text`` (special tokens written in the text are recognised); BOS
+        leads them when the model file asks for it and ``add_bos`` is true. The batch call
+        releases the GIL (the single one holds it for the whole text), so a long text
+        tokenised in a worker thread never stalls the event loop."""
         ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        return self._with_bos(ids)
+        return self._with_bos(ids) if add_bos else ids
 
     def encode_chat(
         self, messages: Sequence[Message], *, special_in_content: bool = False

@@ -171,12 +171,16 @@ class EngineFront:
             self._wake.notify()
         return stream
 
-    def cancel(self, stream: RequestStream) -> None:
-        """Stops a request (its client left): its KV is freed at the next step."""
+    def cancel(self, stream: RequestStream) -> _core.EngineEvent | None:
+        """Stops a request (its client left, or a stop sequence ended it): its KV is freed at
+        the next step. Returns its end (figures included), or None when it had already ended
+        in the engine: that end is then still delivered to its stream."""
         with self._wake:
-            self._streams.pop(stream.seq, None)
-            self.engine.cancel(stream.seq)
+            ev = self.engine.cancel(stream.seq)
+            if ev is not None:
+                self._streams.pop(stream.seq, None)
             self._wake.notify()
+        return ev
 
     @property
     def live_sequences(self) -> int:

@@ -31,6 +31,13 @@ class ServeOptions:
     #: Longest prefix the volume cache captures; a longer prompt caches its first this many
     #: tokens (raise it for system prompts or RAG preambles longer than the default).
     max_prefix_len: int = CacheOptions.max_prefix_len
+    #: The volume cache (``False``: every prompt is prefilled, nothing is captured).
+    cache: bool = True
+    #: Volumes the cache holds, its eviction policy, and the shortest cached prefix a new
+    #: prompt replays (0: exact prompts only).
+    max_entries: int = CacheOptions.max_entries
+    policy: str = CacheOptions.policy
+    min_prefix_reuse: int = CacheOptions.min_prefix_reuse
     #: Persist captured volumes under this directory (None: memory only).
     cache_dir: str | None = None
     #: Disk budget of ``cache_dir`` (None: unbounded).
@@ -42,6 +49,11 @@ class ServeOptions:
     stations: int | None = None
     #: The mesh's bearer token (None with ``stations``: a fresh one is generated).
     mesh_token: str | None = None
+    #: Positions a request may use, prompt and reply (None: the model's context, bounded by
+    #: a session's ring); in process it sizes the sessions' rings too.
+    max_model_len: int | None = None
+    #: A Jinja chat template file used instead of the model file's.
+    chat_template: str | None = None
     #: Let every API key reuse every other key's cached prompts. Off by default: each key
     #: is its own cache partition, because ``usage.cached_tokens`` (and latency) tell a
     #: caller whether a prompt was cached, which lets one key recover another's prompts.

@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies (validated) and the shapes of the replies.
 
 Only what the server implements is accepted: a parameter it cannot honour (``n > 1``,
-penalties, tools…) is a 400 that names it, never silently ignored. Unknown extra fields are
-ignored, as OpenAI's own server does.
+penalties, tools…) is a 400 that names it, never silently ignored, and so is a field nobody
+defines (as OpenAI's own server answers); fields that cannot change the output (``user``,
+``metadata``…) are accepted. :mod:`.fields` holds those tables. JSON ``null`` means "not
+given" everywhere.
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ from pydantic import (
 
 from amplituhedron_rs._core import MAX_TOP_LOGPROBS
 from amplituhedron_rs.runtime.sampling import TOP_K_MAX
+from amplituhedron_rs.serve.fields import screen
 
 if TYPE_CHECKING:
     from amplituhedron_rs._core import TokenLogprobs
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
+#: Stop sequences per request (OpenAI allows 4; lm-evaluation-harness sends a task's list
+#: plus the EOS text, and vLLM sets no limit).
+MAX_STOPS = 16
+#: Prompts in one completions request (each its own sequence, batched together).
+MAX_PROMPTS = 256
 
 Role = Literal["system", "developer", "user", "assistant"]
 
@@ -81,6 +89,13 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: Text = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, body: Any) -> Any:
+        # Nulls dropped, refused and unknown fields named (see .fields).
+        return screen(body, cls.model_fields) if isinstance(body, dict) else body
+
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, le=TOP_K_MAX)
@@ -106,8 +121,8 @@ class _SamplingFields(BaseModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
@@ -116,8 +131,9 @@ class _SamplingFields(BaseModel):
     def _supported(self) -> _SamplingFields:
         if self.n != 1:
             raise ValueError("n: only n = 1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: penalties are not supported")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         return self
@@ -155,8 +171,13 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenIds = list[Annotated[int, Field(ge=0, le=U32_MAX)]]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Text | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[Text]
+    #: One prompt (text or token ids) or several (texts or token-id lists): one choice per
+    #: prompt, each its own sequence, batched together.
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=0)
     #: Reply with the prompt, then the completion; with ``logprobs``, the prompt's tokens
     #: are scored too (the first has nothing before it: ``null``). ``max_tokens: 0`` with
@@ -168,16 +189,25 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if isinstance(self.prompt, list):
-            if not self.prompt:
-                raise ValueError("prompt: must not be empty")
-            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-                raise ValueError("prompt: only one prompt per request is supported")
+        prompts = self.prompts()
+        if not prompts:
+            raise ValueError("prompt: must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be at least 1 (0 only with echo)")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [[int(t) for t in p]]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
     def logprobs_count(self) -> int | None:
         """Alternatives to report per token, or None for no log-probabilities."""
