@@ -205,10 +205,11 @@ class Runner:
         return len(commands)
 
     def _for_our_server(self, text: str, block: Block) -> str:
-        if DOC_URL not in text:
+        """``text`` (a block, or a piece of one) addressed to the server this file started."""
+        if DOC_URL not in block.code:
             return text
         assert self.server is not None, f"{block.where}: names {DOC_URL} but no server started"
-        assert DOC_KEY in text, f"{block.where}: talks to the server without the key {DOC_KEY}"
+        assert DOC_KEY in block.code, f"{block.where}: talks to the server without its key"
         return text.replace(DOC_URL, self.server.url).replace(DOC_KEY, KEY)
 
     def _shell(self, command: str, block: Block) -> None:
