@@ -27,6 +27,7 @@ use pyo3::types::{PyDict, PyType};
 use crate::attention::AttnError;
 use crate::engine::EngineError;
 use crate::eviction::UnknownPolicyError;
+use crate::grammar::GrammarError;
 use crate::memo::MemoError;
 use crate::model::{ModelError as CoreModelError, SamplingError};
 use crate::oracle::OracleError;
@@ -212,6 +213,7 @@ input_errors!(
     OracleError,
     AttnError,
     UnknownPolicyError,
+    GrammarError,
 );
 
 /// A cache lock poisoned by a panic in another thread.

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 mod defaults;
 mod engine;
 mod exceptions;
+mod grammar;
 mod model;
 mod oracle;
 mod quant;
@@ -24,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ring::register(m)?;
     model::register(m)?;
     engine::register(m)?;
+    grammar::register(m)?;
     quant::register(m)?;
     Ok(())
 }

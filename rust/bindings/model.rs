@@ -18,6 +18,7 @@ use crate::quant::GgmlType;
 use crate::ring::{KvDtype, SpanType};
 use crate::volume::CacheConfig;
 
+use super::grammar::PyGrammarState;
 use super::exceptions::InputError;
 use super::ring::PySpanType;
 use super::volume::{cache_config, stats_dict};
@@ -352,8 +353,16 @@ impl PySampler {
     }
 
     /// Picks the token for position `index` (prompt length + tokens before it) from float32
-    /// logits. A pure function of the logits, the parameters, the seed and `index`.
-    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>, index: u64) -> PyResult<u32> {
+    /// logits. A pure function of the logits, the parameters, the seed and `index`. With
+    /// `grammar`, only the tokens its state allows are candidates (the same rule on the
+    /// masked row), and the state consumes the token (see its `done`).
+    #[pyo3(signature = (logits, index, grammar=None))]
+    fn sample(
+        &mut self,
+        logits: PyReadonlyArray1<'_, f32>,
+        index: u64,
+        mut grammar: Option<PyRefMut<'_, PyGrammarState>>,
+    ) -> PyResult<u32> {
         let owned;
         let values = match logits.as_slice() {
             Ok(s) => s,
@@ -362,7 +371,8 @@ impl PySampler {
                 &owned
             }
         };
-        self.inner.sample(values, index).map_err(PyErr::from)
+        let state = grammar.as_deref_mut().map(|g| &mut g.inner);
+        Ok(crate::grammar::sample(&mut self.inner, state, values, index)?.0)
     }
 
     /// Speculative verification: `rows` (`len(drafts) + 1` rows of logits, row `j` scoring
@@ -370,18 +380,31 @@ impl PySampler {
     /// drafts, then the model's own token (the correction, or the bonus after the last
     /// draft). Greedy accepts exactly the argmax; sampled uses the exact rule for a
     /// deterministic draft. Position-keyed, like `sample`.
+    ///
+    /// With `grammar`, each row is sampled under the state's mask and consumed by it, so a
+    /// draft the grammar rejects is never accepted; fewer tokens are emitted when the
+    /// grammar is complete first (its `done`).
+    #[pyo3(signature = (rows, drafts, first_index, grammar=None))]
     fn verify(
         &mut self,
         rows: PyReadonlyArray2<'_, f32>,
         drafts: Vec<u32>,
         first_index: u64,
+        mut grammar: Option<PyRefMut<'_, PyGrammarState>>,
     ) -> PyResult<Vec<u32>> {
         let vocab = rows.shape()[1];
         let values = rows.as_array().iter().copied().collect::<Vec<f32>>();
         let mut out = Vec::with_capacity(drafts.len() + 1);
-        self.inner
-            .verify(&values, vocab, &drafts, first_index, &mut out)
-            .map_err(PyErr::from)?;
+        let state = grammar.as_deref_mut().map(|g| &mut g.inner);
+        crate::grammar::verify(
+            &mut self.inner,
+            state,
+            &values,
+            vocab,
+            &drafts,
+            first_index,
+            &mut out,
+        )?;
         Ok(out)
     }
 }

@@ -25,6 +25,8 @@ mod local;
 mod request;
 mod scheduler;
 #[cfg(test)]
+mod constraint_tests;
+#[cfg(test)]
 mod tests;
 
 pub use draft::{DraftConfig, PromptLookup, Proposer};

@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from amplituhedron_rs import _core
-from amplituhedron_rs._core import QueueFullError
+from amplituhedron_rs._core import InputError, QueueFullError
 from amplituhedron_rs.runtime.sampling import SamplingParams
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
@@ -39,6 +39,8 @@ from amplituhedron_rs.serve.protocol import (
     new_id,
     now,
 )
+from amplituhedron_rs.serve.structured import GrammarCache, Requested
+from amplituhedron_rs.serve.tools import ToolPlan, ToolStream, stream_deltas, template_messages
 
 
 @dataclass
@@ -72,6 +74,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
     )
     errors.install(app)
     metrics = ServeMetrics(front)
+    grammars = GrammarCache(tokenizer)
     keys = [k.encode() for k in settings.api_keys]
 
     def tenant(authorization: str | None) -> str:
@@ -110,6 +113,8 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         *,
         echo: str | None = None,
         prompt_logprobs: int | None = None,
+        grammar: _core.Grammar | None = None,
+        tools: ToolPlan | None = None,
     ) -> Prepared:
         check_model(body.model)
         if not prompt:
@@ -144,12 +149,24 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 draft_max=settings.draft_max if draft else None,
                 logprobs=body.logprobs_count(),
                 prompt_logprobs=prompt_logprobs,
+                grammar=grammar,
             ),
             body.stop_list(),
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
             echo,
+            tools,
         )
+
+    async def compiled(requested: Requested | None) -> _core.Grammar | None:
+        """The request's constraint, compiled off the event loop (a 400 naming its field when
+        llguidance rejects it)."""
+        if requested is None:
+            return None
+        try:
+            return await grammars.compile_async(requested.constraint)
+        except InputError as exc:
+            raise bad_request(f"{requested.field}: {exc}", param=requested.field) from exc
 
     def submit(p: Prepared) -> RequestStream:
         try:
@@ -189,12 +206,28 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
     async def chat_completions(
         body: ChatCompletionRequest, request: Request, who: str = auth
     ) -> Any:
-        messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
+        plan = ToolPlan.of(
+            body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.supports_tools
+        )
+        messages, tools = template_messages(
+            [{**m.for_template(), "role": _template_role(m.role)} for m in body.messages], plan
+        )
+        requested = body.requested()
+        forced = plan.constraint() if plan is not None else None
+        if forced is not None:
+            if requested is not None:
+                raise bad_request(
+                    f"{requested.field}: a reply forced to call tools (tool_choice) cannot "
+                    "also follow it",
+                    param=requested.field,
+                )
+            requested = Requested(forced, "tool_choice")
         try:
-            prompt = tokenizer.encode(tokenizer.render_chat(messages))
+            prompt = tokenizer.encode(tokenizer.render_chat(messages, tools=tools))
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", param="messages") from exc
-        prepared = prepare(body, prompt, body.token_limit(), who)
+        grammar = await compiled(requested)
+        prepared = prepare(body, prompt, body.token_limit(), who, grammar=grammar, tools=plan)
         return await respond(prepared, request, chat=True)
 
     @app.post("/v1/completions")
@@ -224,6 +257,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             who,
             echo=echo,
             prompt_logprobs=body.prompt_logprobs_count(),
+            grammar=await compiled(body.requested()),
         )
         return await respond(prepared, request, chat=False)
 
@@ -237,7 +271,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         if p.stream:
             shape = _ChunkShape(rid, created, settings.model_name, chat)
             return StreamingResponse(
-                _sse(generation, shape, p.include_usage, front),
+                _sse(generation, shape, p.include_usage, front, p.tools),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -246,6 +280,11 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         logprobs = generation.reply_logprobs(chat=chat)
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
+            parsed = p.tools.parse(text) if p.tools is not None else None
+            if parsed is not None:
+                choice["message"] = {"role": "assistant", "content": parsed[0]}
+                choice["message"]["tool_calls"] = parsed[1]
+                choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = logprobs
             obj = "chat.completion"
         else:
@@ -284,6 +323,7 @@ class _ChunkShape:
         finish: str | None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if self.chat:
@@ -292,6 +332,8 @@ class _ChunkShape:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
+            if tool_calls is not None:
+                d["tool_calls"] = tool_calls
             choice["delta"] = d
             choice["logprobs"] = logprobs
             obj = "chat.completion.chunk"
@@ -313,11 +355,18 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 async def _sse(
-    g: Generation, shape: _ChunkShape, include_usage: bool, front: EngineFront
+    g: Generation,
+    shape: _ChunkShape,
+    include_usage: bool,
+    front: EngineFront,
+    tools: ToolPlan | None = None,
 ) -> AsyncIterator[bytes]:
     """Server-sent events; the client leaving cancels the sequence (Starlette cancels this
-    generator, and `finally` hands the cancel to the engine)."""
+    generator, and `finally` hands the cancel to the engine). With tools, text that may be a
+    call is held until the reply ends (:class:`~.tools.ToolStream`)."""
     done = False
+    held = ToolStream(tools) if tools is not None else None
+    finish = None
     try:
         first = True
         if shape.chat:
@@ -327,15 +376,25 @@ async def _sse(
             sent = 0  # characters of reply text so far (completions' text offsets)
             async for d in g.deltas():
                 logprobs = g.logprobs_payload(d, chat=shape.chat, offset=sent)
-                yield _event(shape.chunk(d.text, None, first=first, logprobs=logprobs))
+                text = d.text if held is None else held.push(d.text)
+                if not text and held is not None and logprobs is None:
+                    continue
+                yield _event(shape.chunk(text, None, first=first, logprobs=logprobs))
                 sent += len(d.text)
                 first = False
+            if held is not None:
+                text, calls = held.finish()
+                if text:
+                    yield _event(shape.chunk(text, None))
+                if calls is not None:
+                    yield _event(shape.chunk(None, None, tool_calls=stream_deltas(calls)))
+                    finish = "tool_calls"
         except APIError as exc:
             # Headers are gone: report in-band, as OpenAI does, then end the stream.
             yield _event({"error": {"message": exc.message, "type": exc.type, "code": exc.code}})
             done = True
             return
-        final = shape.chunk(None if shape.chat else "", g.finish_reason)
+        final = shape.chunk(None if shape.chat else "", finish or g.finish_reason)
         if include_usage:
             final["usage"] = None
         yield _event(final)

@@ -15,6 +15,7 @@ from amplituhedron_rs.serve.frontend import GenerationParams, RequestStream
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import chat_logprobs, completion_logprobs, usage
 from amplituhedron_rs.serve.text import TextStream
+from amplituhedron_rs.serve.tools import ToolPlan
 
 
 @dataclass
@@ -27,6 +28,8 @@ class Prepared:
     include_usage: bool
     #: The prompt's text, when the reply starts with it (completions' ``echo``).
     echo: str | None = None
+    #: The request's tools, when they play a part (chat).
+    tools: ToolPlan | None = None
 
 
 class Generation:

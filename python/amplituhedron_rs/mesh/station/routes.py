@@ -266,8 +266,10 @@ def sample_next(
     """Exit station: samples the next token from the session's last logits (after an
     all-hit replay, those are the cached logits: the first token needs no model run); with
     ``logprobs=N``, its log-probability and N alternatives too."""
-    token, lp = station.sample(session_id, logprobs)
-    return Sampled(token=token, logprobs=None if lp is None else TokenLogprobsWire.of(lp))
+    token, lp, done = station.sample(session_id, logprobs)
+    return Sampled(
+        token=token, logprobs=None if lp is None else TokenLogprobsWire.of(lp), done=done
+    )
 
 
 # --- fault injection (only with --fault-injection) -----------------------------------------

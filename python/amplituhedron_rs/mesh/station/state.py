@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -30,6 +32,7 @@ import numpy as np
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh.protocol import (
+    BATCH_ROUTE,
     CLOCK,
     HIDDEN_ROWS,
     LOGITS_ROWS,
@@ -63,6 +66,8 @@ from amplituhedron_rs.mesh.station.session import (
     physical_memory,
     run_pieces,
 )
+from amplituhedron_rs.runtime.gguf_file import read_model_file
+from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.runtime.weights import new_pipeline, new_session
 
 __all__ = ["HiddenRows", "LiveSession", "LogitsRows", "Octets", "Station", "StationSettings"]
@@ -123,6 +128,8 @@ class Station:
         # updated from worker threads, so under a lock (`+=` is not atomic across threads).
         self.inflight = 0
         self._inflight_lock = threading.Lock()
+        self._tokenizer: Tokenizer | None = None
+        self._grammar_lock = threading.Lock()
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -195,6 +202,13 @@ class Station:
             raise InputError(f"token id {bad} is outside the vocabulary of {self.vocab}")
         # Checked before a pooled ring is taken, so a refusal changes nothing.
         sampler = req.sampling.params().sampler() if self.is_exit else None
+        # Only the exit station samples, so only it follows the grammar (compiled here, in
+        # the route's worker thread; a grammar llguidance rejects is a 400).
+        grammar = (
+            _core.Grammar(self.grammar_vocabulary(), req.grammar.kind, req.grammar.text).start()
+            if self.is_exit and req.grammar is not None
+            else None
+        )
         sid = new_session_id()
         with self.sessions_lock:
             if len(self.sessions) >= self.settings.max_sessions:
@@ -212,8 +226,20 @@ class Station:
                 lock = threading.Lock()
             live = LiveSession(rs, list(req.prompt_tokens), salt, req.n_sys, lock)
             live.sampler = sampler
+            live.grammar = grammar
             self.sessions[sid] = live
         return sid, live
+
+    def grammar_vocabulary(self) -> _core.GrammarVocabulary:
+        """The model's vocabulary for grammars, read from its file on first use."""
+        with self._grammar_lock:
+            if self._tokenizer is None:
+                s = self.settings
+                path = s.model_path
+                if path is None and s.model_index is not None:
+                    path = json.loads(Path(s.model_index).read_text())["path"]
+                self._tokenizer = Tokenizer(read_model_file(path))
+        return self._tokenizer.grammar_vocabulary()
 
     def _admit_new_ring(self) -> None:
         """Room for one more ring within the memory budget (under ``sessions_lock``): pooled
@@ -417,6 +443,9 @@ class Station:
             )
         if (logits != "none" or sample) and not self.is_exit:
             raise BadBody("only the exit station returns logits or samples")
+        if sample and live.grammar is not None:
+            # Its grammar follows token ids, which only the batched step carries here.
+            raise Conflict(f"session {sid!r} is constrained: it samples in {BATCH_ROUTE}")
         if self.is_entry:
             bad = ids[ids >= self.vocab]
             if bad.size:
