@@ -130,6 +130,8 @@ class Station:
         self._inflight_lock = threading.Lock()
         self._tokenizer: Tokenizer | None = None
         self._grammar_lock = threading.Lock()
+        #: The step stream's bound port, once it listens (None: steps over HTTP only).
+        self.stream_port: int | None = None
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
