@@ -13,12 +13,13 @@ import concurrent.futures as cf
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
+
 from structured_schemas import ALL, PROMPTS
 from test_serve import KEY, Server, start_server
 
@@ -54,7 +55,7 @@ TIME_TOOL: dict[str, Any] = {
         },
     },
 }
-TOOLS = [WEATHER_TOOL, TIME_TOOL]
+TOOLS: list[Any] = [WEATHER_TOOL, TIME_TOOL]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -144,7 +145,11 @@ def test_json_object_mode_and_streaming_agree(server: Server) -> None:
     whole = c.chat.completions.create(**kw)
     text = whole.choices[0].message.content or ""
     assert isinstance(json.loads(text), dict)
-    parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices]
+    parts = [
+        ch.choices[0].delta.content or ""
+        for ch in c.chat.completions.create(stream=True, **kw)
+        if ch.choices
+    ]
     assert "".join(parts) == text
 
 
@@ -187,7 +192,9 @@ def test_vllm_and_llama_cpp_fields_are_honoured(server: Server) -> None:
         {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
         {"response_format": {"type": "json_object", "schema": schema}},
     ):
-        r = post(server, "/v1/completions", {"prompt": "A person as JSON: ", "max_tokens": 200, **extra})
+        r = post(
+            server, "/v1/completions", {"prompt": "A person as JSON: ", "max_tokens": 200, **extra}
+        )
         assert r.status_code == 200, r.text
         jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
 
@@ -196,19 +203,40 @@ def test_constraints_that_cannot_be_honoured_are_400_with_the_reason(server: Ser
     user = messages("hi")
     big = {"type": "object", "description": "x" * 300_000}
     cases: list[tuple[dict[str, Any], str, str]] = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}}, "response_format", "json_schema"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "wat"}},
+                }
+            },
+            "response_format",
+            "json_schema",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", ""),
         ({"guided_json": big}, "guided_json", "at most"),
         ({"guided_regex": "(unclosed"}, "guided_regex", "regex"),
         ({"guided_grammar": "root ::= nothing\n"}, "guided_grammar", "not defined"),
-        ({"grammar": "root ::= \"a\" @"}, "grammar", "GBNF"),
+        ({"grammar": 'root ::= "a" @'}, "grammar", "GBNF"),
         ({"guided_json": ALL["person"], "guided_regex": "a"}, "", "one constraint"),
-        ({"guided_json": ALL["person"], "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
+        (
+            {"guided_json": ALL["person"], "guided_decoding_backend": "xgrammar"},
+            "guided_decoding_backend",
+            "llguidance",
+        ),
         ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", ""),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "nope",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-        ({"tools": TOOLS, "tool_choice": "required", "guided_json": ALL["person"]}, "guided_json", "tool"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "guided_json": ALL["person"]},
+            "guided_json",
+            "tool",
+        ),
     ]
     for extra, param, words in cases:
         r = post(server, "/v1/chat/completions", {"messages": user, "max_tokens": 8, **extra})
@@ -229,7 +257,12 @@ def test_required_and_named_tool_choice_are_enforced(server: Server) -> None:
         ("required", False, {"get_weather", "get_time"}),
         ({"type": "function", "function": {"name": "get_time"}}, None, {"get_time"}),
     ]:
-        body: dict[str, Any] = {"messages": user, "tools": TOOLS, "tool_choice": choice, "max_tokens": 200}
+        body: dict[str, Any] = {
+            "messages": user,
+            "tools": TOOLS,
+            "tool_choice": choice,
+            "max_tokens": 200,
+        }
         if parallel is not None:
             body["parallel_tool_calls"] = parallel
         r = post(server, "/v1/chat/completions", body)
@@ -254,14 +287,16 @@ def test_tool_calls_stream_as_deltas_and_a_conversation_round_trips(server: Serv
     whole = c.chat.completions.create(**kw)
     calls = whole.choices[0].message.tool_calls
     assert calls and whole.choices[0].finish_reason == "tool_calls"
-    deltas, finish = [], None
+    deltas: list[Any] = []
+    finish = None
     for chunk in c.chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
             deltas.extend(ch.delta.tool_calls or [])
             finish = ch.finish_reason or finish
     assert finish == "tool_calls"
     assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (t.function.name, t.function.arguments) for t in calls  # type: ignore[union-attr]
+        (t.function.name, t.function.arguments)
+        for t in calls
     ]
     # The call and its result go back; the model answers in text.
     history = [
@@ -269,7 +304,9 @@ def test_tool_calls_stream_as_deltas_and_a_conversation_round_trips(server: Serv
         {"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in calls]},
         {"role": "tool", "tool_call_id": calls[0].id, "content": '{"sky": "clear", "celsius": 18}'},
     ]
-    answer = c.chat.completions.create(model=server.model(), messages=history, tools=TOOLS, max_tokens=30)
+    answer = c.chat.completions.create(
+        model=server.model(), messages=history, tools=TOOLS, max_tokens=30
+    )
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -299,10 +336,17 @@ def test_langchain_structured_output_and_bound_tools(server: Server) -> None:
         year: int = Field(ge=1890, le=2030)
 
     llm = ChatOpenAI(
-        model=server.model(), base_url=f"{server.url}/v1", api_key=KEY, max_tokens=200  # type: ignore[arg-type]
+        model=server.model(),
+        base_url=f"{server.url}/v1",
+        api_key=SecretStr(KEY),
+        max_completion_tokens=200,
     )
-    for method in ("json_schema", "function_calling"):
-        movie = llm.with_structured_output(Movie, method=method).invoke(  # type: ignore[arg-type]
+    methods: tuple[Literal["json_schema", "function_calling"], ...] = (
+        "json_schema",
+        "function_calling",
+    )
+    for method in methods:
+        movie = llm.with_structured_output(Movie, method=method).invoke(
             "Name a famous science fiction film."
         )
         assert isinstance(movie, Movie), (method, movie)
@@ -315,8 +359,8 @@ def test_langchain_structured_output_and_bound_tools(server: Server) -> None:
     reply = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(
         "What is the weather in Lisbon?"
     )
-    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"  # type: ignore[attr-defined]
-    assert isinstance(reply.tool_calls[0]["args"]["city"], str)  # type: ignore[attr-defined]
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(reply.tool_calls[0]["args"]["city"], str)
 
 
 def test_litellm_tool_calls(server: Server) -> None:

@@ -13,12 +13,12 @@ from typing import Any
 
 import jsonschema
 import pytest
-from structured_schemas import ALL, PROMPTS
 
 import amplituhedron_rs as ar
 from amplituhedron_rs import InputError, _core
 from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.gbnf import gbnf_to_lark
+from structured_schemas import ALL, PROMPTS
 
 pytestmark = [pytest.mark.model]
 
@@ -180,19 +180,18 @@ def test_bad_constraints_are_refused_before_anything_runs(model: ar.Model) -> No
 
 def test_gbnf_converts_to_an_equivalent_lark_grammar_or_says_where_it_is_not_gbnf() -> None:
     lark = gbnf_to_lark(
-        "# a list\nroot ::= item (\",\" ws item)*\nitem ::= [a-z\\-]{1,5} | \"\\x41\"\n"
-        "ws ::= [ \\t]?\n"
+        '# a list\nroot ::= item ("," ws item)*\nitem ::= [a-z\\-]{1,5} | "\\x41"\nws ::= [ \\t]?\n'
     )
     assert lark.splitlines()[0] == "start: g_root"
     assert 'g_root: g_item ("," g_ws g_item)*' in lark
     assert '"A"' in lark and "{1,5}" in lark
     for bad, words in [
-        ("item ::= \"a\"\n", "no 'root'"),
+        ('item ::= "a"\n', "no 'root'"),
         ("root ::= other\n", "not defined"),
-        ("root ::= \"a\" @\n", "line 1 column 14"),
-        ("root ::= (\"a\"\n", "unclosed"),
+        ('root ::= "a" @\n', "line 1 column 14"),
+        ('root ::= ("a"\n', "unclosed"),
         ("root ::= [a\n", "unterminated"),
-        ("root ::= \"a\"{3,1}\n", "reversed"),
+        ('root ::= "a"{3,1}\n', "reversed"),
     ]:
         with pytest.raises(InputError, match=re.escape(words)):
             gbnf_to_lark(bad)

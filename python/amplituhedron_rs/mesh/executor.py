@@ -264,7 +264,11 @@ class MeshExecutor:
             return _Admitted((a.seq, 0, None, f"admission failed: {type(exc).__name__}: {exc}"))
 
     async def _admit(self, a: _core.EngineAdmission) -> _Admitted:
-        grammar = None if a.grammar is None else wire.GrammarSpec(kind=a.grammar[0], text=a.grammar[1])
+        grammar = (
+            None
+            if a.grammar is None
+            else wire.GrammarSpec.model_validate({"kind": a.grammar[0], "text": a.grammar[1]})
+        )
         opening = wire.OpenSessionRequest(
             prompt_tokens=list(a.prompt), sampling=sampling_of(a), grammar=grammar
         )

@@ -41,7 +41,9 @@ def gbnf_to_lark(source: str) -> str:
     order: list[str] = []
     i = 0
     while i < len(tokens):
-        if not (tokens[i].kind == "name" and i + 1 < len(tokens) and tokens[i + 1].kind == "define"):
+        if not (
+            tokens[i].kind == "name" and i + 1 < len(tokens) and tokens[i + 1].kind == "define"
+        ):
             raise _error(source, tokens[i].at, "expected a rule ('name ::= ...')")
         name = tokens[i].text
         if name in rules:

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError, ModelError
+from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.gguf_file import ModelFile, read_model_file
 from amplituhedron_rs.runtime.options import (
     DEFAULT_KV_DTYPE,
@@ -29,7 +30,6 @@ from amplituhedron_rs.runtime.options import (
     Precision,
     SessionOptions,
 )
-from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.sampling import SamplingParams
 from amplituhedron_rs.runtime.tokenizer import StreamDecoder, Tokenizer
 from amplituhedron_rs.runtime.weights import load_weights, new_pipeline, new_session

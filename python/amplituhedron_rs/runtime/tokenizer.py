@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 import secrets
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -113,7 +113,7 @@ class Tokenizer:
         self.eos_id: int | None = model_file.eos_id
         self.add_bos = model_file.add_bos
         self._tokens = tokens
-        self._control = frozenset(i for i, t in enumerate(types) if t == _CONTROL)
+        self._control_ids = frozenset(i for i, t in enumerate(types) if t == _CONTROL)
         self._byte_level = kind == "gpt2"
         self._grammar_vocabulary: _core.GrammarVocabulary | None = None
         self._grammar_lock = threading.Lock()
@@ -279,7 +279,9 @@ class Tokenizer:
                 if self.eos_id is None:
                     raise InputError("this model has no end-of-sequence token: no grammars")
                 words = [
-                    b"\xff" + self._tokens[i].encode() if i in self._control else self.token_bytes(i)
+                    b"\xff" + self._tokens[i].encode()
+                    if i in self._control_ids
+                    else self.token_bytes(i)
                     for i in range(self.vocab_size)
                 ]
                 self._grammar_vocabulary = _core.GrammarVocabulary(words, [self.eos_id])
@@ -305,8 +307,7 @@ class Tokenizer:
         for m in messages:
             if not {"role", "content"} <= set(m) or set(m) - {"role", "content"} - _TOOL_KEYS:
                 raise InputError(
-                    f"a message has 'role' and 'content' (and tool calling's keys), got "
-                    f"{sorted(m)}"
+                    f"a message has 'role' and 'content' (and tool calling's keys), got {sorted(m)}"
                 )
         template = self._compiled_template()
         extra = {} if tools is None else {"tools": tools}

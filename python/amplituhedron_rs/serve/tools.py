@@ -88,9 +88,7 @@ class ToolCall(BaseModel):
     function: CalledFunction
 
 
-def check_tools(
-    tools: Sequence[ToolDef] | None, choice: ToolChoice | None
-) -> None:
+def check_tools(tools: Sequence[ToolDef] | None, choice: ToolChoice | None) -> None:
     """ValueError (a 400) for tools that cannot be honoured: duplicate names, too many, or a
     ``tool_choice`` that names none of them / needs tools there are not."""
     if tools:
@@ -296,7 +294,9 @@ def template_messages(
     written in the generic form, so a conversation that used tools renders everywhere."""
     if plan is not None and plan.native:
         native = [_native(m) for m in messages]
-        tools = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in plan.tools]
+        tools = [
+            {"type": "function", "function": f.model_dump(exclude_none=True)} for f in plan.tools
+        ]
         return native, tools
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
@@ -336,8 +336,11 @@ def _native(m: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
     if m.get("tool_calls"):
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _arguments(c)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c)},
+            }
             for c in m["tool_calls"]
         ]
     for key in ("tool_call_id", "name"):
