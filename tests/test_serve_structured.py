@@ -295,8 +295,7 @@ def test_tool_calls_stream_as_deltas_and_a_conversation_round_trips(server: Serv
             finish = ch.finish_reason or finish
     assert finish == "tool_calls"
     assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (t.function.name, t.function.arguments)
-        for t in calls
+        (t.function.name, t.function.arguments) for t in calls
     ]
     # The call and its result go back; the model answers in text.
     history = [

@@ -34,7 +34,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from amplituhedron_rs import _core
-from amplituhedron_rs._core import InputError, QueueFullError
+from amplituhedron_rs._core import QueueFullError
 from amplituhedron_rs.edge.asgi import BearerAuth, BodyLimit, matching_key
 from amplituhedron_rs.edge.limits import DEFAULT_JSON_BYTES
 from amplituhedron_rs.runtime.sampling import SamplingParams
@@ -229,7 +229,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             return None
         try:
             return await grammars.compile_async(requested.constraint)
-        except InputError as exc:
+        except ValueError as exc:  # InputError, and a schema's invalid Unicode
             raise bad_request(f"{requested.field}: {exc}", param=requested.field) from exc
 
     def submit(preps: list[Prepared]) -> list[RequestStream]:

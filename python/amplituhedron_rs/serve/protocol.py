@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,6 +28,7 @@ from amplituhedron_rs.runtime.sampling import TOP_K_MAX
 from amplituhedron_rs.serve.fields import screen
 from amplituhedron_rs.serve.structured import StructuredFields
 from amplituhedron_rs.serve.tools import ToolCall, ToolChoice, ToolDef, check_tools
+from amplituhedron_rs.serve.unicode import Text
 
 if TYPE_CHECKING:
     from amplituhedron_rs._core import TokenLogprobs
@@ -42,22 +42,6 @@ MAX_STOPS = 16
 MAX_PROMPTS = 256
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-
-
-def _unicode_text(value: str) -> str:
-    """Text that is valid Unicode: JSON's ``"\\ud800"`` escapes decode to lone surrogates,
-    which no UTF-8 tokenizer, header or log line can carry."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"invalid Unicode at character {exc.start} (a lone UTF-16 surrogate)"
-        ) from None
-    return value
-
-
-#: Every string a request carries: valid Unicode, refused with a 400 otherwise.
-Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class TextPart(BaseModel):

@@ -25,6 +25,7 @@ from amplituhedron_rs._core import InputError
 from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.structured import Constraint
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
+from amplituhedron_rs.serve.unicode import Text
 
 #: vLLM's names of the one backend there is here (any other is refused: it would differ).
 BACKENDS = ("auto", "guidance", "llguidance")
@@ -91,13 +92,13 @@ class StructuredOutputs(BaseModel):
     ``grammar``, ``json_object``; ``disable_any_whitespace`` is honoured)."""
 
     model_config = ConfigDict(extra="forbid")
-    json_: dict[str, Any] | bool | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    json_: dict[str, Any] | bool | Text | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
     json_object: StrictBool | None = None
     disable_any_whitespace: StrictBool | None = None
-    backend: str | None = None
+    backend: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -112,16 +113,16 @@ class StructuredFields(BaseModel):
     (:meth:`requested`)."""
 
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | bool | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
-    guided_whitespace_pattern: str | None = None
+    guided_json: dict[str, Any] | bool | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None
+    guided_whitespace_pattern: Text | None = None
     structured_outputs: StructuredOutputs | None = None
     #: llama.cpp server's: a JSON schema, and a GBNF grammar.
     json_schema: dict[str, Any] | bool | None = None
-    grammar: str | None = None
+    grammar: Text | None = None
 
     _requested: Requested | None = PrivateAttr(default=None)
 

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.structured import Constraint
+from amplituhedron_rs.serve.unicode import Text
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
 #: Tools one request may declare.
@@ -46,7 +47,7 @@ MAX_TOOLS = 128
 class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
+    description: Text | None = None
     #: The arguments' JSON Schema (none: no arguments, an empty object).
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -60,7 +61,7 @@ class ToolDef(BaseModel):
 
 class FunctionName(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    name: str
+    name: Text
 
 
 class NamedToolChoice(BaseModel):
@@ -74,16 +75,16 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    name: str
+    name: Text
     #: The arguments as a JSON text (OpenAI's wire form).
-    arguments: str
+    arguments: Text
 
 
 class ToolCall(BaseModel):
     """A call the assistant made, as a client sends it back in ``messages``."""
 
     model_config = ConfigDict(extra="ignore")
-    id: str
+    id: Text
     type: Literal["function"] = "function"
     function: CalledFunction
 
