@@ -73,7 +73,11 @@ SCHEMAS: dict[str, Schema] = {
                 "anyOf": [
                     {
                         "type": "object",
-                        "properties": {"ok": {"const": True}, "value": {"type": "integer"}},
+                        "properties": {
+                            "ok": {"const": True},
+                            # Bounded: a base model's greedy digits can run on for ever.
+                            "value": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                        },
                         "required": ["ok", "value"],
                         "additionalProperties": False,
                     },

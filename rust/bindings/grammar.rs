@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
-use crate::grammar::{Grammar, GrammarKind, GrammarSpec, GrammarState, Vocabulary, MAX_GRAMMAR_BYTES};
+use crate::grammar::{
+    Grammar, GrammarKind, GrammarSpec, GrammarState, Vocabulary, MAX_GRAMMAR_BYTES,
+};
 
 /// A model's vocabulary for grammars: token `i`'s bytes are `tokens[i]` (a special token's
 /// are `b"\xff"` + its name, so no text matches it), and `eos` are the tokens that end a

@@ -18,8 +18,8 @@ use crate::quant::GgmlType;
 use crate::ring::{KvDtype, SpanType};
 use crate::volume::CacheConfig;
 
-use super::grammar::PyGrammarState;
 use super::exceptions::InputError;
+use super::grammar::PyGrammarState;
 use super::ring::PySpanType;
 use super::volume::{cache_config, stats_dict};
 

@@ -65,11 +65,7 @@ struct Out {
     stats: SeqStats,
 }
 
-fn run(
-    engine: &Mutex<Engine>,
-    ex: &mut LocalExecutor,
-    reqs: Vec<Request>,
-) -> Vec<Out> {
+fn run(engine: &Mutex<Engine>, ex: &mut LocalExecutor, reqs: Vec<Request>) -> Vec<Out> {
     let ids: Vec<SeqId> = reqs
         .into_iter()
         .map(|r| engine.lock().unwrap().submit(r).unwrap())
@@ -126,7 +122,10 @@ fn check_json(out: &Out) {
         serde_json::from_str(&t).unwrap_or_else(|e| panic!("{t:?} is not JSON: {e}"));
     let a = v["a"].as_i64().unwrap();
     assert!((0..=999).contains(&a), "{t}");
-    assert!(["x", "yy", "zzz"].contains(&v["b"].as_str().unwrap()), "{t}");
+    assert!(
+        ["x", "yy", "zzz"].contains(&v["b"].as_str().unwrap()),
+        "{t}"
+    );
     assert_eq!(v.as_object().unwrap().len(), 2, "{t}");
 }
 
@@ -135,7 +134,10 @@ fn constrained_sequences_follow_their_grammar_and_stop_when_it_is_complete() {
     let w = tiny_weights(41);
     let v = vocabulary();
     let g = schema(&v);
-    for (i, s) in [SamplingParams::default(), seeded(1), seeded(2)].into_iter().enumerate() {
+    for (i, s) in [SamplingParams::default(), seeded(1), seeded(2)]
+        .into_iter()
+        .enumerate()
+    {
         let out = alone(&w, request("Write JSON: ", 200, s.clone(), Some(&g)));
         check_json(&out);
         // Unconstrained, the same model does not write this JSON.
@@ -143,7 +145,10 @@ fn constrained_sequences_follow_their_grammar_and_stop_when_it_is_complete() {
         assert_ne!(free.tokens, out.tokens, "case {i}");
     }
     // The length limit cuts a constrained output like any other.
-    let short = alone(&w, request("Write JSON: ", 4, SamplingParams::default(), Some(&g)));
+    let short = alone(
+        &w,
+        request("Write JSON: ", 4, SamplingParams::default(), Some(&g)),
+    );
     assert_eq!(short.reason, Some(FinishReason::Length));
     assert!(text(&short.tokens).starts_with("{\""));
 }
@@ -161,7 +166,11 @@ fn batched_equals_alone_with_constrained_and_free_sequences_mixed() {
         .unwrap();
     let reqs: Vec<Request> = (0..8)
         .map(|i| {
-            let sampling = if i % 3 == 0 { seeded(i) } else { SamplingParams::default() };
+            let sampling = if i % 3 == 0 {
+                seeded(i)
+            } else {
+                SamplingParams::default()
+            };
             let g = match i % 4 {
                 0 | 1 => Some(&json),
                 2 => Some(&regex),

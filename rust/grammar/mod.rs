@@ -99,7 +99,8 @@ pub struct GrammarSpec {
 /// JSON written the way models write it: one space after `,` and `:`, no other whitespace.
 /// Without it a grammar allows any whitespace between tokens, and a small model can spend
 /// its whole budget on newlines; a schema's own `x-guidance` object overrides it.
-const JSON_LAYOUT: &str = r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
+const JSON_LAYOUT: &str =
+    r#"{"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}"#;
 
 impl GrammarSpec {
     fn top_level(&self) -> Result<TopLevelGrammar, GrammarError> {
@@ -155,7 +156,9 @@ impl Vocabulary {
             return Err(GrammarError(format!("a vocabulary of {size} tokens")));
         }
         let Some(&first) = eos.first() else {
-            return Err(GrammarError("a vocabulary needs an end-of-sequence token".into()));
+            return Err(GrammarError(
+                "a vocabulary needs an end-of-sequence token".into(),
+            ));
         };
         if let Some(bad) = eos.iter().find(|&&t| t as usize >= size) {
             return Err(GrammarError(format!(
@@ -165,7 +168,8 @@ impl Vocabulary {
         let info = TokRxInfo::new(size as u32, first);
         let trie = TokTrie::from(&info, &tokens).with_eos_tokens(eos);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError(e.to_string()))?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError(e.to_string()))?;
         // Errors are returned to the caller, never printed.
         factory.quiet();
         Ok(Vocabulary {
@@ -207,7 +211,12 @@ impl Vocabulary {
         let first = start.compute_mask();
         match first {
             Ok(mask) if !mask.is_zero() => {}
-            Ok(_) => return Err(GrammarError(format!("the {} admits no output", spec.kind.as_str()))),
+            Ok(_) => {
+                return Err(GrammarError(format!(
+                    "the {} admits no output",
+                    spec.kind.as_str()
+                )))
+            }
             Err(e) => return Err(GrammarError(format!("invalid {}: {e}", spec.kind.as_str()))),
         }
         Ok(Grammar {

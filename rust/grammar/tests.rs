@@ -5,8 +5,8 @@ use crate::model::SamplingParams;
 fn words() -> Vec<Vec<u8>> {
     let mut w: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
     for piece in [
-        "{\"", "\": ", "\", \"", "\"}", "true", "false", "null", "name", "age", "tags", "12",
-        "ab", "abc", ", ", "\"]", "[\"", "}", "{", "a\"", " \"", "xyz",
+        "{\"", "\": ", "\", \"", "\"}", "true", "false", "null", "name", "age", "tags", "12", "ab",
+        "abc", ", ", "\"]", "[\"", "}", "{", "a\"", " \"", "xyz",
     ] {
         w.push(piece.as_bytes().to_vec());
     }
@@ -54,7 +54,8 @@ fn decode(g: &Grammar, p: &SamplingParams, salt: u64, max: usize) -> (Vec<u32>, 
     let mut state = g.start();
     let mut out = Vec::new();
     for index in 0..max as u64 {
-        let (t, done) = sample(&mut sampler, Some(&mut state), &row(n, index, salt), index).unwrap();
+        let (t, done) =
+            sample(&mut sampler, Some(&mut state), &row(n, index, salt), index).unwrap();
         out.push(t);
         if done {
             return (out, true);
@@ -95,8 +96,8 @@ fn constrained_output_follows_the_schema_greedy_and_sampled() {
             let (tokens, done) = decode(&g, p, salt + 100 * k as u64, 400);
             assert!(done, "{p:?}/{salt}: not done after {} tokens", tokens.len());
             let text = text_of(&tokens);
-            let value: serde_json::Value = serde_json::from_str(&text)
-                .unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"));
+            let value: serde_json::Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"));
             let o = value.as_object().unwrap();
             assert_eq!(o.len(), 3, "{text}");
             assert!(o["name"].as_str().unwrap().chars().count() <= 6, "{text}");
@@ -170,8 +171,16 @@ fn verification_emits_the_tokens_of_constrained_decoding_without_drafts() {
                 .flat_map(|j| row(n, (at + j) as u64, 7))
                 .collect();
             let before = out.len();
-            done = verify(&mut sampler, Some(&mut state), &rows, n, &drafts, at as u64, &mut out)
-                .unwrap();
+            done = verify(
+                &mut sampler,
+                Some(&mut state),
+                &rows,
+                n,
+                &drafts,
+                at as u64,
+                &mut out,
+            )
+            .unwrap();
             assert!(out.len() > before && out.len() - before <= drafts.len() + 1);
             k += 1;
         }

@@ -481,7 +481,13 @@ fn masked_sampling_is_the_rule_on_the_row_without_the_excluded_tokens() {
     let is_allowed = |i: usize| allowed[i / 32] >> (i % 32) & 1 == 1;
     let best = max_of(&logits);
     let floored: Vec<f32> = (0..vocab)
-        .map(|i| if is_allowed(i) { logits[i] } else { best - 200.0 })
+        .map(|i| {
+            if is_allowed(i) {
+                logits[i]
+            } else {
+                best - 200.0
+            }
+        })
         .collect();
     let all_params = [
         SamplingParams::default(),
@@ -496,12 +502,20 @@ fn masked_sampling_is_the_rule_on_the_row_without_the_excluded_tokens() {
         for index in 0..200 {
             let t = masked.sample_masked(&logits, &allowed, index).unwrap();
             assert!(is_allowed(t as usize), "{p:?}: token {t} is excluded");
-            assert_eq!(t, plain.sample(&floored, index).unwrap(), "{p:?} at {index}");
+            assert_eq!(
+                t,
+                plain.sample(&floored, index).unwrap(),
+                "{p:?} at {index}"
+            );
         }
     }
     // Greedy takes the best allowed token, not the best one.
     let mut g = Sampler::new(SamplingParams::default()).unwrap();
-    assert_eq!(g.sample_masked(&[1.0, 5.0, 3.0, 3.0], &[0b1101], 0).unwrap(), 2);
+    assert_eq!(
+        g.sample_masked(&[1.0, 5.0, 3.0, 3.0], &[0b1101], 0)
+            .unwrap(),
+        2
+    );
     // Nothing allowed in the row (a bit past its end does not count), or a bad raw row.
     let err = g.sample_masked(&[1.0, 2.0], &[0b100], 0).unwrap_err();
     assert!(err.0.contains("allows no token"), "{err}");
