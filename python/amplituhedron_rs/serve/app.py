@@ -54,6 +54,7 @@ from amplituhedron_rs.serve.protocol import (
     CompletionRequest,
     new_id,
     now,
+    template_role,
     usage,
 )
 from amplituhedron_rs.serve.structured import GrammarCache, Requested
@@ -280,7 +281,14 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         check_model(model_id)
         return model_card()
 
-    install_tokenize_routes(app, tokenizer, settings.context_len, auth, check_model)
+    install_tokenize_routes(
+        app,
+        tokenizer,
+        settings.context_len,
+        auth,
+        check_model,
+        special_in_content=settings.allow_special_tokens_in_content,
+    )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -294,7 +302,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.supports_tools
         )
         messages, tools = template_messages(
-            [{**m.for_template(), "role": _template_role(m.role)} for m in body.messages], plan
+            [{**m.for_template(), "role": template_role(m.role)} for m in body.messages], plan
         )
         check_chars(sum(len(m["content"]) for m in messages), "messages")
         requested = body.requested()
@@ -400,11 +408,6 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         )
 
     return app
-
-
-def _template_role(role: str) -> str:
-    # OpenAI's newer "developer" role is the system prompt of older templates.
-    return "system" if role == "developer" else role
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,12 @@ MAX_PROMPTS = 256
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+def template_role(role: str) -> str:
+    """A message's role as chat templates spell it: OpenAI's newer "developer" role is the
+    system prompt of older templates."""
+    return "system" if role == "developer" else role
+
+
 class TextPart(BaseModel):
     """One text part of a message's content (``{"type": "text", "text": …}``)."""
 
