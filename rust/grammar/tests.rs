@@ -130,8 +130,7 @@ fn the_end_token_is_allowed_only_where_the_grammar_accepts() {
     // A grammar with no continuation is done without an end token.
     let g = v.compile(spec(GrammarKind::Regex, "abc")).unwrap();
     let mut s = g.start();
-    let abc = v.size() as u32 - 12; // the "abc" piece
-    assert_eq!(words()[abc as usize], b"abc");
+    let abc = words().iter().position(|w| w == b"abc").unwrap() as u32;
     s.advance(abc).unwrap();
     assert!(s.is_done());
 }
