@@ -19,9 +19,12 @@ How tools reach the model:
 a reply that is a call in either form becomes ``tool_calls``), ``required`` (at least one
 call) and a named function (exactly that one) are **enforced by a grammar**: the output is a
 JSON Schema (generic) or Lark (Hermes) language whose sentences are exactly the allowed calls
-with arguments valid under each function's parameters. ``parallel_tool_calls: false`` allows
-one call. Parsed calls become ``message.tool_calls`` (``content: null``), streamed as
-``delta.tool_calls`` once the reply is complete, with ``finish_reason: "tool_calls"``.
+with arguments valid under each function's parameters (objects closed to undeclared
+properties unless the schema says otherwise). A named function is called exactly
+once; ``required`` allows as many calls as there are functions (small models otherwise repeat
+a call until ``max_tokens``), one with ``parallel_tool_calls: false``. Parsed calls become
+``message.tool_calls`` (``content: null``), streamed as ``delta.tool_calls`` once the reply
+is complete, with ``finish_reason: "tool_calls"``.
 """
 
 from __future__ import annotations
@@ -134,7 +137,8 @@ class ToolPlan:
         return cls(
             tools=[t.function for t in tools],
             choice=choice if choice is not None else "auto",
-            parallel=parallel is not False,
+            # A named function is called once (as vLLM and OpenAI do).
+            parallel=parallel is not False and not isinstance(choice, NamedToolChoice),
             native=native,
         )
 
@@ -181,7 +185,7 @@ class ToolPlan:
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
+                "properties": {"name": {"const": f.name}, "arguments": _closed(_parameters(f))},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -191,11 +195,12 @@ class ToolPlan:
         if self.native:
             # Hermes: <tool_call> blocks, each holding one call's JSON.
             block = '"<tool_call>\\n" %json ' + json.dumps(one) + ' "\\n</tool_call>"'
-            rules = "start: call" + (' ("\\n" call)*' if self.parallel else "")
+            more = len(calls) - 1 if self.parallel else 0
+            rules = "start: call" + ' ("\\n" call)?' * more
             return structured.lark(f"{rules}\ncall: {block}\n")
         items: dict[str, Any] = {"type": "array", "items": one, "minItems": 1}
-        if not self.parallel:
-            items["maxItems"] = 1
+        # At most one call per function: a small model repeats calls until max_tokens.
+        items["maxItems"] = len(calls) if self.parallel else 1
         return structured.json_schema(
             {
                 "type": "object",
@@ -228,6 +233,21 @@ class ToolPlan:
             for cid, (name, args) in zip(self.ids, calls, strict=True)
         ]
         return (content or None), out
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` and says nothing of others
+    closed to them (``additionalProperties: false``, as OpenAI's strict mode has it): a
+    forced call's arguments hold the declared parameters only (a small model otherwise
+    invents properties until ``max_tokens``)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _parameters(f: FunctionDef) -> dict[str, Any]:
