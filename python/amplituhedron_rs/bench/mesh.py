@@ -14,6 +14,7 @@ import statistics
 import urllib.request
 from typing import Any
 
+from amplituhedron_rs.bench.memory import measure_memory, memory_table
 from amplituhedron_rs.bench.report import write_json
 from amplituhedron_rs.bench.textsource import text_of_tokens
 from amplituhedron_rs.mesh.coordinator import Coordinator
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     return await _mesh_sessions(c, spec, prompt, args.new_tokens, args.repeats)
 
             r = asyncio.run(measure())
+            r["memory"] = measure_memory(spec, args.model)
         r["per_hop_overhead_ms"] = (r["decode_ms_per_token"] - single_decode) / k
         r["per_hop_transport_ms"] = _transport_ms(r, k)
         report["meshes"][str(k)] = r
@@ -128,6 +130,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['per_hop_transport_ms']:.2f} ms",
         )
     err.print(table)
+    for k, r in report["meshes"].items():
+        err.print(memory_table(r["memory"], f"{k} stations: memory per station (MB)"))
     err.print(
         "[dim]per hop: total = (mesh − single-process decode) / K; transport = (mesh decode − "
         "the stations' own handling time) / K. The difference is the stations' compute "
