@@ -6,7 +6,11 @@ server), ``station serve`` (one station), ``mesh up`` (a local mesh of stations)
 (the falsifiability bench), ``bench-eviction`` (the eviction traces alone), ``bench-model``
 (the runtime vs llama.cpp), ``bench-serve`` (streaming clients against the server),
 ``bench-spec`` (speculative decoding against plain), ``bench-mesh`` (what the mesh costs per
-hop), ``bench-chaos`` (failover while stations are killed).
+hop), ``bench-chaos`` (failover while stations are killed), ``synth`` (a synthetic checkpoint
+of a real model's shape).
+
+A ``--model synthetic:…`` argument of any subcommand is resolved to its file (written on
+first use) before the subcommand runs, so stations, peers and benches all get a path.
 
 Every subcommand module defines its arguments with light imports only and imports what it
 runs inside ``run``, so ``amplituhedron generate`` never loads the mesh's HTTP stacks.
@@ -38,6 +42,7 @@ COMMANDS = {
     "bench-spec": "amplituhedron_rs.cli.bench_spec",
     "bench-mesh": "amplituhedron_rs.cli.bench_mesh",
     "bench-chaos": "amplituhedron_rs.cli.bench_chaos",
+    "synth": "amplituhedron_rs.cli.synth",
 }
 
 
@@ -55,9 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_synthetic(a: argparse.Namespace) -> None:
+    """Replaces a ``synthetic:…`` ``--model`` by its file's path (writing it if needed)."""
+    model = getattr(a, "model", None)
+    if isinstance(model, str) and model.startswith("synthetic:"):
+        from amplituhedron_rs.runtime.synthetic import resolve
+
+        a.model = str(resolve(model))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
+        _resolve_synthetic(a)
         code: int = importlib.import_module(COMMANDS[a.command]).run(a)
     except (AmplituhedronError, ValueError, OSError, RuntimeError) as exc:
         # Escaped: messages quote things like "pkg[extra]" that rich would read as markup.
