@@ -48,9 +48,7 @@ def load_weights(
         return _core.ModelWeights(
             str(model_file.path), dict(model_file.config), table, precision, kv_dtype
         )
-    return load_range(
-        model_file.path, dict(model_file.config), table, layers, precision, kv_dtype
-    )
+    return load_range(model_file.path, dict(model_file.config), table, layers, precision, kv_dtype)
 
 
 def load_range(
@@ -115,9 +113,7 @@ def load_indexed_weights(
     if layers is None:
         return _core.ModelWeights(data["path"], data["config"], tensors, precision, kv_dtype)
     digests = [bytes.fromhex(d) for d in data["digests"]]
-    return load_range(
-        data["path"], data["config"], tensors, layers, precision, kv_dtype, digests
-    )
+    return load_range(data["path"], data["config"], tensors, layers, precision, kv_dtype, digests)
 
 
 def volume_dir(

@@ -76,9 +76,32 @@ fn smaps_rss(text: &str, addr: usize) -> Option<usize> {
     None
 }
 
-/// Refuses a range whose tensors do not fit in `MemAvailable`, before anything is loaded.
+/// Caps the bytes one process's weights may hold below `MemAvailable` (a byte count): for a
+/// host that keeps memory for other work, and for tests of the refusal.
+pub const MEMORY_BUDGET_ENV: &str = "AMPLITUHEDRON_MEMORY_BUDGET";
+
+/// What the weights may hold: `MemAvailable`, capped by [`MEMORY_BUDGET_ENV`] (`None`: no
+/// limit known). A budget that is not a byte count is an error, not ignored.
+fn memory_budget() -> Result<Option<(usize, &'static str)>, ModelError> {
+    let available = mem_available().map(|b| (b, "MemAvailable"));
+    let Ok(text) = std::env::var(MEMORY_BUDGET_ENV) else {
+        return Ok(available);
+    };
+    let budget: usize = text.trim().parse().map_err(|_| {
+        ModelError::Input(format!(
+            "{MEMORY_BUDGET_ENV}={text:?} is not a byte count (a non-negative integer)"
+        ))
+    })?;
+    Ok(Some(match available {
+        Some((b, _)) if b < budget => (b, "MemAvailable"),
+        _ => (budget, MEMORY_BUDGET_ENV),
+    }))
+}
+
+/// Refuses a range whose tensors do not fit in `MemAvailable` (or the budget of
+/// [`MEMORY_BUDGET_ENV`]), before anything is loaded.
 pub(super) fn check_fits(held: usize, lo: usize, hi: usize, n: usize) -> Result<(), ModelError> {
-    let Some(available) = mem_available() else {
+    let Some((available, source)) = memory_budget()? else {
         return Ok(());
     };
     if held <= available {
@@ -93,7 +116,7 @@ pub(super) fn check_fits(held: usize, lo: usize, hi: usize, n: usize) -> Result<
     }
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     Err(ModelError::Memory(format!(
-        "{what} need {held} bytes ({:.2} GiB) resident, and MemAvailable is {available} \
+        "{what} need {held} bytes ({:.2} GiB) resident, and {source} is {available} \
          bytes ({:.2} GiB): give this station fewer layers (a mesh with more stations), or \
          free memory",
         gib(held),
