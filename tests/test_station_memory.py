@@ -14,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from amplituhedron_rs import MeshError, ModelError
+from amplituhedron_rs import InputError, MeshError, ModelError
 from amplituhedron_rs.bench.memory import measure_memory, memory_table
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
 from amplituhedron_rs.runtime.gguf_file import read_model_file
@@ -102,7 +102,7 @@ def test_a_range_that_does_not_fit_is_refused_with_the_bytes_it_needs(
     monkeypatch.setenv(BUDGET_ENV, str(need))
     assert load_weights(model_file, layers=(10, 20)).memory()["held"] == need
     monkeypatch.setenv(BUDGET_ENV, "lots")
-    with pytest.raises(ModelError, match="not a byte count"):
+    with pytest.raises(InputError, match="not a byte count"):
         load_weights(model_file, layers=(10, 20))
 
 
