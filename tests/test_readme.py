@@ -41,6 +41,7 @@ FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
 RUNNABLE = {"python", "py", "sh"}
 #: What the docs' server examples name; the test's server is on a free port with its own key.
 DOC_URL, DOC_KEY = "http://127.0.0.1:8000", "sk-local"
+DOC_URL_LOCALHOST = "http://localhost:8000"  # the same server, by name
 COMMAND_TIMEOUT_S = 180
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh, pytest.mark.serve]
@@ -206,6 +207,15 @@ class Runner:
 
     def _for_our_server(self, text: str, block: Block) -> str:
         """``text`` (a block, or a piece of one) addressed to the server this file started."""
+        if DOC_URL not in block.code and DOC_URL_LOCALHOST in block.code:
+            text = text.replace(DOC_URL_LOCALHOST, DOC_URL)
+            block = Block(
+                block.path,
+                block.line,
+                block.lang,
+                block.code.replace(DOC_URL_LOCALHOST, DOC_URL),
+                block.not_in_ci,
+            )
         if DOC_URL not in block.code:
             return text
         assert self.server is not None, f"{block.where}: names {DOC_URL} but no server started"
