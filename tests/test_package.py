@@ -41,6 +41,7 @@ def test_the_top_level_api_is_curated() -> None:
     assert set(ar.__all__) == {
         "__version__",
         "load_model",
+        "synthetic_model",
         "Model",
         "Generation",
         "SessionOptions",

@@ -43,6 +43,7 @@ from amplituhedron_rs.runtime import (
     SessionOptions,
     load_model,
 )
+from amplituhedron_rs.runtime.synthetic import synthetic_model
 
 if TYPE_CHECKING:
     from amplituhedron_rs.mesh.coordinator import Coordinator
@@ -99,4 +100,5 @@ __all__ = [
     "load_model",
     "oracle",
     "prefix_hash",
+    "synthetic_model",
 ]

@@ -8,7 +8,7 @@ they stay easy to find. Constructor defaults shown as ``...`` are the core's own
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, final
+from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, TypedDict, final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -390,10 +390,20 @@ _Forwarded: TypeAlias = tuple[NDArray[np.float32], NDArray[np.float32] | None]
 
 def supported_architectures() -> list[str]: ...
 def supported_tensor_types() -> list[str]: ...
+def tensor_digests(
+    path: str | os.PathLike[str], tensors: Sequence[tuple[str, int, Sequence[int], int]]
+) -> list[bytes]: ...
+
+class _WeightsMemory(TypedDict):
+    held: int
+    copied: int
+    mapped: int | None
+    resident: int
 
 @final
 class ModelWeights:
-    """Memory-mapped GGUF weights of a model of a supported architecture, validated at load."""
+    """Memory-mapped GGUF weights of a model of a supported architecture, validated at load:
+    every layer, or with ``layers=(lo, hi)`` only that range's tensors (a station's)."""
 
     def __new__(
         cls,
@@ -402,7 +412,13 @@ class ModelWeights:
         tensors: Sequence[tuple[str, int, Sequence[int], int]],
         precision: Literal["refined", "fast"] = "refined",
         kv_dtype: Literal["f16", "f32"] = ...,
+        *,
+        layers: tuple[int, int] | None = None,
+        digests: Sequence[bytes] | None = None,
     ) -> ModelWeights: ...
+    @property
+    def layers_held(self) -> tuple[int, int]: ...
+    def memory(self) -> _WeightsMemory: ...
     @property
     def fingerprint(self) -> int: ...
     @property

@@ -146,9 +146,10 @@ impl From<CoreModelError> for PyErr {
         let message = e.to_string();
         match e {
             CoreModelError::Input(_) | CoreModelError::Sampling(_) => InputError::new_err(message),
-            CoreModelError::Config(_) | CoreModelError::Weights(_) | CoreModelError::Io(_) => {
-                ModelError::new_err(message)
-            }
+            CoreModelError::Config(_)
+            | CoreModelError::Weights(_)
+            | CoreModelError::Io(_)
+            | CoreModelError::Memory(_) => ModelError::new_err(message),
             CoreModelError::Ring(_) => RingError::new_err(message),
             CoreModelError::Volume(_) => CacheError::new_err(message),
         }

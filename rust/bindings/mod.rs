@@ -13,6 +13,7 @@ mod oracle;
 mod quant;
 mod ring;
 mod volume;
+mod weights;
 
 /// The native module `amplituhedron_rs._core`.
 #[pymodule]
@@ -23,6 +24,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     volume::register(m)?;
     oracle::register(m)?;
     ring::register(m)?;
+    weights::register(m)?;
     model::register(m)?;
     engine::register(m)?;
     grammar::register(m)?;

@@ -7,7 +7,10 @@ server), ``station serve`` (one station), ``mesh up`` (a local mesh of stations)
 (the runtime vs llama.cpp), ``bench-serve`` (streaming clients against the server),
 ``bench-spec`` (speculative decoding against plain), ``bench-mesh`` (what the mesh costs per
 hop), ``bench-chaos`` (failover while stations are killed), ``bench-edge`` (the server under
-hostile traffic).
+hostile traffic), ``synth`` (a synthetic checkpoint of a real model's shape).
+
+A ``--model synthetic:…`` argument of any subcommand is resolved to its file (written on
+first use) before the subcommand runs, so stations, peers and benches all get a path.
 
 Every subcommand module defines its arguments with light imports only and imports what it
 runs inside ``run``, so ``amplituhedron generate`` never loads the mesh's HTTP stacks.
@@ -42,6 +45,7 @@ COMMANDS = {
     "bench-mesh": "amplituhedron_rs.cli.bench_mesh",
     "bench-chaos": "amplituhedron_rs.cli.bench_chaos",
     "bench-edge": "amplituhedron_rs.cli.bench_edge",
+    "synth": "amplituhedron_rs.cli.synth",
 }
 
 
@@ -82,7 +86,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _check_model(a: argparse.Namespace, model: str | None) -> None:
-    if model is None or os.path.isfile(model):
+    if model is None or os.path.isfile(model) or model.startswith("synthetic:"):
         return
     from amplituhedron_rs.runtime.gguf_file import KNOWN_MODELS
 
@@ -93,6 +97,15 @@ def _check_model(a: argparse.Namespace, model: str | None) -> None:
         )
 
 
+def _resolve_synthetic(a: argparse.Namespace) -> None:
+    """Replaces a ``synthetic:…`` ``--model`` by its file's path (writing it if needed)."""
+    model = getattr(a, "model", None)
+    if isinstance(model, str) and model.startswith("synthetic:"):
+        from amplituhedron_rs.runtime.synthetic import resolve
+
+        a.model = str(resolve(model))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
     if getattr(a, "threads", None):
@@ -100,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # every station process started from here.
         os.environ["AMPLITUHEDRON_THREADS"] = str(a.threads)
     try:
+        _resolve_synthetic(a)
         code: int = importlib.import_module(COMMANDS[a.command]).run(a)
     except (AmplituhedronError, ValueError, OSError, RuntimeError) as exc:
         # Escaped: messages quote things like "pkg[extra]" that rich would read as markup.

@@ -146,7 +146,7 @@ def read_token_file(path: str) -> str:
 
 
 #: The model names ``--model`` takes besides a path (see ``amplituhedron models``).
-MODEL_NAMES = "smollm2-135m, gemma3-270m"
+MODEL_NAMES = "smollm2-135m, gemma3-270m, synthetic:PRESET[:QUANT][:layers=N]"
 
 
 def add_model(p: argparse.ArgumentParser, *, positional: bool = False) -> None:

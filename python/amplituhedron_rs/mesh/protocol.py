@@ -124,6 +124,20 @@ class FaultRequest(_Strict):
 # --- responses -----------------------------------------------------------------------------
 
 
+class StationMemory(BaseModel):
+    """What a station holds in memory, in bytes (see :mod:`.station.memory`). None: not
+    measurable on this platform."""
+
+    rss: int | None
+    baseline: int | None
+    weights_resident: int
+    weights_copied: int
+    weights_mapped: int | None
+    weights_held: int
+    rings: int
+    available: int | None
+
+
 class Health(BaseModel):
     status: str
     layer_lo: int
@@ -135,6 +149,7 @@ class Health(BaseModel):
     sessions: int
     entry: bool
     exit: bool
+    memory: StationMemory | None = None
     #: The TCP port of the station's step stream on its host (None: it serves steps over
     #: HTTP only). See the step stream below.
     stream_port: int | None = None

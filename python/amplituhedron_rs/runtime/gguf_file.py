@@ -174,23 +174,33 @@ def chat_warning(model_file: ModelFile, model: str | Path | None = None) -> str 
     )
 
 
+#: Model names of synthetic checkpoints: ``synthetic:PRESET[:QUANT][:layers=N][:seed=S]``.
+SYNTHETIC_PREFIX = "synthetic:"
+
+
 def model_id(model: str | Path | None) -> str:
     """A short, stable name for a model argument, as servers list it: the known name
-    (``smollm2-135m`` for the default), or the file's stem for a path."""
+    (``smollm2-135m`` for the default), a synthetic model's name, or the file's stem for a
+    path."""
     if model is None:
         return next(iter(KNOWN_MODELS))
-    if isinstance(model, str) and model in KNOWN_MODELS:
+    if isinstance(model, str) and (model in KNOWN_MODELS or model.startswith(SYNTHETIC_PREFIX)):
         return model
     return Path(model).stem
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
     """A model argument as a path: ``None`` (the bundled SmolLM2), a known name
-    (``smollm2-135m``, ``gemma3-270m``) or a GGUF path."""
+    (``smollm2-135m``, ``gemma3-270m``), a synthetic model (``synthetic:qwen2-7b``…, written
+    to the cache on first use, see :mod:`.synthetic`) or a GGUF path."""
     if model is None:
         return bundled_model_path()
     if isinstance(model, str) and model in KNOWN_MODELS:
         return KNOWN_MODELS[model][1]()
+    if isinstance(model, str) and model.startswith(SYNTHETIC_PREFIX):
+        from amplituhedron_rs.runtime.synthetic import resolve
+
+        return resolve(model)
     return Path(model)
 
 

@@ -77,9 +77,14 @@ class StationSettings:
     kv_dtype: KvDtype = DEFAULT_KV_DTYPE
 
     def load_weights(self) -> _core.ModelWeights:
+        """The weights of this station's layer range only (see ``runtime.weights.load_range``):
+        K stations hold about one model between them, not K."""
+        layers = (self.layer_lo, self.layer_hi)
         if self.model_index is not None:
-            return load_indexed_weights(Path(self.model_index), self.precision, self.kv_dtype)
-        return load_weights(read_model_file(self.model_path), self.precision, self.kv_dtype)
+            index = Path(self.model_index)
+            return load_indexed_weights(index, self.precision, self.kv_dtype, layers=layers)
+        model_file = read_model_file(self.model_path)
+        return load_weights(model_file, self.precision, self.kv_dtype, layers=layers)
 
 
 #: A sampled token, its log-probabilities when asked for, and whether the session's grammar

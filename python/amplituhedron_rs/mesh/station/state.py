@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from amplituhedron_rs.mesh.station.errors import (
     NotFound,
     TooLarge,
 )
+from amplituhedron_rs.mesh.station.memory import process_rss, station_memory
 from amplituhedron_rs.mesh.station.session import (
     HiddenRows,
     LiveSession,
@@ -80,6 +81,8 @@ class Station:
         self, settings: StationSettings, weights: _core.ModelWeights | None = None
     ) -> None:
         self.settings = settings
+        #: The process's resident set before this station loaded its weights.
+        self.baseline_rss = process_rss()
         self.weights = weights if weights is not None else settings.load_weights()
         s = settings
         if not 0 <= s.layer_lo < s.layer_hi <= self.weights.n_layers:
@@ -144,6 +147,13 @@ class Station:
         finally:
             with self._inflight_lock:
                 self.inflight -= 1
+
+    def memory(self) -> dict[str, Any]:
+        """What the station holds in memory (see :mod:`.memory`); reads /proc and takes the
+        sessions' lock, so not on the event loop."""
+        with self.sessions_lock:
+            rings = self._rings_held() * self.ring_bytes
+        return station_memory(self.weights.memory(), self.baseline_rss, rings)
 
     # --- sessions ------------------------------------------------------------------------
     def sweep_idle(self) -> int:
