@@ -9,14 +9,12 @@ import concurrent.futures as cf
 import contextlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -558,42 +556,3 @@ def test_load_32_clients_300_requests(server: Server) -> None:
     assert len(statuses) == 300
     assert all(s == 200 for s in statuses), sorted(set(statuses))
     wait_idle(server)
-
-
-# --- the README's serving examples ------------------------------------------------------------
-
-README = Path(__file__).parents[1] / "README.md"
-README_URL, README_KEY = "http://127.0.0.1:8000", "sk-local"
-
-
-def _readme_serve_blocks() -> tuple[str, str]:
-    """The README's ``openai`` example (its one ``py`` block) and its ``curl`` example."""
-    text = README.read_text(encoding="utf-8")
-    (client_block,) = re.findall(r"^```py\n(.*?)^```", text, re.M | re.S)
-    (curl_block,) = [b for b in re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S) if "curl" in b]
-    return client_block, curl_block
-
-
-def test_the_readme_openai_example_runs_against_the_server(
-    server: Server, capsys: pytest.CaptureFixture[str]
-) -> None:
-    client_block, _ = _readme_serve_blocks()
-    assert README_URL in client_block and README_KEY in client_block
-    code = client_block.replace(README_URL, server.url).replace(README_KEY, KEY)
-    exec(compile(code, "README.md openai example", "exec"), {"__name__": "readme"})
-    assert capsys.readouterr().out.strip()  # it printed a reply and a stream
-
-
-def test_the_readme_curl_example_is_a_valid_request(server: Server) -> None:
-    _, curl_block = _readme_serve_blocks()
-    url = re.search(r"curl -s (\S+)", curl_block)
-    body = re.search(r"-d '(.*?)'", curl_block, re.S)
-    assert url and body and f"Bearer {README_KEY}" in curl_block
-    reply = httpx.post(
-        url.group(1).replace(README_URL, server.url),
-        headers={"Authorization": f"Bearer {KEY}"},
-        json=json.loads(body.group(1)),
-        timeout=60,
-    )
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["choices"][0]["text"]
