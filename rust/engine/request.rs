@@ -33,6 +33,10 @@ pub struct Request {
     /// [`Event::Prompt`]. The whole prompt is then computed: its logits rows are not in the
     /// volume cache, so it is not replayed (what it captures is unchanged).
     pub prompt_logprobs: Option<usize>,
+    /// Admitted only once this sequence has computed its prompt (or ended): another choice
+    /// of the same prompt, which then replays that prompt from the volume cache instead of
+    /// computing it again (`n` choices cost one prefill). Never changes the tokens.
+    pub follows: Option<SeqId>,
 }
 
 impl Request {
@@ -49,6 +53,7 @@ impl Request {
             want_logits: false,
             logprobs: None,
             prompt_logprobs: None,
+            follows: None,
         }
     }
 }

@@ -6,6 +6,8 @@
 use std::cmp::Ordering;
 use std::fmt;
 
+use super::adjust::{AdjustState, LogitsAdjust};
+
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -19,6 +21,9 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the generator.
     pub seed: u64,
+    /// Penalties, bias and `min_tokens`, applied to the logits before the choice (greedy
+    /// or sampled); neutral by default.
+    pub adjust: LogitsAdjust,
 }
 
 impl Default for SamplingParams {
@@ -29,6 +34,7 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            adjust: LogitsAdjust::default(),
         }
     }
 }
@@ -48,6 +54,7 @@ impl std::error::Error for SamplingError {}
 impl SamplingParams {
     /// Checks every parameter.
     pub fn validate(&self) -> Result<(), SamplingError> {
+        self.adjust.validate()?;
         if self.greedy {
             return Ok(());
         }
@@ -136,17 +143,31 @@ pub struct Sampler {
     /// Reused candidate buffer (no allocation per token after the first).
     candidates: Vec<(u32, f32)>,
     weights: Vec<f64>,
+    /// The sequence's tokens and adjusted row, when an adjustment is not neutral.
+    adjust: Option<AdjustState>,
 }
 
 impl Sampler {
     /// A sampler for `params` (validated).
     pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
         params.validate()?;
+        let adjust = (!params.adjust.is_neutral()).then(|| AdjustState::new(params.adjust.clone()));
         Ok(Sampler {
             params,
             candidates: Vec::new(),
             weights: Vec::new(),
+            adjust,
         })
+    }
+
+    /// Starts a sequence at `prompt`: the penalties count from it (the repetition penalty
+    /// covers it). Needed before the first draw when an adjustment is set; the sampler then
+    /// records each token it picks, and a draw for a position `i` sees the tokens before
+    /// `i` (drafts a verification rejected are forgotten).
+    pub fn begin(&mut self, prompt: &[u32]) {
+        if let Some(a) = self.adjust.as_mut() {
+            a.begin(prompt);
+        }
     }
 
     /// The parameters this sampler was built with.
@@ -154,15 +175,41 @@ impl Sampler {
         &self.params
     }
 
+    /// Tells the sampler the sequence's tokens at positions `start..` (a step's rows): a
+    /// sampler that joins a sequence midway (a station rebuilt after a failover) learns the
+    /// tokens its penalties count. Positions inside the prompt are ignored.
+    pub fn observe(&mut self, start: u64, tokens: &[u32]) -> Result<(), SamplingError> {
+        match self.adjust.as_mut() {
+            Some(a) => a.observe(start, tokens),
+            None => Ok(()),
+        }
+    }
+
     /// Picks the token for position `index` from raw logits. Non-finite logits are an error.
     pub fn sample(&mut self, logits: &[f32], index: u64) -> Result<u32, SamplingError> {
         check_logits(logits)?;
+        let Some(mut adjust) = self.adjust.take() else {
+            return Ok(self.choose(logits, index));
+        };
+        let token = adjust.apply(logits, index).map(|()| {
+            let row = std::mem::take(&mut adjust.row);
+            let token = self.choose(&row, index);
+            adjust.row = row;
+            adjust.record(index, token);
+            token
+        });
+        self.adjust = Some(adjust);
+        token
+    }
+
+    /// The choice from a checked (and adjusted) row: the argmax, or the seeded draw.
+    fn choose(&mut self, logits: &[f32], index: u64) -> u32 {
         if self.params.greedy {
-            return Ok(argmax(logits));
+            return argmax(logits);
         }
         let kept_total = self.distribution(logits);
         let target = draw(self.params.seed, index, Stream::Sample) * kept_total;
-        Ok(self.pick(target))
+        self.pick(target)
     }
 
     /// Speculative verification of `drafts`, proposed for positions `first_index..`, against
