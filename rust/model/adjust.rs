@@ -100,7 +100,8 @@ impl LogitsAdjust {
 
     /// Checks that every id named is in a `vocab`-token vocabulary.
     pub fn check_vocab(&self, vocab: usize) -> Result<(), SamplingError> {
-        let ids = (self.logit_bias.iter().map(|&(id, _)| id)).chain(self.min_tokens_banned.clone());
+        let ids = (self.logit_bias.iter().map(|&(id, _)| id))
+            .chain(self.min_tokens_banned.iter().copied());
         for id in ids {
             if id as usize >= vocab {
                 return Err(SamplingError(format!(

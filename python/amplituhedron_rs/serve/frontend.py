@@ -93,6 +93,9 @@ class GenerationParams:
     logprobs: int | None = None
     #: The same for every prompt token after the first (None: none).
     prompt_logprobs: int | None = None
+    #: Admit this request only once that sequence has computed its prompt (another choice
+    #: of the same prompt, which it then replays from the volume cache).
+    follows: int | None = None
 
 
 class RequestStream:
@@ -165,6 +168,7 @@ class EngineFront:
                 draft_max=p.draft_max,
                 logprobs=p.logprobs,
                 prompt_logprobs=p.prompt_logprobs,
+                follows=p.follows,
             )
             stream = RequestStream(seq)
             self._streams[seq] = stream

@@ -241,7 +241,12 @@ class BatchStepper:
         if st.is_exit and logits is not None:
             assert live.sampler is not None
             if e.kind == "decode":
+                # The row's token for the penalties; after the verification every row's,
+                # so a rebuilt session's pieces teach it the tokens it missed (the next step
+                # starts at the last emitted token and overwrites what was rejected).
+                live.sampler.observe(e.start, e.tokens[:1])
                 emitted = list(live.sampler.verify(logits, e.tokens[1:], e.start + 1))
+                live.sampler.observe(e.start, e.tokens)
                 rows = logits
             elif e.emit:
                 emitted = [int(live.sampler.sample(logits[-1], e.start + len(e.tokens)))]

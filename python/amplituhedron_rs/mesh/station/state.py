@@ -196,7 +196,7 @@ class Station:
         if bad is not None:
             raise InputError(f"token id {bad} is outside the vocabulary of {self.vocab}")
         # Checked before a pooled ring is taken, so a refusal changes nothing.
-        sampler = req.sampling.params().sampler() if self.is_exit else None
+        sampler = req.sampling.params().sampler(req.prompt_tokens) if self.is_exit else None
         sid = new_session_id()
         with self.sessions_lock:
             if len(self.sessions) >= self.settings.max_sessions:
