@@ -175,13 +175,16 @@ def test_penalties_and_bias_follow_their_definitions(
     eos = [tok.eos_id] if tok.eos_id is not None else []
     n = 10
     plain = complete(server, prompt, max_tokens=n).choices[0].text
+    changed = 0
     for adjust in cases(reference(model, prompt, n, {}, eos)):
         want = reference(model, prompt, n, adjust, eos)
         r = complete(server, prompt, max_tokens=n, **adjust)
         got = r.choices[0].text
         assert got == tok.decode([t for t in want if t not in eos], skip_special=True), adjust
         assert r.usage.completion_tokens == len(want), adjust
-        assert got != plain, f"{adjust} changed nothing"
+        changed += got != plain
+    # A confident model may shrug off a mild penalty, not most of them.
+    assert changed >= len(cases([0] * 4)) - 2, changed
     # Sampled: the same adjustments, then the seeded draw.
     adjust = {"frequency_penalty": 0.8, "repetition_penalty": 1.2, "logit_bias": {"30": 2.0}}
     params = SamplingParams(temperature=0.9, seed=11)
