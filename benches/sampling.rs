@@ -44,6 +44,7 @@ fn modes() -> Vec<(&'static str, SamplingParams)> {
         top_k,
         top_p,
         seed: 7,
+        ..SamplingParams::default()
     };
     vec![
         ("greedy", SamplingParams::default()),

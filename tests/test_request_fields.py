@@ -53,6 +53,10 @@ SERVE = "test_serve.py::"
 COMPAT = "test_serve_compat.py::"
 STRUCTURED = "test_serve_structured.py::"
 GUIDED = STRUCTURED + "test_vllm_and_llama_cpp_fields_are_honoured"
+SAMPLING = "test_serve_sampling.py::"
+PENALTIES = "test_penalties_and_bias_follow_their_definitions"
+STOPS = "test_min_tokens_ignore_eos_and_stop_token_ids"
+TEXT = "test_special_tokens_and_stop_strings_in_the_text"
 MSG = [{"role": "user", "content": "Say hi."}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -69,23 +73,23 @@ COMMON: dict[str, F] = {
     "stream_options": Honoured(
         SERVE + "test_plain_and_streamed_replies_agree", {"include_usage": True}
     ),
-    "n": Refused(2, neutral=1),
-    "presence_penalty": Refused(0.5, neutral=0.0),
-    "frequency_penalty": Refused(0.5, neutral=0),
-    "logit_bias": Refused({"12": 5}, neutral={}),
+    "n": Honoured(SAMPLING + "test_n_choices_equal_separate_requests_seeded_seed_plus_i", 2),
+    "presence_penalty": Honoured(SAMPLING + PENALTIES, 0.5),
+    "frequency_penalty": Honoured(SAMPLING + PENALTIES, 0.5),
+    "logit_bias": Honoured(SAMPLING + PENALTIES, {"12": 5}),
     "user": Ignored("user-42"),
     # vLLM's sampling parameters
     "top_k": Honoured(SERVE + "test_eight_concurrent_streams_each_equal_their_solo_run", 5),
     "cache_salt": Honoured(SERVE + "test_cache_salt_isolates_tenants", "tenant-a"),
     "use_beam_search": Refused(True, neutral=False),
     "min_p": Refused(0.1, neutral=0.0),
-    "repetition_penalty": Refused(1.2, neutral=1.0),
+    "repetition_penalty": Honoured(SAMPLING + PENALTIES, 1.2),
     "length_penalty": Refused(0.5, neutral=1.0),
-    "stop_token_ids": Refused([13], neutral=[]),
-    "include_stop_str_in_output": Refused(True, neutral=False),
-    "ignore_eos": Refused(True, neutral=False),
-    "min_tokens": Refused(50, neutral=0),
-    "skip_special_tokens": Refused(False, neutral=True),
+    "stop_token_ids": Honoured(SAMPLING + STOPS, [13]),
+    "include_stop_str_in_output": Honoured(SAMPLING + TEXT, True),
+    "ignore_eos": Honoured(SAMPLING + STOPS, True),
+    "min_tokens": Honoured(SAMPLING + STOPS, 2),
+    "skip_special_tokens": Honoured(SAMPLING + TEXT, False),
     "spaces_between_special_tokens": Refused(False, neutral=True),
     "truncate_prompt_tokens": Refused(8),
     "allowed_token_ids": Refused([1, 2, 3]),

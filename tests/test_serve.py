@@ -450,7 +450,7 @@ def test_bad_parameters_get_openai_errors(server: Server) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     msgs = [{"role": "user", "content": "hi"}]
     bad_bodies: list[tuple[dict[str, Any], str | None]] = [
-        ({"model": m, "messages": msgs, "n": 2}, "n"),
+        ({"model": m, "messages": msgs, "n": 17}, "n"),
         ({"model": m, "messages": msgs, "temperature": -1}, "temperature"),
         ({"model": m, "messages": msgs, "temperature": 5}, "temperature"),
         ({"model": m, "messages": msgs, "top_p": 0}, "top_p"),
@@ -460,7 +460,7 @@ def test_bad_parameters_get_openai_errors(server: Server) -> None:
         ({"model": m, "messages": msgs, "top_logprobs": 2}, "top_logprobs"),
         ({"model": m, "messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"model": m, "messages": msgs, "logprobs": "yes"}, "logprobs"),
-        ({"model": m, "messages": msgs, "presence_penalty": 1.0}, None),
+        ({"model": m, "messages": msgs, "presence_penalty": 3.0}, "presence_penalty"),
         ({"model": m, "messages": msgs, "seed": -1}, "seed"),
         ({"model": m, "messages": []}, "messages"),
         ({"model": m, "messages": [{"role": "robot", "content": "x"}]}, None),

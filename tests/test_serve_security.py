@@ -421,7 +421,14 @@ FIELDS = [
     "cache_salt",
     "draft",
     "presence_penalty",
+    "frequency_penalty",
     "logit_bias",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
 ]
 
 

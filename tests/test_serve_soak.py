@@ -44,7 +44,7 @@ BAD: list[bytes] = [
     b'{"prompt": "x", "model": "%s", "top_k": 4294967295, "temperature": 1}',
     b'{"prompt": "x", "model": "%s", "max_tokens": 100000000}',
     b'{"prompt": [99999999], "model": "%s"}',
-    b'{"prompt": "x", "model": "%s", "n": 3}',
+    b'{"prompt": "x", "model": "%s", "n": 17}',
     b'{"prompt": "x", "model": "no-such-model"}',
 ]
 

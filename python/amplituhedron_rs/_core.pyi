@@ -486,7 +486,15 @@ class Sampler:
         top_k: int = ...,
         top_p: float = ...,
         seed: int = ...,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Sequence[tuple[int, float]] = ...,
+        min_tokens: int = 0,
+        min_tokens_banned: Sequence[int] = ...,
     ) -> Sampler: ...
+    def begin(self, prompt: Sequence[int]) -> None: ...
+    def observe(self, start: int, tokens: Sequence[int]) -> None: ...
     def sample(
         self, logits: NDArray[np.float32], index: int, grammar: GrammarState | None = None
     ) -> int: ...
@@ -616,6 +624,10 @@ _LogprobsTuple = tuple[int, float, Sequence[tuple[int, float]]]
 
 #: The most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs`` bound).
 MAX_TOP_LOGPROBS: int
+MAX_LOGIT_BIAS: float
+MAX_OPENAI_PENALTY: float
+MIN_REPETITION_PENALTY: float
+MAX_REPETITION_PENALTY: float
 
 @final
 class TokenLogprobs:
@@ -677,6 +689,18 @@ class EngineAdmission:
     def top_p(self) -> float: ...
     @property
     def seed(self) -> int: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def logit_bias(self) -> list[tuple[int, float]]: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def min_tokens_banned(self) -> list[int]: ...
     @property
     def salt(self) -> str | None: ...
     @property
@@ -747,6 +771,11 @@ class Engine:
         top_k: int = ...,
         top_p: float = ...,
         seed: int = ...,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Sequence[tuple[int, float]] = ...,
+        min_tokens: int = 0,
         stop_ids: Sequence[int] = ...,
         salt: str | None = None,
         use_cache: bool = True,
@@ -755,6 +784,7 @@ class Engine:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         grammar: Grammar | None = None,
+        follows: int | None = None,
     ) -> int: ...
     @staticmethod
     def external(*, max_running: int, max_queue: int, step_tokens: int) -> Engine: ...

@@ -15,7 +15,7 @@ use crate::engine::{
     EntryKind, EntryOutcome, Event, LocalExecutor, Request, StepTotals,
 };
 use crate::model::{
-    token_logprobs, SamplingParams, SessionConfig, TokenLogprobs, MAX_TOP_LOGPROBS,
+    token_logprobs, LogitsAdjust, SamplingParams, SessionConfig, TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 
 use super::exceptions::InputError;
@@ -194,6 +194,12 @@ pub struct PyAdmission {
     top_k: usize,
     top_p: f32,
     seed: u64,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    repetition_penalty: f32,
+    logit_bias: Vec<(u32, f32)>,
+    min_tokens: usize,
+    min_tokens_banned: Vec<u32>,
     salt: Option<String>,
     use_cache: bool,
     sample_first: bool,
@@ -212,6 +218,12 @@ impl From<&Admission> for PyAdmission {
             top_k: a.sampling.top_k,
             top_p: a.sampling.top_p,
             seed: a.sampling.seed,
+            presence_penalty: a.sampling.adjust.presence_penalty,
+            frequency_penalty: a.sampling.adjust.frequency_penalty,
+            repetition_penalty: a.sampling.adjust.repetition_penalty,
+            logit_bias: a.sampling.adjust.logit_bias.clone(),
+            min_tokens: a.sampling.adjust.min_tokens,
+            min_tokens_banned: a.sampling.adjust.min_tokens_banned.clone(),
             salt: a.salt.clone(),
             use_cache: a.use_cache,
             sample_first: a.sample_first,
@@ -535,7 +547,7 @@ impl PyEngine {
     /// QueueFullError when the queue is full (nothing is queued either way). With
     /// `grammar`, every token is sampled under its mask and the sequence finishes once it is
     /// complete.
-    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None, prompt_logprobs=None, grammar=None))]
+    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=Vec::new(), min_tokens=0, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None, prompt_logprobs=None, grammar=None, follows=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -546,6 +558,11 @@ impl PyEngine {
         top_k: usize,
         top_p: f32,
         seed: u64,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        repetition_penalty: f32,
+        logit_bias: Vec<(u32, f32)>,
+        min_tokens: usize,
         stop_ids: Vec<u32>,
         salt: Option<String>,
         use_cache: bool,
@@ -554,6 +571,7 @@ impl PyEngine {
         logprobs: Option<usize>,
         prompt_logprobs: Option<usize>,
         grammar: Option<PyRef<'_, PyGrammar>>,
+        follows: Option<u64>,
     ) -> PyResult<u64> {
         let req = Request {
             prompt,
@@ -564,6 +582,15 @@ impl PyEngine {
                 top_k,
                 top_p,
                 seed,
+                adjust: LogitsAdjust {
+                    presence_penalty,
+                    frequency_penalty,
+                    repetition_penalty,
+                    logit_bias,
+                    min_tokens,
+                    // The engine fills it from the stop ids.
+                    min_tokens_banned: Vec::new(),
+                },
             },
             stop_ids,
             salt,
@@ -576,6 +603,7 @@ impl PyEngine {
             logprobs,
             prompt_logprobs,
             grammar: grammar.map(|g| g.inner.clone()),
+            follows,
         };
         self.engine().submit(req).map_err(PyErr::from)
     }
@@ -654,6 +682,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEvent>()?;
     m.add_class::<PyTokenLogprobs>()?;
     m.add("MAX_TOP_LOGPROBS", MAX_TOP_LOGPROBS)?;
+    m.add("MAX_LOGIT_BIAS", crate::model::MAX_LOGIT_BIAS)?;
+    m.add("MAX_OPENAI_PENALTY", crate::model::MAX_OPENAI_PENALTY)?;
+    m.add(
+        "MIN_REPETITION_PENALTY",
+        crate::model::MIN_REPETITION_PENALTY,
+    )?;
+    m.add(
+        "MAX_REPETITION_PENALTY",
+        crate::model::MAX_REPETITION_PENALTY,
+    )?;
     m.add_function(wrap_pyfunction!(py_token_logprobs, m)?)?;
     m.add_class::<PyAdmission>()?;
     m.add_class::<PyEntry>()?;

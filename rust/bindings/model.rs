@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::model::{
-    Architecture, ChunkInput, LayerRange, LogitsWanted, NativeLlamaPipeline, RangeSession,
-    ReplayOutcome, Sampler, SamplingParams, Segment, SessionConfig, StepBuffers,
+    Architecture, ChunkInput, LayerRange, LogitsAdjust, LogitsWanted, NativeLlamaPipeline,
+    RangeSession, ReplayOutcome, Sampler, SamplingParams, Segment, SessionConfig, StepBuffers,
 };
 use crate::quant::GgmlType;
 use crate::ring::{KvDtype, SpanType};
@@ -201,17 +201,51 @@ pub struct PySampler {
 #[pymethods]
 impl PySampler {
     #[new]
-    #[pyo3(signature = (greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed))]
-    fn new(greedy: bool, temperature: f32, top_k: usize, top_p: f32, seed: u64) -> PyResult<Self> {
+    #[pyo3(signature = (greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=Vec::new(), min_tokens=0, min_tokens_banned=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        greedy: bool,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        seed: u64,
+        presence_penalty: f32,
+        frequency_penalty: f32,
+        repetition_penalty: f32,
+        logit_bias: Vec<(u32, f32)>,
+        min_tokens: usize,
+        min_tokens_banned: Vec<u32>,
+    ) -> PyResult<Self> {
         let inner = Sampler::new(SamplingParams {
             greedy,
             temperature,
             top_k,
             top_p,
             seed,
+            adjust: LogitsAdjust {
+                presence_penalty,
+                frequency_penalty,
+                repetition_penalty,
+                logit_bias,
+                min_tokens,
+                min_tokens_banned,
+            },
         })
         .map_err(PyErr::from)?;
         Ok(PySampler { inner })
+    }
+
+    /// Starts a sequence at `prompt` (the penalties count from it); needed before the first
+    /// draw when a penalty, bias or `min_tokens` is set. The sampler then records each token
+    /// it picks.
+    fn begin(&mut self, prompt: Vec<u32>) {
+        self.inner.begin(&prompt);
+    }
+
+    /// The sequence's tokens at positions `start..` (a step's rows), for a sampler that
+    /// joins a sequence midway; positions inside the prompt are ignored.
+    fn observe(&mut self, start: u64, tokens: Vec<u32>) -> PyResult<()> {
+        self.inner.observe(start, &tokens).map_err(PyErr::from)
     }
 
     /// Picks the token for position `index` (prompt length + tokens before it) from float32

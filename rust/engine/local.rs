@@ -142,8 +142,10 @@ impl LocalExecutor {
                 "token id {bad} is outside the vocabulary of {vocab}"
             )));
         }
-        let mut sampler =
-            Sampler::new(a.sampling.clone()).map_err(|e| EngineError::Input(e.to_string()))?;
+        let input = |e: crate::model::SamplingError| EngineError::Input(e.to_string());
+        a.sampling.adjust.check_vocab(vocab).map_err(input)?;
+        let mut sampler = Sampler::new(a.sampling.clone()).map_err(input)?;
+        sampler.begin(&a.prompt);
         let mut grammar = match &a.grammar {
             Some(g) if g.vocabulary().size() > vocab => {
                 return Err(EngineError::Input(format!(

@@ -37,6 +37,10 @@ pub struct Request {
     /// Constrained decoding: every token is sampled under this grammar's mask, and the
     /// sequence finishes ([`FinishReason::Stop`]) once the grammar is complete.
     pub grammar: Option<Grammar>,
+    /// Admitted only once this sequence has computed its prompt (or ended): another choice
+    /// of the same prompt, which then replays that prompt from the volume cache instead of
+    /// computing it again (`n` choices cost one prefill). Never changes the tokens.
+    pub follows: Option<SeqId>,
 }
 
 impl Request {
@@ -54,6 +58,7 @@ impl Request {
             logprobs: None,
             prompt_logprobs: None,
             grammar: None,
+            follows: None,
         }
     }
 }

@@ -187,6 +187,13 @@ impl Engine {
         if let Some(d) = &req.draft {
             d.validate().map_err(EngineError::Input)?;
         }
+        let adjust = &req.sampling.adjust;
+        if adjust.min_tokens > req.max_new_tokens {
+            return Err(EngineError::Input(format!(
+                "min_tokens ({}) exceeds max_new_tokens ({})",
+                adjust.min_tokens, req.max_new_tokens
+            )));
+        }
         for n in [req.logprobs, req.prompt_logprobs].into_iter().flatten() {
             if n > MAX_TOP_LOGPROBS {
                 return Err(EngineError::Input(format!(
@@ -199,6 +206,11 @@ impl Engine {
                 waiting: self.waiting.len(),
                 max_queue: self.cfg.max_queue,
             });
+        }
+        let mut req = req;
+        if req.sampling.adjust.min_tokens > 0 {
+            // What `min_tokens` holds back: every id that would end the sequence.
+            req.sampling.adjust.min_tokens_banned = req.stop_ids.clone();
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -270,10 +282,14 @@ impl Engine {
     /// [`Executor::admit`] them and hand the results to [`Engine::admitted`].
     pub fn plan_admissions(&mut self) -> Vec<Admission> {
         let mut out = Vec::new();
-        while self.running.len() < self.cfg.max_running {
-            let Some(id) = self.waiting.pop_front() else {
-                break;
-            };
+        let mut at = 0;
+        while self.running.len() < self.cfg.max_running && at < self.waiting.len() {
+            let id = self.waiting[at];
+            if self.awaits_leader(id) {
+                at += 1;
+                continue;
+            }
+            self.waiting.remove(at);
             let seq = self.seqs.get_mut(&id).expect("waiting sequences exist");
             seq.admitted = Some(Instant::now());
             seq.stats.queue_ms = ms(seq.submitted, Instant::now());
@@ -293,6 +309,12 @@ impl Engine {
             });
         }
         out
+    }
+
+    /// Whether `id` follows a sequence that has not computed its prompt yet.
+    fn awaits_leader(&self, id: SeqId) -> bool {
+        let leader = self.seqs[&id].req.follows.and_then(|l| self.seqs.get(&l));
+        leader.is_some_and(|l| matches!(l.phase, Phase::Queued | Phase::Prefill { .. }))
     }
 
     /// Applies admission results (one per admission, in order).

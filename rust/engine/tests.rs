@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use super::*;
 use crate::model::testing::{tiny_weights, tiny_weights_with};
 use crate::model::{
-    argmax, token_logprobs, ChunkInput, LlamaWeights, LogitsWanted, NativeLlamaPipeline, Precision,
-    RangeSession, SamplingParams, SessionConfig, TokenLogprobs,
+    argmax, token_logprobs, ChunkInput, LlamaWeights, LogitsAdjust, LogitsWanted,
+    NativeLlamaPipeline, Precision, RangeSession, SamplingParams, SessionConfig, TokenLogprobs,
 };
 use crate::ring::SpanType;
 use crate::volume::{CacheConfig, VolumeKey};
@@ -116,6 +116,7 @@ fn seeded(seed: u64) -> SamplingParams {
         top_k: 0,
         top_p: 0.95,
         seed,
+        ..SamplingParams::default()
     }
 }
 
@@ -742,4 +743,114 @@ fn scored_chunks_keep_at_most_32_mib_of_logits() {
     })
     .unwrap_err();
     assert!(matches!(err, EngineError::Input(_)), "{err:?}");
+}
+
+fn penalised(seed: Option<u64>) -> SamplingParams {
+    SamplingParams {
+        adjust: LogitsAdjust {
+            presence_penalty: 0.6,
+            frequency_penalty: 0.9,
+            repetition_penalty: 1.4,
+            logit_bias: vec![(3, 2.5), (7, -4.0)],
+            min_tokens: 6,
+            min_tokens_banned: Vec::new(),
+        },
+        ..seed.map_or_else(SamplingParams::default, seeded)
+    }
+}
+
+#[test]
+fn adjusted_sampling_batched_speculative_and_cached_equals_alone() {
+    let w = tiny_weights(38);
+    let spec = |r: Request| Request {
+        draft: Some(DraftConfig::default()),
+        ..r
+    };
+    let reqs = vec![
+        request(copy_heavy_prompt(), 20, penalised(None)),
+        spec(request(copy_heavy_prompt(), 20, penalised(None))),
+        spec(request(prompt(30, 9), 20, penalised(Some(5)))),
+        request(prompt(24, 3), 20, seeded(6)),
+        cached(request(prompt(30, 9), 20, penalised(Some(5)))),
+    ];
+    assert_batched_equals_alone(&w, &reqs, EngineConfig::default(), "adjusted: ");
+    // The adjustments change the tokens.
+    let plain = run_one(
+        &w,
+        request(copy_heavy_prompt(), 20, SamplingParams::default()),
+    );
+    let adjusted = run_one(&w, request(copy_heavy_prompt(), 20, penalised(None)));
+    assert_ne!(plain.tokens, adjusted.tokens);
+}
+
+#[test]
+fn min_tokens_holds_back_the_stop_ids() {
+    let w = tiny_weights(39);
+    let p = prompt(20, 8);
+    let (greedy, _) = plain_greedy(&w, &p, 10);
+    let stop = greedy[1];
+    let held = run_one(
+        &w,
+        Request {
+            stop_ids: vec![stop],
+            ..request(p.clone(), 10, penalised(None))
+        },
+    );
+    assert!(held.tokens[..6].iter().all(|&t| t != stop));
+    let too_many = Request {
+        sampling: SamplingParams {
+            adjust: LogitsAdjust {
+                min_tokens: 11,
+                ..LogitsAdjust::default()
+            },
+            ..SamplingParams::default()
+        },
+        ..request(p, 10, SamplingParams::default())
+    };
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    assert!(matches!(
+        engine.submit(too_many),
+        Err(EngineError::Input(_))
+    ));
+}
+
+#[test]
+fn followers_replay_their_leaders_prompt_and_equal_their_solo_runs() {
+    let w = tiny_weights(40);
+    let p = prompt(40, 12);
+    let choices: Vec<Request> = (0..4)
+        .map(|i| cached(request(p.clone(), 12, seeded(100 + i))))
+        .collect();
+    let alone: Vec<Output> = choices
+        .iter()
+        .map(|r| {
+            run_one(
+                &w,
+                Request {
+                    use_cache: false,
+                    ..r.clone()
+                },
+            )
+        })
+        .collect();
+    let mut engine = Engine::new(EngineConfig::default()).unwrap();
+    let mut ex = executor(&w);
+    let leader = engine.submit(choices[0].clone()).unwrap();
+    let ids: Vec<SeqId> = std::iter::once(leader)
+        .chain(choices[1..].iter().map(|r| {
+            let r = Request {
+                follows: Some(leader),
+                ..r.clone()
+            };
+            engine.submit(r).unwrap()
+        }))
+        .collect();
+    let mut outs = drain(&mut engine, &mut ex);
+    for (i, id) in ids.iter().enumerate() {
+        let got = outs.remove(id).unwrap();
+        assert_eq!(got.tokens, alone[i].tokens, "choice {i}");
+        assert!(got.logits == alone[i].logits, "choice {i}: logits");
+        let replayed = if i == 0 { 0 } else { p.len() };
+        assert_eq!(got.stats.cached_tokens, replayed, "choice {i}");
+    }
 }

@@ -16,6 +16,7 @@
 //! with it), so chunked prefill equals unchunked, cache-on equals cache-off, and a mesh of
 //! stations equals one process, bit for bit.
 
+mod adjust;
 mod config;
 mod forward;
 mod kv;
@@ -30,6 +31,10 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+pub use adjust::{
+    LogitsAdjust, MAX_LOGIT_BIAS, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+};
 pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
 pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};

@@ -6,6 +6,8 @@
 use std::cmp::Ordering;
 use std::fmt;
 
+use super::adjust::{AdjustState, LogitsAdjust};
+
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -19,6 +21,9 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the generator.
     pub seed: u64,
+    /// Penalties, bias and `min_tokens`, applied to the logits before the choice (greedy
+    /// or sampled); neutral by default.
+    pub adjust: LogitsAdjust,
 }
 
 impl Default for SamplingParams {
@@ -29,6 +34,7 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             seed: 0,
+            adjust: LogitsAdjust::default(),
         }
     }
 }
@@ -48,6 +54,7 @@ impl std::error::Error for SamplingError {}
 impl SamplingParams {
     /// Checks every parameter.
     pub fn validate(&self) -> Result<(), SamplingError> {
+        self.adjust.validate()?;
         if self.greedy {
             return Ok(());
         }
@@ -138,18 +145,32 @@ pub struct Sampler {
     weights: Vec<f64>,
     /// A masked copy of the row being sampled ([`Sampler::sample_masked`]).
     masked: Vec<f32>,
+    /// The sequence's tokens and adjusted row, when an adjustment is not neutral.
+    adjust: Option<AdjustState>,
 }
 
 impl Sampler {
     /// A sampler for `params` (validated).
     pub fn new(params: SamplingParams) -> Result<Self, SamplingError> {
         params.validate()?;
+        let adjust = (!params.adjust.is_neutral()).then(|| AdjustState::new(params.adjust.clone()));
         Ok(Sampler {
             params,
             candidates: Vec::new(),
             weights: Vec::new(),
             masked: Vec::new(),
+            adjust,
         })
+    }
+
+    /// Starts a sequence at `prompt`: the penalties count from it (the repetition penalty
+    /// covers it). Needed before the first draw when an adjustment is set; the sampler then
+    /// records each token it picks, and a draw for a position `i` sees the tokens before
+    /// `i` (drafts a verification rejected are forgotten).
+    pub fn begin(&mut self, prompt: &[u32]) {
+        if let Some(a) = self.adjust.as_mut() {
+            a.begin(prompt);
+        }
     }
 
     /// The parameters this sampler was built with.
@@ -157,17 +178,28 @@ impl Sampler {
         &self.params
     }
 
+    /// Tells the sampler the sequence's tokens at positions `start..` (a step's rows): a
+    /// sampler that joins a sequence midway (a station rebuilt after a failover) learns the
+    /// tokens its penalties count. Positions inside the prompt are ignored.
+    pub fn observe(&mut self, start: u64, tokens: &[u32]) -> Result<(), SamplingError> {
+        match self.adjust.as_mut() {
+            Some(a) => a.observe(start, tokens),
+            None => Ok(()),
+        }
+    }
+
     /// Picks the token for position `index` from raw logits. Non-finite logits are an error.
     pub fn sample(&mut self, logits: &[f32], index: u64) -> Result<u32, SamplingError> {
         check_logits(logits)?;
-        Ok(self.sample_checked(logits, index))
+        self.sample_adjusted(logits, None, index)
     }
 
     /// Picks the token for position `index` among the `allowed` ones: exactly what
     /// [`Sampler::sample`] picks from the row in which every other token's logit is −∞
     /// (weight 0), the one sampling rule with a constraint's mask (SPEC §16). `allowed` is a
     /// bit set, bit `i % 32` of word `i / 32` for token `i`; tokens past it are not allowed.
-    /// An error when the raw logits are not finite or no token of the row is allowed.
+    /// The adjustments (penalties, bias, `min_tokens`) apply first, then the mask. An error
+    /// when the raw logits are not finite or no token of the row is allowed.
     pub fn sample_masked(
         &mut self,
         logits: &[f32],
@@ -175,29 +207,68 @@ impl Sampler {
         index: u64,
     ) -> Result<u32, SamplingError> {
         check_logits(logits)?;
+        self.sample_adjusted(logits, Some(allowed), index)
+    }
+
+    /// The adjusted row (when an adjustment is set), masked (when `allowed` is given), then
+    /// the choice; the sampler records the token for its penalties.
+    fn sample_adjusted(
+        &mut self,
+        logits: &[f32],
+        allowed: Option<&[u32]>,
+        index: u64,
+    ) -> Result<u32, SamplingError> {
+        let mut adjust = self.adjust.take();
+        let token = match adjust.as_mut() {
+            None => self.choose_within(logits, allowed, index),
+            Some(a) => a.apply(logits, index).and_then(|()| {
+                let row = std::mem::take(&mut a.row);
+                let token = self.choose_within(&row, allowed, index);
+                a.row = row;
+                if let Ok(t) = token {
+                    a.record(index, t);
+                }
+                token
+            }),
+        };
+        self.adjust = adjust;
+        token
+    }
+
+    /// [`Sampler::choose`] on `row`, or on its copy with every token outside `allowed` at −∞.
+    fn choose_within(
+        &mut self,
+        row: &[f32],
+        allowed: Option<&[u32]>,
+        index: u64,
+    ) -> Result<u32, SamplingError> {
+        let Some(allowed) = allowed else {
+            return Ok(self.choose(row, index));
+        };
         let mut masked = std::mem::take(&mut self.masked);
         masked.clear();
-        masked.resize(logits.len(), f32::NEG_INFINITY);
+        masked.resize(row.len(), f32::NEG_INFINITY);
         let mut any = false;
         for (w, &bits) in allowed.iter().enumerate() {
             let mut bits = bits;
             while bits != 0 {
                 let i = w * 32 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                if i < logits.len() {
-                    masked[i] = logits[i];
-                    any = true;
+                if i < row.len() {
+                    masked[i] = row[i];
+                    // A token the adjustments excluded (min_tokens) is not a choice.
+                    any |= row[i] > f32::NEG_INFINITY;
                 }
             }
         }
-        let token = any.then(|| self.sample_checked(&masked, index));
+        let token = any.then(|| self.choose(&masked, index));
         self.masked = masked;
         token.ok_or_else(|| SamplingError("the constraint allows no token of the row".into()))
     }
 
-    /// [`Sampler::sample`] on a row already checked: finite values, or −∞ for excluded
-    /// tokens with at least one finite value.
-    fn sample_checked(&mut self, logits: &[f32], index: u64) -> u32 {
+    /// The choice from a checked (and adjusted, or masked) row: finite values, or −∞ for
+    /// excluded tokens with at least one finite value. The argmax, or the seeded draw.
+    fn choose(&mut self, logits: &[f32], index: u64) -> u32 {
         if self.params.greedy {
             return argmax(logits);
         }

@@ -412,6 +412,7 @@ fn sampled_generation_is_reproducible_and_cache_invariant() {
         top_k: 20,
         top_p: 0.95,
         seed: 1234,
+        ..SamplingParams::default()
     };
     let mut r = Runner::new(&w);
     let mut run = |use_cache| r.generate_with(&tokens, 24, use_cache, params.clone());

@@ -84,13 +84,24 @@ class SamplingSpec(_Strict):
     top_k: int | None = Field(default=None, ge=0, le=TOP_K_MAX)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int = Field(default=0, ge=0, le=U64_MAX)
+    # The logits adjustments (the core sampler checks their domains and the ids against the
+    # vocabulary; these bounds keep the wire small).
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=1e6)
+    logit_bias: list[tuple[TokenId, float]] = Field(default_factory=list, max_length=1 << 20)
+    min_tokens: int = Field(default=0, ge=0, le=1 << 31)
+    min_tokens_banned: list[TokenId] = Field(default_factory=list, max_length=1 << 16)
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplingSpec:
         return cls(**params.to_json())
 
     def params(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump())
+        fields = self.model_dump()
+        fields["logit_bias"] = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        fields["min_tokens_banned"] = tuple(self.min_tokens_banned)
+        return SamplingParams(**fields)
 
 
 class GrammarSpec(_Strict):

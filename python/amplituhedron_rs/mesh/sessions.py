@@ -117,9 +117,19 @@ def note_step(
 
 def sampling_of(a: EngineAdmission) -> wire.SamplingSpec:
     """A session's sampling on the wire: the same core sampler as the engine's."""
+    adjust: dict[str, Any] = {
+        "presence_penalty": a.presence_penalty,
+        "frequency_penalty": a.frequency_penalty,
+        "repetition_penalty": a.repetition_penalty,
+        "logit_bias": list(a.logit_bias),
+        "min_tokens": a.min_tokens,
+        "min_tokens_banned": list(a.min_tokens_banned),
+    }
     if a.greedy:
-        return wire.SamplingSpec(seed=a.seed)
-    return wire.SamplingSpec(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+        return wire.SamplingSpec(seed=a.seed, **adjust)
+    return wire.SamplingSpec(
+        temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, **adjust
+    )
 
 
 @dataclass(frozen=True)

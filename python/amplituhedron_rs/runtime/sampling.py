@@ -8,6 +8,7 @@ defaults (temperature 1, no top-k, no top-p limit).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +20,15 @@ U64_MAX = 2**64 - 1
 #: bound for the server, the coordinator and the stations, so a value one backend cannot
 #: take is refused at the edge, never mid-generation.
 TOP_K_MAX = 2**31 - 1
+#: The logits adjustments and their neutral values (the core's defaults).
+_ADJUST_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": (),
+    "min_tokens": 0,
+    "min_tokens_banned": (),
+}
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,19 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    #: OpenAI's: subtracted once from the logit of every token generated so far.
+    presence_penalty: float = 0.0
+    #: OpenAI's: subtracted from a token's logit once per time it was generated.
+    frequency_penalty: float = 0.0
+    #: vLLM's: the logits of the prompt's and the generated tokens divided by it when
+    #: positive, multiplied by it otherwise.
+    repetition_penalty: float = 1.0
+    #: ``(token id, bias)`` pairs added to the logits (before the penalties).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Until this many tokens are generated, ``min_tokens_banned`` cannot be picked (the
+    #: engine fills them from its stop ids; a bare sampler takes them here).
+    min_tokens: int = 0
+    min_tokens_banned: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.top_k is not None and not 0 <= self.top_k <= TOP_K_MAX:
@@ -53,11 +76,26 @@ class SamplingParams:
                 value = getattr(self, name)
                 if value is not None:
                     kwargs[name] = value
+        # The adjustments only when set: neutral values are the core's defaults.
+        for name, neutral in _ADJUST_NEUTRAL.items():
+            value = getattr(self, name)
+            if value != neutral:
+                kwargs[name] = list(value) if isinstance(value, tuple) else value
         return kwargs
 
-    def sampler(self) -> _core.Sampler:
-        """A fresh seeded sampler (one per generation)."""
-        return _core.Sampler(**self.core_kwargs())
+    def engine_kwargs(self) -> dict[str, Any]:
+        """``Engine.submit``'s sampling keywords (the engine derives ``min_tokens_banned``
+        from its stop ids)."""
+        kwargs = self.core_kwargs()
+        kwargs.pop("min_tokens_banned", None)
+        return kwargs
+
+    def sampler(self, prompt: Sequence[int] = ()) -> _core.Sampler:
+        """A fresh seeded sampler (one per generation), started at ``prompt`` (the penalties
+        count from it)."""
+        sampler = _core.Sampler(**self.core_kwargs())
+        sampler.begin(list(prompt))
+        return sampler
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

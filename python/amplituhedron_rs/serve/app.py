@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,6 +51,7 @@ from amplituhedron_rs.serve.frontend import (
 from amplituhedron_rs.serve.generation import Delta, Generation, Prepared
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import (
+    MAX_SEQUENCES,
     ChatCompletionRequest,
     CompletionRequest,
     new_id,
@@ -192,15 +194,44 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 code="context_length_exceeded",
             )
         seed = secrets.randbits(63) if body.seed is None else body.seed
+        vocab = tokenizer.vocab_size
+        for name, ids in (
+            ("logit_bias", [t for t, _ in body.bias_pairs()]),
+            ("stop_token_ids", body.stop_token_ids or []),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise bad_request(
+                    f"{name}: token id {bad} is outside the vocabulary of {vocab}", param=name
+                )
+        limit = room if max_tokens is None else max_tokens
+        if body.min_tokens > limit:
+            raise bad_request(
+                f"min_tokens: {body.min_tokens} exceeds the {limit} tokens the reply may have",
+                param="min_tokens",
+            )
         try:
             # The runtime's one rule: greedy when no temperature/top_k/top_p, or temperature 0.
-            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, seed).core_kwargs()
+            sampling = SamplingParams(
+                body.temperature,
+                body.top_k,
+                body.top_p,
+                seed,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=body.bias_pairs(),
+                min_tokens=body.min_tokens,
+            ).engine_kwargs()
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
         draft = (
             body.draft == "prompt-lookup" if body.draft is not None else settings.draft_by_default
         )
-        eos = tokenizer.eos_id
+        eos = None if body.ignore_eos else tokenizer.eos_id
+        stop_ids = ([eos] if eos is not None else []) + [
+            t for t in body.stop_token_ids or [] if t != eos
+        ]
         salt = cache_partition(
             None if who < 0 else who, body.cache_salt, shared=settings.shared_cache_keys
         )
@@ -209,7 +240,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 prompt=prompt,
                 max_new_tokens=room if max_tokens is None else max_tokens,
                 sampling=sampling,
-                stop_ids=[eos] if eos is not None else [],
+                stop_ids=stop_ids,
                 salt=salt,
                 draft_max=settings.draft_max if draft else None,
                 logprobs=body.logprobs_count(),
@@ -221,6 +252,10 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             bool(body.stream_options and body.stream_options.include_usage),
             echo,
             tools,
+            choices=body.n,
+            min_tokens=body.min_tokens,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     async def compiled(requested: Requested | None) -> _core.Grammar | None:
@@ -234,11 +269,17 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             raise bad_request(f"{requested.field}: {exc}", param=requested.field) from exc
 
     def submit(preps: list[Prepared]) -> list[RequestStream]:
-        """Queues every prompt of a request, or none (a full queue refuses them all)."""
+        """Queues every choice of every prompt of a request, or none (a full queue refuses
+        them all). A prompt's choices after the first follow it: the engine admits them once
+        it has computed the prompt, which they replay from the volume cache."""
         streams: list[RequestStream] = []
         try:
+            leader: RequestStream | None = None
             for p in preps:
-                streams.append(front.submit(p.params))
+                follows = leader.seq if leader is not None and p.choice > 0 else None
+                streams.append(front.submit(dataclasses.replace(p.params, follows=follows)))
+                if p.choice == 0:
+                    leader = streams[-1]
         except (QueueFullError, EngineFailed, ValueError) as exc:
             for st in streams:
                 front.cancel(st)
@@ -334,6 +375,12 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             if isinstance(p, str):
                 check_chars(len(p), "prompt")
         preps = [await prepare_prompt(body, prompt, who) for prompt in given]
+        if len(preps) * body.n > MAX_SEQUENCES:
+            raise bad_request(
+                f"n: {len(preps)} prompts × n = {body.n} exceeds {MAX_SEQUENCES} sequences per "
+                "request",
+                param="n",
+            )
         return await respond(preps, request, chat=False)
 
     async def prepare_prompt(body: CompletionRequest, given: str | list[int], who: int) -> Prepared:
@@ -364,6 +411,9 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = now()
         started = time.perf_counter()
+        # Each prompt's n choices, numbered as OpenAI does (prompt by prompt), each its own
+        # seed stream: choice i samples with seed + i, as that request alone would.
+        preps = [p.choice_of(i) for p in preps for i in range(p.choices)]
         streams = submit(preps)
         first = preps[0]
         metrics.accepted("chat" if chat else "completions", first.params.max_new_tokens, len(preps))
@@ -456,11 +506,13 @@ def _event(payload: dict[str, Any]) -> bytes:
 
 
 def _total_usage(gens: list[Generation]) -> dict[str, Any]:
-    """A request's usage: its sequences' summed (one prompt each)."""
+    """A request's usage: its sequences' completions summed, each prompt counted once (by
+    its first choice), as OpenAI counts ``n`` choices."""
+    firsts = [g for g in gens if g.choice == 0]
     return usage(
-        sum(g.prompt_tokens for g in gens),
+        sum(g.prompt_tokens for g in firsts),
         sum(g.completion_tokens for g in gens),
-        sum(g.cached_tokens for g in gens),
+        sum(g.cached_tokens for g in firsts),
     )
 
 

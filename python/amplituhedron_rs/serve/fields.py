@@ -55,13 +55,7 @@ _RESPONSE = "would change the reply's shape, which this server does not implemen
 #: Fields refused with a 400 unless neutral (both endpoints).
 REFUSED: dict[str, Refused] = {
     # vLLM's sampling extensions
-    "repetition_penalty": Refused(_SAMPLING, _one),
-    "min_tokens": Refused(_SAMPLING, _zero),
-    "ignore_eos": Refused(_SAMPLING, _is(False)),
     "min_p": Refused(_SAMPLING, _zero),
-    "stop_token_ids": Refused(_SAMPLING, _empty),
-    "include_stop_str_in_output": Refused(_SAMPLING, _is(False)),
-    "skip_special_tokens": Refused(_SAMPLING, _is(True)),
     "spaces_between_special_tokens": Refused(_SAMPLING, _is(True)),
     "use_beam_search": Refused("beam search is not implemented", _is(False)),
     "length_penalty": Refused("beam search is not implemented", _one),

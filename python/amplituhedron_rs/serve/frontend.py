@@ -95,6 +95,9 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     #: The compiled constraint its tokens are sampled under (None: free).
     grammar: _core.Grammar | None = None
+    #: Admit this request only once that sequence has computed its prompt (another choice
+    #: of the same prompt, which it then replays from the volume cache).
+    follows: int | None = None
 
 
 class RequestStream:
@@ -168,6 +171,7 @@ class EngineFront:
                 logprobs=p.logprobs,
                 prompt_logprobs=p.prompt_logprobs,
                 grammar=p.grammar,
+                follows=p.follows,
             )
             stream = RequestStream(seq)
             self._streams[seq] = stream

@@ -7,6 +7,7 @@ its figures are those of the cancellation), or the client leaving (``abort``).""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,6 +40,25 @@ class Prepared:
     echo: str | None = None
     #: The request's tools, when they play a part (chat).
     tools: ToolPlan | None = None
+    #: Choices of this prompt (``n``), and which one this is.
+    choices: int = 1
+    choice: int = 0
+    #: Stop sequences do not end the reply before this many tokens (EOS and the stop ids are
+    #: masked in the sampler until then).
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    #: The stop sequence or stop id that ended the reply is part of its text.
+    include_stop_str_in_output: bool = False
+
+    def choice_of(self, i: int) -> Prepared:
+        """Choice ``i`` of this prompt: seeded with ``seed + i`` (its own seed stream)."""
+        if i == 0:
+            return self
+        sampling = dict(self.params.sampling)
+        sampling["seed"] = (int(sampling["seed"]) + i) % 2**64
+        return dataclasses.replace(
+            self, params=dataclasses.replace(self.params, sampling=sampling), choice=i
+        )
 
 
 class Generation:
@@ -68,7 +88,18 @@ class Generation:
         self.first_prompt_token = p.params.prompt[0]
         #: The prompt's tokens after the first, scored (echo with logprobs).
         self.prompt_scores: list[_core.TokenLogprobs] = []
-        self.text = TextStream(tokenizer, p.stops)
+        self.text = TextStream(
+            tokenizer,
+            p.stops,
+            skip_special=p.skip_special_tokens,
+            include_stop=p.include_stop_str_in_output,
+            min_tokens=p.min_tokens,
+        )
+        #: Which choice of its prompt this is (0: the one that counts the prompt's usage).
+        self.choice = p.choice
+        #: Ids that end the sequence: their text is left out unless asked for (vLLM's rule).
+        self.stop_ids = frozenset(p.params.stop_ids)
+        self.include_stop_token = p.include_stop_str_in_output
         self.prompt_tokens = len(p.params.prompt)
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -106,6 +137,8 @@ class Generation:
                 self.completion_tokens += 1
                 if ev.logprobs is not None:
                     pending.append(ev.logprobs)
+                if ev.token in self.stop_ids and not self.include_stop_token:
+                    continue  # the stop id ends the sequence: its end event follows
                 piece = self.text.push(ev.token)
                 if piece:
                     yield delta(piece)

@@ -23,7 +23,13 @@ from pydantic import (
     model_validator,
 )
 
-from amplituhedron_rs._core import MAX_TOP_LOGPROBS
+from amplituhedron_rs._core import (
+    MAX_LOGIT_BIAS,
+    MAX_OPENAI_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+)
 from amplituhedron_rs.runtime.sampling import TOP_K_MAX
 from amplituhedron_rs.serve.fields import screen
 from amplituhedron_rs.serve.structured import StructuredFields
@@ -40,6 +46,12 @@ U64_MAX = 2**64 - 1
 MAX_STOPS = 16
 #: Prompts in one completions request (each its own sequence, batched together).
 MAX_PROMPTS = 256
+#: Choices per prompt (``n``): each its own sequence, its prompt computed once.
+MAX_CHOICES = 16
+#: Sequences one request may start (prompts × choices).
+MAX_SEQUENCES = MAX_PROMPTS
+#: ``stop_token_ids`` per request.
+MAX_STOP_TOKEN_IDS = 256
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -123,17 +135,40 @@ class _SamplingFields(StructuredFields):
     stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    #: Choices per prompt, each sampled with its own seed stream (``seed + i``).
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     #: Splits the caller's cache partition further (it is hashed with the API key's).
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     #: Speculative decoding for this request (an extension): "prompt-lookup" or "off"; the
     #: server's default when absent.
     draft: Literal["prompt-lookup", "off"] | None = None
     user: Text | None = None
-    # Accepted only at their neutral value.
-    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    # The logits adjustments (OpenAI's, then vLLM's); each token id is checked against the
+    # vocabulary when the request is prepared.
+    presence_penalty: float = Field(
+        default=0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY, allow_inf_nan=False
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY, allow_inf_nan=False
+    )
+    #: Token id (a decimal string) → bias added to its logit.
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = Field(
+        default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False
+    )
+    #: EOS and ``stop_token_ids`` cannot end the reply (nor a stop sequence) before this many
+    #: tokens.
+    min_tokens: int = Field(default=0, ge=0)
+    #: EOS does not end the reply.
+    ignore_eos: StrictBool = False
+    #: More ids that end the reply.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=U32_MAX)]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
+    #: Special tokens' text is left out of the reply.
+    skip_special_tokens: StrictBool = True
+    #: The stop sequence or stop token that ended the reply is part of it.
+    include_stop_str_in_output: StrictBool = False
 
     @field_validator("stop")
     @classmethod
@@ -147,19 +182,35 @@ class _SamplingFields(StructuredFields):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    @model_validator(mode="after")
-    def _supported(self) -> _SamplingFields:
-        if self.n != 1:
-            raise ValueError("n: only n = 1 is supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name}: penalties are not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit()) or int(key) > U32_MAX:
+                raise ValueError(f"logit_bias: keys are token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias: biases are in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {key}"
+                )
+        if len({int(k) for k in v}) != len(v):
+            raise ValueError("logit_bias: a token id is given twice")
+        return v
 
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(id, bias)`` pairs by id (zero biases dropped: they change
+        nothing)."""
+        pairs = ((int(k), float(b)) for k, b in (self.logit_bias or {}).items() if b != 0)
+        return tuple(sorted(pairs))
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id the request names (checked against the vocabulary)."""
+        return [t for t, _ in self.bias_pairs()] + list(self.stop_token_ids or [])
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -1,5 +1,6 @@
 """Token ids → the text a client receives: incremental, whole characters only, special tokens
-hidden, and cut at the first stop sequence (which is not returned)."""
+hidden (unless asked for), and cut at the first stop sequence (returned only when asked
+for)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,25 @@ class TextStream:
     spans several tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
-        self._decoder = StreamDecoder(tokenizer)
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stops: list[str],
+        *,
+        skip_special: bool = True,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
+        self._decoder = StreamDecoder(tokenizer, skip_special=skip_special)
         self._stops = stops
         self._longest = max((len(s) for s in stops), default=0)
         self._text = ""
         self._sent = 0
+        #: The stop sequence found is sent too (vLLM's ``include_stop_str_in_output``).
+        self._include_stop = include_stop
+        #: Tokens before which no stop sequence ends the reply (vLLM's ``min_tokens``).
+        self._min_tokens = min_tokens
+        self._tokens = 0
         self.stopped = False
 
     def push(self, token: int) -> str:
@@ -27,13 +41,18 @@ class TextStream:
         if self.stopped:
             return ""
         self._text += self._decoder.push(token)
+        self._tokens += 1
         if not self._stops:
             return self._take(len(self._text))
+        if self._tokens < self._min_tokens:
+            # No stop may end the reply yet; what could still start one waits as usual.
+            return self._take(len(self._text) - self._held_back())
         search_from = max(0, self._sent - self._longest)
-        hits = [i for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
+        hits = [(i, len(s)) for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
         if hits:
             self.stopped = True
-            return self._take(min(hits))
+            at, length = min(hits)
+            return self._take(at + length if self._include_stop else at)
         return self._take(len(self._text) - self._held_back())
 
     def finish(self) -> str:

@@ -7,6 +7,7 @@ fn params(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplingPara
         top_k,
         top_p,
         seed,
+        ..SamplingParams::default()
     }
 }
 
@@ -520,4 +521,201 @@ fn masked_sampling_is_the_rule_on_the_row_without_the_excluded_tokens() {
     let err = g.sample_masked(&[1.0, 2.0], &[0b100], 0).unwrap_err();
     assert!(err.0.contains("allows no token"), "{err}");
     assert!(g.sample_masked(&[1.0, f32::NAN], &[0b1], 0).is_err());
+}
+
+fn adjusted(greedy: bool, adjust: LogitsAdjust) -> Sampler {
+    let p = SamplingParams {
+        greedy,
+        adjust,
+        ..params(0.9, 0, 1.0, 77)
+    };
+    Sampler::new(p).unwrap()
+}
+
+fn row(seed: u32, vocab: usize) -> Vec<f32> {
+    (0..vocab)
+        .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 100.0 - 5.0)
+        .collect()
+}
+
+#[test]
+fn neutral_adjustments_leave_the_draws_unchanged() {
+    let prompt = [3u32, 4, 5];
+    for greedy in [true, false] {
+        let mut plain = adjusted(greedy, LogitsAdjust::default());
+        let neutral = LogitsAdjust {
+            logit_bias: vec![(7, 0.0)],
+            min_tokens: 3,
+            ..LogitsAdjust::default()
+        };
+        let mut same = adjusted(greedy, neutral);
+        same.begin(&prompt);
+        for i in 0..20u64 {
+            let r = row(i as u32, 300);
+            assert_eq!(plain.sample(&r, 3 + i), same.sample(&r, 3 + i));
+        }
+    }
+}
+
+#[test]
+fn penalties_bias_and_min_tokens_follow_their_definitions() {
+    let vocab = 64;
+    let prompt = [1u32, 2, 2];
+    let adjust = LogitsAdjust {
+        presence_penalty: 0.5,
+        frequency_penalty: 0.25,
+        repetition_penalty: 1.3,
+        logit_bias: vec![(9, 3.0), (10, -100.0)],
+        min_tokens: 2,
+        min_tokens_banned: vec![0],
+    };
+    let mut s = adjusted(true, adjust.clone());
+    s.begin(&prompt);
+    let mut generated: Vec<u32> = Vec::new();
+    for i in 0..12u64 {
+        let mut r = row(i as u32 + 5, vocab);
+        // Token 0 is the best of every row: it is only banned while min_tokens holds.
+        r[0] = 50.0;
+        let mut want = r.clone();
+        for &(id, b) in &adjust.logit_bias {
+            want[id as usize] += b;
+        }
+        if generated.len() < adjust.min_tokens {
+            want[0] = f32::NEG_INFINITY;
+        }
+        for id in 0..vocab as u32 {
+            let seen = prompt.contains(&id) || generated.contains(&id);
+            let l = &mut want[id as usize];
+            if seen {
+                *l = if *l > 0.0 { *l / 1.3 } else { *l * 1.3 };
+            }
+            let count = generated.iter().filter(|&&t| t == id).count();
+            if count > 0 {
+                *l -= 0.25 * count as f32;
+                *l -= 0.5;
+            }
+        }
+        let t = s
+            .sample(&r, (prompt.len() + generated.len()) as u64)
+            .unwrap();
+        assert_eq!(t, argmax(&want), "step {i}");
+        generated.push(t);
+    }
+    assert_ne!(generated[0], 0);
+    assert_ne!(generated[1], 0);
+    assert_eq!(generated[2], 0, "no longer banned");
+}
+
+#[test]
+fn verification_with_penalties_equals_plain_sampling() {
+    let vocab = 40;
+    let adjust = LogitsAdjust {
+        frequency_penalty: 1.5,
+        ..LogitsAdjust::default()
+    };
+    let prompt = [1u32, 2];
+    let rows: Vec<Vec<f32>> = (0..6).map(|i| row(i, vocab)).collect();
+    let mut plain = adjusted(false, adjust.clone());
+    plain.begin(&prompt);
+    let tokens: Vec<u32> = (0..6u64)
+        .map(|i| plain.sample(&rows[i as usize], 2 + i).unwrap())
+        .collect();
+    // Verify the first token's continuation with the right drafts, then a wrong one.
+    let mut v = adjusted(false, adjust);
+    v.begin(&prompt);
+    assert_eq!(v.sample(&rows[0], 2).unwrap(), tokens[0]);
+    let flat: Vec<f32> = rows[1..4].concat();
+    let mut out = Vec::new();
+    v.verify(&flat, vocab, &[tokens[1], tokens[2]], 3, &mut out)
+        .unwrap();
+    assert_eq!(out, tokens[1..4]);
+    out.clear();
+    let wrong = (tokens[4] + 1) % vocab as u32;
+    let flat: Vec<f32> = rows[4..6].concat();
+    v.verify(&flat, vocab, &[wrong], 6, &mut out).unwrap();
+    assert_eq!(out, [tokens[4]]);
+    assert_eq!(v.sample(&rows[5], 7).unwrap(), tokens[5]);
+}
+
+#[test]
+fn adjustments_are_validated() {
+    let bad = [
+        LogitsAdjust {
+            presence_penalty: 2.5,
+            ..LogitsAdjust::default()
+        },
+        LogitsAdjust {
+            repetition_penalty: 0.0,
+            ..LogitsAdjust::default()
+        },
+        LogitsAdjust {
+            logit_bias: vec![(1, 101.0)],
+            ..LogitsAdjust::default()
+        },
+        LogitsAdjust {
+            logit_bias: vec![(1, 1.0), (1, 2.0)],
+            ..LogitsAdjust::default()
+        },
+    ];
+    for a in bad {
+        let p = SamplingParams {
+            adjust: a,
+            ..SamplingParams::default()
+        };
+        assert!(Sampler::new(p).is_err());
+    }
+    let mut s = adjusted(
+        true,
+        LogitsAdjust {
+            logit_bias: vec![(99, 1.0)],
+            ..LogitsAdjust::default()
+        },
+    );
+    s.begin(&[1]);
+    assert!(
+        s.sample(&row(0, 50), 1).is_err(),
+        "an id outside the vocabulary"
+    );
+    // A draw whose predecessors the sampler never saw is refused, not guessed.
+    assert!(s.sample(&row(0, 200), 5).is_err());
+}
+
+#[test]
+fn a_mask_applies_to_the_adjusted_row() {
+    // The bias makes token 0 the best; the mask excludes it, so greedy takes the best of
+    // the allowed adjusted row. min_tokens excluding the only allowed token (EOS) is an
+    // error, not a draw from an empty row.
+    let bias = LogitsAdjust {
+        logit_bias: vec![(0, 100.0)],
+        ..LogitsAdjust::default()
+    };
+    let mut s = adjusted(true, bias);
+    s.begin(&[1]);
+    assert_eq!(
+        s.sample_masked(&[1.0, 5.0, 3.0, 4.0], &[0b1010], 1)
+            .unwrap(),
+        1
+    );
+    let bias = LogitsAdjust {
+        logit_bias: vec![(3, 10.0)],
+        ..LogitsAdjust::default()
+    };
+    let mut s = adjusted(true, bias);
+    s.begin(&[1]);
+    assert_eq!(
+        s.sample_masked(&[1.0, 5.0, 3.0, 4.0], &[0b1010], 1)
+            .unwrap(),
+        3
+    );
+    let ban = LogitsAdjust {
+        min_tokens: 2,
+        min_tokens_banned: vec![1],
+        ..LogitsAdjust::default()
+    };
+    let mut s = adjusted(true, ban);
+    s.begin(&[1]);
+    let err = s
+        .sample_masked(&[1.0, 5.0, 3.0, 4.0], &[0b0010], 1)
+        .unwrap_err();
+    assert!(err.0.contains("allows no token"), "{err}");
 }

@@ -247,7 +247,12 @@ class BatchStepper:
                     if g is not None:
                         # The grammar follows the tokens before the drafts (see align).
                         g.align(e.start + 1 - len(live.prompt), e.tokens[0])
+                    # The row's token for the penalties; after the verification every row's,
+                    # so a rebuilt session's pieces teach it the tokens it missed (the next
+                    # step starts at the last emitted token and overwrites what was rejected).
+                    live.sampler.observe(e.start, e.tokens[:1])
                     emitted = list(live.sampler.verify(logits, e.tokens[1:], e.start + 1, g))
+                    live.sampler.observe(e.start, e.tokens)
                     rows = logits
                 elif e.emit:
                     if g is not None:

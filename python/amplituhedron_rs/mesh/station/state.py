@@ -213,7 +213,7 @@ class Station:
         if bad is not None:
             raise InputError(f"token id {bad} is outside the vocabulary of {self.vocab}")
         # Checked before a pooled ring is taken, so a refusal changes nothing.
-        sampler = req.sampling.params().sampler() if self.is_exit else None
+        sampler = req.sampling.params().sampler(req.prompt_tokens) if self.is_exit else None
         # Only the exit station samples, so only it follows the grammar (compiled here, in
         # the route's worker thread; a grammar llguidance rejects is a 400).
         grammar = (
