@@ -17,6 +17,10 @@
 //! - `small_batch_formats`: one 640×2048 matmul per format (SmolLM2's and Gemma 3 Q4_K_M's)
 //!   for n = 1, 2, 3, 4, 6, 8, 16 tokens, weights streamed from memory, both precisions.
 //!
+//! - `large`: the same kernels at the seeds' 7B shape, where nothing fits in the caches
+//!   (`quant/large.rs`): row costs for n = 1…16 and 64, both precisions, against the read
+//!   bandwidth and the VNNI peak measured in the same run.
+//!
 //! Timings are noisy on a shared 2-core machine, so the summary printed at the end compares
 //! numbers measured in this same run (ratios), from criterion's own samples.
 
@@ -30,6 +34,9 @@ use amplituhedron::quant::{
 };
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
+
+#[path = "quant/large.rs"]
+mod large;
 
 const HIDDEN: usize = 576;
 const FFN: usize = 1536;
@@ -949,6 +956,7 @@ fn summary(_c: &mut Criterion) {
         naive_p / median("kernel1t/prefill"),
         naive_p / median("prefill/1536x576")
     );
+    large::summary();
 }
 
 criterion_group! {
@@ -957,6 +965,6 @@ criterion_group! {
         .sample_size(SAMPLES)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_millis(800));
-    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, prefill_formats, summary
+    targets = decode_matvec, decode_tokens, prefill_gemm, baselines, formats, small_batch_kernel, small_batch, small_batch_formats, prefill_formats, large::large, summary
 }
 criterion_main!(benches);

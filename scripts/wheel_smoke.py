@@ -30,7 +30,7 @@ assert results and not failed, failed
 print(f"Lean oracle parity: all {len(results)} oracles pass")
 
 report_path = Path("bench.json").resolve()
-tiny = ["--stations", "2", "--sessions", "2", "--prompt-tokens", "24", "--new-tokens", "2"]
+tiny = ["--stations", "2", "--sessions", "2", "--prompt-tokens", "24", "--max-tokens", "2"]
 trace = ["--trace-prefixes", "5", "--trace-entries", "2", "--trace-accesses", "30"]
 subprocess.run(
     [

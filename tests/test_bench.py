@@ -413,7 +413,7 @@ TINY = [
     "3",
     "--prompt-tokens",
     "24",
-    "--new-tokens",
+    "--max-tokens",
     "2",
     "--trace-prefixes",
     "5",
@@ -572,7 +572,10 @@ def test_tiny_run_writes_plot_and_report(tiny_run: tuple[Path, dict[str, Any]]) 
         )
     # Re-rendering the saved JSON without a plot says so instead of linking nothing.
     assert "no plot" in bench_report.markdown(r, out / "again.md", None)
-    assert len(bench_report.summary_tables(r)) == 6
+    assert len(bench_report.summary_tables(r)) == 7
+    # The seeds' §7 estimate stands beside the measured figures, in the report too.
+    assert "seeds' §7 estimate" in md and "| uplift | 3.5× |" in md
+    assert r["seed_estimate"]["decode_ms_per_token"] == 280
 
 
 def test_bench_serve_fails_only_on_our_errors() -> None:
@@ -631,17 +634,18 @@ def test_bench_serve_reads_the_engine_load_from_metrics() -> None:
     from amplituhedron_rs.bench.serve import LevelResult, combine, parse_engine_totals
 
     def page(steps: int, prompt: int, decode: int, busy: float) -> str:
+        m = 'model_name="smollm2-135m"'
         return (
-            "# HELP amplituhedron_serve_engine_steps_total Batched steps run\n"
-            "# TYPE amplituhedron_serve_engine_steps_total counter\n"
-            f"amplituhedron_serve_engine_steps_total {steps}.0\n"
-            "# HELP amplituhedron_serve_engine_rows_total Rows computed\n"
-            "# TYPE amplituhedron_serve_engine_rows_total counter\n"
-            f'amplituhedron_serve_engine_rows_total{{kind="prompt"}} {prompt}.0\n'
-            f'amplituhedron_serve_engine_rows_total{{kind="decode"}} {decode}.0\n'
-            "# HELP amplituhedron_serve_engine_busy_seconds_total Busy\n"
-            "# TYPE amplituhedron_serve_engine_busy_seconds_total counter\n"
-            f"amplituhedron_serve_engine_busy_seconds_total {busy}\n"
+            "# HELP amplituhedron:engine_steps_total Batched steps run\n"
+            "# TYPE amplituhedron:engine_steps_total counter\n"
+            f"amplituhedron:engine_steps_total{{{m}}} {steps}.0\n"
+            "# HELP amplituhedron:engine_rows_total Rows computed\n"
+            "# TYPE amplituhedron:engine_rows_total counter\n"
+            f'amplituhedron:engine_rows_total{{{m},kind="prompt"}} {prompt}.0\n'
+            f'amplituhedron:engine_rows_total{{{m},kind="decode"}} {decode}.0\n'
+            "# HELP amplituhedron:engine_busy_seconds_total Busy\n"
+            "# TYPE amplituhedron:engine_busy_seconds_total counter\n"
+            f"amplituhedron:engine_busy_seconds_total{{{m}}} {busy}\n"
         )
 
     before, after = (

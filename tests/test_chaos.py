@@ -39,7 +39,7 @@ def test_chaos_zero_wrong_tokens_every_session_completes(model: Model) -> None:
 def test_bench_chaos_command_reports_a_tiny_run(tmp_path: Path) -> None:
     """``amplituhedron bench-chaos`` end to end, tiny: the table's figures land in the JSON."""
     out = tmp_path / "chaos.json"
-    argv = ["bench-chaos", "--sessions", "4", "--new-tokens", "6", "--concurrency", "2"]
+    argv = ["bench-chaos", "--sessions", "4", "--max-tokens", "6", "--concurrency", "2"]
     argv += ["--every", "0.3", "0.6", "--json", str(out)]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())

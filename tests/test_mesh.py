@@ -28,6 +28,7 @@ from amplituhedron_rs.mesh.launcher import (
     split_layers,
     wait_healthy,
 )
+from amplituhedron_rs.mesh.station.stream import ENDPOINT as STREAM_ENDPOINT
 
 pytestmark = [pytest.mark.model, pytest.mark.mesh]
 
@@ -62,7 +63,9 @@ def step_requests(mesh: MeshSpec) -> int:
         request = urllib.request.Request(f"{s.url}/metrics", headers=AUTH)
         text = urllib.request.urlopen(request).read().decode()
         for line in text.splitlines():
-            if line.startswith("amplituhedron_requests_total") and 'endpoint="/batch/step"' in line:
+            if line.startswith("amplituhedron_requests_total") and any(
+                f'endpoint="{e}"' in line for e in ("/batch/step", STREAM_ENDPOINT)
+            ):
                 total += int(float(line.split()[-1]))
     return total
 
@@ -230,7 +233,7 @@ def test_generate_no_cache_over_a_mesh_skips_the_cache_for_that_run_only(
     run(_clear(mesh))
     urls = ",".join(s.url for s in mesh.stations)
     argv = ["generate", "--mesh", urls, "--token", TOKEN, "--prompt-ids", ",".join(map(str, ids))]
-    assert main([*argv, "--max-new-tokens", "3", "--json", "--no-cache"]) == 0
+    assert main([*argv, "--max-tokens", "3", "--json", "--no-cache"]) == 0
     [line] = capsys.readouterr().out.splitlines()
     assert [v["replay"] for v in json.loads(line)["cache"]["stations"]] == ["off"] * 3
     # The stations' caches are still on: the next runs capture, then replay.

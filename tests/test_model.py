@@ -332,7 +332,7 @@ def test_cli_generate_json(model_path: Any) -> None:
             "generate",
             "--prompt-ids",
             "12615,36411,418,582",
-            "--max-new-tokens",
+            "--max-tokens",
             "3",
             "--json",
             "--repeat",

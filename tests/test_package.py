@@ -96,7 +96,7 @@ def test_importing_the_package_loads_no_http_stack() -> None:
 def test_generate_in_one_process_loads_no_http_stack() -> None:
     code = (
         "from amplituhedron_rs.cli import main\n"
-        "assert main(['generate', '--prompt-ids', '12615,36411', '--max-new-tokens', '2', "
+        "assert main(['generate', '--prompt-ids', '12615,36411', '--max-tokens', '2', "
         "'--json']) == 0"
     )
     assert _loaded_after(code) == []

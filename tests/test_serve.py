@@ -50,14 +50,17 @@ class Server:
     def client(self, key: str = KEY, **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **kw)
 
-    def metric(self, name: str) -> float:
-        """A series' value: ``name`` alone (its first series), or with its labels as
-        /metrics prints them (that series)."""
-        text = httpx.get(f"{self.url}/metrics").text
-        for line in text.splitlines():
-            if line.rsplit(" ", 1)[0] == name or line.startswith(name + "{"):
-                return float(line.split()[-1])
-        raise AssertionError(f"no metric {name}")
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample's value: the first sample named ``name`` whose labels include
+        ``labels``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return float(sample.value)
+        raise AssertionError(f"no metric {name} {labels}")
 
     def model(self) -> str:
         return str(self.client().models.list().data[0].id)
@@ -133,8 +136,8 @@ def wait_idle(server: Server, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (
-            server.metric("amplituhedron_serve_live_sequences") == 0
-            and server.metric("amplituhedron_serve_running") == 0
+            server.metric("amplituhedron:live_sequences") == 0
+            and server.metric("amplituhedron:num_requests_running") == 0
         ):
             return
         time.sleep(0.1)
@@ -369,18 +372,18 @@ def test_metrics_count_the_engine_load(server: Server) -> None:
     """Steps, rows and busy seconds of the engine: a lone request prefills its uncached
     prompt rows, then decodes one row per token after the first, in at most the wall time."""
     wait_idle(server)
-    names = [
-        "amplituhedron_serve_engine_steps_total",
-        'amplituhedron_serve_engine_rows_total{kind="prompt"}',
-        'amplituhedron_serve_engine_rows_total{kind="decode"}',
-        "amplituhedron_serve_engine_busy_seconds_total",
+    names: list[tuple[str, dict[str, str]]] = [
+        ("amplituhedron:engine_steps_total", {}),
+        ("amplituhedron:engine_rows_total", {"kind": "prompt"}),
+        ("amplituhedron:engine_rows_total", {"kind": "decode"}),
+        ("amplituhedron:engine_busy_seconds_total", {}),
     ]
-    before = [server.metric(n) for n in names]
+    before = [server.metric(n, **labels) for n, labels in names]
     started = time.monotonic()
     r = chat(server.client(), server.model(), "Name three kinds of cloud.", max_tokens=9)
     wall = time.monotonic() - started
     steps, prompt_rows, decode_rows, busy = (
-        server.metric(n) - b for n, b in zip(names, before, strict=True)
+        server.metric(n, **labels) - b for (n, labels), b in zip(names, before, strict=True)
     )
     assert r.usage.completion_tokens == 9
     assert prompt_rows == r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
@@ -437,10 +440,10 @@ def stream_then_leave(server: Server, while_open: Callable[[], None] | None = No
 
 
 def test_a_client_that_disconnects_cancels_its_request(server: Server) -> None:
-    before = server.metric("amplituhedron_serve_generation_tokens_total")
+    before = server.metric("amplituhedron:generation_tokens_total")
     stream_then_leave(server)
     wait_idle(server)
-    generated = server.metric("amplituhedron_serve_generation_tokens_total") - before
+    generated = server.metric("amplituhedron:generation_tokens_total") - before
     assert generated < 500, f"{generated} tokens generated after the client left"
 
 
@@ -455,7 +458,7 @@ def test_bad_parameters_get_openai_errors(server: Server) -> None:
         ({"model": m, "messages": msgs, "top_p": 0}, "top_p"),
         ({"model": m, "messages": msgs, "max_tokens": 0}, "max_tokens"),
         ({"model": m, "messages": msgs, "max_tokens": 10**9}, "max_tokens"),
-        ({"model": m, "messages": msgs, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": m, "messages": msgs, "stop": [str(i) for i in range(17)]}, "stop"),
         ({"model": m, "messages": msgs, "top_logprobs": 2}, "top_logprobs"),
         ({"model": m, "messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"model": m, "messages": msgs, "logprobs": "yes"}, "logprobs"),

@@ -50,7 +50,7 @@ def mesh() -> Iterator[MeshSpec]:
 def mesh_server(mesh: MeshSpec, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     path = tmp_path_factory.mktemp("mesh") / "mesh.json"
     mesh.write(path)
-    args = ["--mesh", str(path), "--mesh-token", TOKEN, "--max-batch", "8", "--max-queue", "64"]
+    args = ["--mesh", str(path), "--token", TOKEN, "--max-batch", "8", "--max-queue", "64"]
     with start_server(*args) as srv:
         yield srv
 
@@ -95,6 +95,30 @@ def test_mesh_replies_equal_the_single_process_server(
     # Sampled speculation: verification is position-keyed, so mesh and process still agree.
     kw = {"max_tokens": 40, "temperature": 0.8, "seed": 3, "extra_body": {"draft": "prompt-lookup"}}
     assert complete(mesh_server, COPY, **kw)[0] == complete(local_server, COPY, **kw)[0]
+
+
+@pytest.mark.serve
+def test_a_list_of_prompts_over_the_mesh_equals_the_single_process_server(
+    mesh_server: Server, local_server: Server
+) -> None:
+    """Several prompts in one request, each its own sequence batched through the stations:
+    the choices (plain, streamed, echoed with logprobs) equal the single-process server's."""
+    prompts = ["The sky is", "Once upon a time", "Rain falls on"]
+
+    def run(srv: Server) -> tuple[Any, ...]:
+        c, m = srv.client(), srv.model()
+        r = c.completions.create(model=m, prompt=prompts, max_tokens=8, echo=True, logprobs=1)
+        plain = [
+            (ch.index, ch.text, ch.logprobs and ch.logprobs.token_logprobs) for ch in r.choices
+        ]
+        streamed = ["", "", ""]
+        for chunk in c.completions.create(model=m, prompt=prompts, max_tokens=8, stream=True):
+            for ch in chunk.choices:
+                streamed[ch.index] += ch.text
+        return plain, streamed
+
+    assert run(mesh_server) == run(local_server)
+    wait_idle(mesh_server)
 
 
 @pytest.mark.serve
@@ -178,11 +202,11 @@ def test_eight_concurrent_streams_over_the_mesh_equal_their_solo_runs(
         for i in range(8)
     ]
     solo = [streamed_text(c, m, a, **kw)[0] for a, kw in zip(asks, kws, strict=True)]
-    hops = mesh_server.metric("amplituhedron_serve_station_requests")
-    decode = 'amplituhedron_serve_engine_rows_total{kind="decode"}'
+    hops = mesh_server.metric("amplituhedron:station_requests_total")
+    decode = "amplituhedron:engine_rows_total"
     steps0, rows0 = (
-        mesh_server.metric("amplituhedron_serve_engine_steps_total"),
-        mesh_server.metric(decode),
+        mesh_server.metric("amplituhedron:engine_steps_total"),
+        mesh_server.metric(decode, kind="decode"),
     )
     with cf.ThreadPoolExecutor(8) as pool:
         together = list(
@@ -190,10 +214,10 @@ def test_eight_concurrent_streams_over_the_mesh_equal_their_solo_runs(
         )
     assert together == solo
     # Batched: far fewer hops than one request per token per station (8 × ~14 × 2).
-    assert mesh_server.metric("amplituhedron_serve_station_requests") - hops < 8 * 14 * 2 / 2
+    assert mesh_server.metric("amplituhedron:station_requests_total") - hops < 8 * 14 * 2 / 2
     # The engine's own load counts say so too: several sequences' rows per step.
-    steps = mesh_server.metric("amplituhedron_serve_engine_steps_total") - steps0
-    assert (mesh_server.metric(decode) - rows0) / steps > 1.5
+    steps = mesh_server.metric("amplituhedron:engine_steps_total") - steps0
+    assert (mesh_server.metric(decode, kind="decode") - rows0) / steps > 1.5
     wait_idle(mesh_server)
     assert open_sessions(mesh) == [0, 0]
 
@@ -232,7 +256,7 @@ def test_the_stations_cache_the_head_of_a_prompt_longer_than_their_longest_prefi
 def test_a_client_that_disconnects_frees_its_sessions_on_every_station(
     mesh_server: Server, mesh: MeshSpec
 ) -> None:
-    before = mesh_server.metric("amplituhedron_serve_generation_tokens_total")
+    before = mesh_server.metric("amplituhedron:generation_tokens_total")
 
     def both_stations_hold_it() -> None:
         assert open_sessions(mesh) == [1, 1]
@@ -240,7 +264,7 @@ def test_a_client_that_disconnects_frees_its_sessions_on_every_station(
     stream_then_leave(mesh_server, both_stations_hold_it)
     wait_idle(mesh_server)
     assert open_sessions(mesh) == [0, 0]
-    generated = mesh_server.metric("amplituhedron_serve_generation_tokens_total") - before
+    generated = mesh_server.metric("amplituhedron:generation_tokens_total") - before
     assert generated < 500, f"{generated} tokens generated after the client left"
 
 
@@ -248,13 +272,13 @@ def test_a_client_that_disconnects_frees_its_sessions_on_every_station(
 def test_greedy_with_drafts_over_the_mesh_equals_plain_decoding(
     mesh_server: Server, mesh: MeshSpec
 ) -> None:
-    proposed = mesh_server.metric("amplituhedron_serve_draft_proposed_total")
-    accepted = mesh_server.metric("amplituhedron_serve_draft_accepted_total")
+    proposed = mesh_server.metric("amplituhedron:spec_decode_num_draft_tokens_total")
+    accepted = mesh_server.metric("amplituhedron:spec_decode_num_accepted_tokens_total")
     plain, _ = complete(mesh_server, COPY, max_tokens=64, extra_body={"draft": "off"})
     spec, _ = complete(mesh_server, COPY, max_tokens=64, extra_body={"draft": "prompt-lookup"})
     assert spec == plain
-    proposed = mesh_server.metric("amplituhedron_serve_draft_proposed_total") - proposed
-    accepted = mesh_server.metric("amplituhedron_serve_draft_accepted_total") - accepted
+    proposed = mesh_server.metric("amplituhedron:spec_decode_num_draft_tokens_total") - proposed
+    accepted = mesh_server.metric("amplituhedron:spec_decode_num_accepted_tokens_total") - accepted
     # Some drafts were accepted (k+1 rows per hop), some rejected: rolled back on both stations.
     assert 0 < accepted < proposed, (accepted, proposed)
     wait_idle(mesh_server)
@@ -352,7 +376,7 @@ def test_overload_over_the_mesh_answers_429_and_every_accepted_request_completes
 ) -> None:
     path = tmp_path / "mesh.json"
     mesh.write(path)
-    args = ["--mesh", str(path), "--mesh-token", TOKEN, "--max-batch", "1", "--max-queue", "1"]
+    args = ["--mesh", str(path), "--token", TOKEN, "--max-batch", "1", "--max-queue", "1"]
     with start_server(*args) as srv:
         c, m = srv.client(), srv.model()
 
@@ -432,8 +456,8 @@ def test_the_server_fails_over_to_a_replica_mid_stream(
                 got = list(pool.map(stream, [kw, seeded]))
             assert not mesh.alive(2)
             assert got == want
-            assert srv.metric("amplituhedron_serve_mesh_failovers_total") == 1
-            assert srv.metric("amplituhedron_serve_mesh_rebuilt_sequences_total") >= 1
-            assert srv.metric("amplituhedron_serve_mesh_stations_down") >= 1
+            assert srv.metric("amplituhedron:mesh_failovers_total") == 1
+            assert srv.metric("amplituhedron:mesh_rebuilt_sequences_total") >= 1
+            assert srv.metric("amplituhedron:mesh_stations_down") >= 1
     finally:
         mesh.close()

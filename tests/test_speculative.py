@@ -97,7 +97,7 @@ def test_cli_draft_prints_the_plain_tokens(model: ar.Model) -> None:
 
     def run(*extra: str) -> dict[str, object]:
         argv = [sys.executable, "-m", "amplituhedron_rs.cli", "generate", "--json"]
-        argv += ["--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "12", "--no-cache"]
+        argv += ["--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "12", "--no-cache"]
         out = subprocess.run([*argv, *extra], capture_output=True, text=True, check=True)
         result: dict[str, object] = json.loads(out.stdout.splitlines()[-1])
         return result
@@ -113,7 +113,7 @@ def test_bench_spec_reports_every_workload_and_the_peer(tmp_path: Path) -> None:
     column filled exactly when llama-cpp-python is installed (else it says it skipped)."""
     report = tmp_path / "spec.json"
     argv = [sys.executable, "-m", "amplituhedron_rs.cli", "bench-spec", "--rounds", "1"]
-    argv += ["--max-new-tokens", "6", "--precision", "fast", "--json", str(report)]
+    argv += ["--max-tokens", "6", "--precision", "fast", "--json", str(report)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True)
     rows = json.loads(report.read_text())
     assert [r["workload"] for r in rows] == ["copy-heavy", "summarise", "free chat"]

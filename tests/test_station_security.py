@@ -631,6 +631,30 @@ def test_attack_9_a_chunked_body_is_counted(any_mesh: LocalMesh) -> None:
         c.delete(f"{url}/sessions/{sid}")
 
 
+def test_idle_connections_cannot_exhaust_a_station() -> None:
+    """Issue 45, row 9, at a station: far more idle sockets (no credentials, no request)
+    than its connection cap. The oldest idle ones are closed to make room, so /healthz and
+    the coordinator still get in, and the station holds at most the cap."""
+    with LocalMesh(1, station_args=["--max-connections", "8"]) as spec:
+        url = spec.stations[0].url
+        host, port = url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(40)]
+        try:
+            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+            headers = {"Authorization": f"Bearer {spec.token}"}
+            assert httpx.get(f"{url}/amplituhedron/stats", headers=headers).status_code == 200
+            closed = 0
+            for s in idle[:-8]:  # every one but the newest eight was evicted
+                try:
+                    closed += s.recv(1) == b""
+                except ConnectionResetError:
+                    closed += 1
+            assert closed == len(idle) - 8
+        finally:
+            for s in idle:
+                s.close()
+
+
 # --- 10. cache off for everyone ------------------------------------------------------------
 def test_attack_10_no_cache_is_per_request(secure: LocalMesh) -> None:
     """(Also covered for the CLI by test_mesh's

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with err.status("loading model and computing the single-process reference…"):
         model = load_model(args.model)
         requests = chaos_requests(
-            model.tokenize, args.sessions, new_tokens=args.new_tokens, seed=args.seed
+            model.tokenize, args.sessions, new_tokens=args.max_tokens, seed=args.seed
         )
         references = reference_outputs(model, requests)
     del model  # free the single-process weights' pages before the stations map theirs

@@ -46,6 +46,7 @@ from amplituhedron_rs.bench.eviction import compare_policies, model_tails
 from amplituhedron_rs.bench.progress import LiveProgress
 from amplituhedron_rs.bench.prompts import QUESTION, Prompts, build_prompts
 from amplituhedron_rs.bench.verdicts import (
+    SEED_ESTIMATE,
     Measurements,
     SessionPhases,
     amortized_tps,
@@ -363,6 +364,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> dict[str, Any]:
         "cold": cold,
         "warm": warm,
         "uplift": uplift(cold["tps"], warm["tps"]),
+        "seed_estimate": SEED_ESTIMATE.to_json(),
         "bit_exact": bit_exactness(cold, warm),
         "output_text": tok.decode(cold["sessions"][0]["output_ids"], skip_special=True),
         "unique": unique,

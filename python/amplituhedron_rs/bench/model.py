@@ -151,15 +151,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt = text_of_tokens(model.tokenize, args.prompt_tokens)
     with err.status(f"measuring this runtime ({args.runs} runs)…"):
         model.generate(prompt[:16], 4, use_cache=False)  # warm the pages and the pool
-        ours = measure_runtime(model, prompt, runs=args.runs, decode_tokens=args.decode_tokens)
+        ours = measure_runtime(model, prompt, runs=args.runs, decode_tokens=args.max_tokens)
     report["runtime"] = {k: asdict(v) | {"median": v.median} for k, v in ours.items()}
     with err.status("measuring llama.cpp (if installed)…"):
         peer = measure_llamacpp(
             str(model.file.path),
             prompt,
             runs=args.runs,
-            decode_tokens=args.decode_tokens,
-            threads=args.threads,
+            decode_tokens=args.max_tokens,
+            threads=args.llamacpp_threads,
         )
     table = Table(title=f"{args.prompt_tokens}-token prompt · medians of {args.runs} runs")
     table.add_column("measure")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,6 +100,52 @@ def peer_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def estimate_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """The seeds' §7 estimate beside this run: (quantity, estimate, measured). Decode per
+    token divides a session's decode time by the tokens its decode steps produced (the
+    first comes from the prefill or the cached logits)."""
+    e, cold, warm = report["seed_estimate"], report["cold"], report["warm"]
+    steps = max(1, report["prompt"]["new_tokens"] - 1)
+    later = [s["latency_ms"] for s in warm["sessions"][1:]] or [warm["median_latency_ms"]]
+    return [
+        (
+            "prefill of the prompt (s)",
+            f"{e['prefill_s']:g}",
+            f"{cold['median_prefill_ms'] / 1e3:.2f}",
+        ),
+        (
+            "decode (ms / token)",
+            f"{e['decode_ms_per_token']:g}",
+            f"{warm['median_decode_ms'] / steps:.1f}",
+        ),
+        (
+            "session, cache off (s)",
+            f"{e['cold_session_s']:g}",
+            f"{cold['median_latency_ms'] / 1e3:.2f}",
+        ),
+        (
+            "session 2+, cache on (s)",
+            f"{e['warm_session_s']:g}",
+            f"{statistics.median(later) / 1e3:.2f}",
+        ),
+        ("amortized TPS, cache off", f"{e['cold_tps']:g}", f"{cold['tps']:.2f}"),
+        ("amortized TPS, cache on", f"{e['warm_tps']:g}", f"{warm['tps']:.2f}"),
+        ("uplift", f"{e['uplift']:g}×", f"{report['uplift']:.2f}×"),
+    ]
+
+
+def estimate_caption(report: Mapping[str, Any]) -> str:
+    """Which configuration the estimate is for, and this run's."""
+    k = len(report["mesh"]["stations"])
+    pr = report["prompt"]
+    model = Path(str(report["model"].get("path") or "bundled model")).name
+    return (
+        f"estimate: {report['seed_estimate']['configuration']}; this run: {model} over {k} "
+        f"stations, {pr['prompt_tokens']}-token prompt, {pr['new_tokens']} tokens, "
+        f"{report['config']['sessions']} sessions"
+    )
+
+
 def summary_tables(report: Mapping[str, Any]) -> list[Table]:
     """The end-of-run tables: sessions, regimes, verdicts, triggers, eviction, peers."""
     cold, warm, unique = report["cold"], report["warm"], report["unique"]
@@ -178,12 +225,20 @@ def summary_tables(report: Mapping[str, Any]) -> list[Table]:
             t["best"],
         )
 
+    estimate = Table(
+        title="The seeds' §7 estimate beside this run", caption=escape(estimate_caption(report))
+    )
+    for col in ("", "seeds' estimate", "measured"):
+        estimate.add_column(col, justify="right")
+    for quantity, estimated, measured in estimate_rows(report):
+        estimate.add_row(quantity, estimated, measured)
+
     peers = Table(title="Side by side (same prompt, same token budget)")
     for col in ("system", "cold TPS", "warm TPS", "uplift"):
         peers.add_column(col)
     for row in peer_rows(report):
         peers.add_row(*(escape(cell) for cell in row))
-    return [sessions, regimes, verdicts, triggers, eviction, peers]
+    return [sessions, regimes, estimate, verdicts, triggers, eviction, peers]
 
 
 # --- plot ------------------------------------------------------------------------------
@@ -251,6 +306,16 @@ def write_plot(report: Mapping[str, Any], path: Path) -> None:
     for b, v in zip(bars, values, strict=True):
         if v > 0:
             ax2.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom")
+    e = report["seed_estimate"]
+    for tps, style, what in ((e["cold_tps"], ":", "cold"), (e["warm_tps"], "--", "warm")):
+        ax2.axhline(
+            tps,
+            color="#636363",
+            linestyle=style,
+            linewidth=1,
+            label=f"seeds' §7 estimate, {what}: {tps:g}",
+        )
+    ax2.legend(fontsize=7, loc="upper right")
     ax2.set_xticks(range(len(labels)))
     ax2.set_xticklabels(labels, fontsize=8)
     ax2.set_ylabel("amortized tokens / s")
@@ -337,6 +402,11 @@ def markdown(report: Mapping[str, Any], path: Path, plot: Path | str | None = No
     ]
     out += [_md_table(["", "trigger", "fired", "evidence"], rows), ""]
 
+    out += ["## The seeds' §7 estimate beside this run", "", estimate_caption(report) + ".", ""]
+    out += [
+        _md_table(["", "seeds' estimate", "measured"], [list(r) for r in estimate_rows(report)]),
+        "",
+    ]
     cold, warm, unique = report["cold"], report["warm"], report["unique"]
     out += ["## Regimes", ""]
     rows = [

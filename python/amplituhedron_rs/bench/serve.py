@@ -103,7 +103,7 @@ class LevelResult:
 
 @dataclass(frozen=True)
 class EngineTotals:
-    """Our server's engine counters at one moment (``amplituhedron_serve_engine_*``)."""
+    """Our server's engine counters at one moment (``amplituhedron:engine_*``)."""
 
     steps: float
     rows: float
@@ -135,11 +135,11 @@ def parse_engine_totals(metrics_text: str) -> EngineTotals | None:
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name == "amplituhedron_serve_engine_steps_total":
+            if sample.name == "amplituhedron:engine_steps_total":
                 found["steps"] = sample.value
-            elif sample.name == "amplituhedron_serve_engine_rows_total":
+            elif sample.name == "amplituhedron:engine_rows_total":
                 found["rows"] = found.get("rows", 0.0) + sample.value
-            elif sample.name == "amplituhedron_serve_engine_busy_seconds_total":
+            elif sample.name == "amplituhedron:engine_busy_seconds_total":
                 found["busy_seconds"] = sample.value
     if len(found) < 3:
         return None

@@ -193,9 +193,9 @@ def measure(a: argparse.Namespace) -> list[Row]:
             tally = _Tally()
             for label, ids in prompts:
                 for _ in range(a.rounds):
-                    g0 = model.generate(ids, a.max_new_tokens)
+                    g0 = model.generate(ids, a.max_tokens)
                     g1 = model.generate(
-                        ids, a.max_new_tokens, draft="prompt-lookup", draft_max=a.draft_max
+                        ids, a.max_tokens, draft="prompt-lookup", draft_max=a.draft_max
                     )
                     plain = Run(g0.output_ids, g0.decode_ms)
                     spec = Run(
@@ -229,7 +229,7 @@ def _llamacpp_rates(
     rounds), decoding as many tokens as our plain run emitted; empty if not installed."""
     from amplituhedron_rs.bench.peers import LlamaCpp
 
-    peer = LlamaCpp.load(model_path, n_ctx=4096, threads=a.threads)
+    peer = LlamaCpp.load(model_path, n_ctx=4096, threads=a.llamacpp_threads)
     if isinstance(peer, str):
         print(f"llama.cpp peer skipped: {peer}", file=sys.stderr)
         return {}
@@ -276,7 +276,7 @@ async def _over_a_mesh(
 
             async def run(ids: Ids, draft_max: int | None) -> Run:
                 r = await engine.run(
-                    ids, a.max_new_tokens, stop_ids=stop_ids, use_cache=False, draft_max=draft_max
+                    ids, a.max_tokens, stop_ids=stop_ids, use_cache=False, draft_max=draft_max
                 )
                 st = r.stats
                 return Run(

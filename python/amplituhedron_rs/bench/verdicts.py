@@ -33,6 +33,32 @@ F3_MIN_UPLIFT = 2.0
 
 
 @dataclass(frozen=True)
+class SeedEstimate:
+    """Seed 000 §7's estimate for its own configuration (qwen-coder-7b over 28 single-layer
+    stations, a 256-token system prompt, 8 decoded tokens, 10 sessions), which P2 and P3
+    were derived from: printed beside the measured figures so a run at that scale can be
+    judged against the arithmetic that made the predictions."""
+
+    configuration: str = (
+        "qwen-coder-7b (Qwen2, 28 layers) over 28 single-layer stations, 256-token system "
+        "prompt, 8 tokens, 10 sessions"
+    )
+    prefill_s: float = 9.0  #: "prefill on the liquid-mesh ≈ 9 s for 256 tokens"
+    decode_ms_per_token: float = 280.0  #: "decode of 8 tokens at ~280 ms/token"
+    cold_session_s: float = 11.2  #: prefill + 8 decodes
+    warm_session_s: float = 2.24  #: 8 decodes, prefill skipped
+    cold_tps: float = 0.71
+    warm_tps: float = 2.55  #: amortized over 10 sessions, the first cold
+    uplift: float = 3.5
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SEED_ESTIMATE = SeedEstimate()
+
+
+@dataclass(frozen=True)
 class Prediction:
     """One prediction with its measured value, its threshold and the verdict."""
 

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import replace
 
 from amplituhedron_rs.bench.config import BenchConfig, TraceSpec
-from amplituhedron_rs.cli.common import add_model, add_token
+from amplituhedron_rs.cli.common import add_max_tokens, add_model, add_threads, add_token, token_of
 
 HELP = (
     "the falsifiability bench: the volume cache's predictions P1–P5 and triggers F1–F5, "
@@ -30,31 +30,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.stations,
         metavar="K",
-        help=f"local mesh size (default {d.stations})",
+        help="local mesh size",
     )
     where.add_argument("--mesh", metavar="FILE_OR_URL", help="use a running mesh instead")
     add_token(p, "the stations' bearer token")
     add_model(p)
-    p.add_argument(
-        "--sessions",
-        type=int,
-        default=d.sessions,
-        help=f"sessions per regime (default {d.sessions})",
-    )
+    p.add_argument("--sessions", type=int, default=d.sessions, help="sessions per regime")
     p.add_argument(
         "--prompt-tokens",
         type=int,
         default=d.prompt_tokens,
-        help=f"tokens of real text in the shared system prompt (default {d.prompt_tokens})",
+        help="tokens of real text in the shared system prompt",
     )
-    p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="greedy tokens per session")
+    add_max_tokens(p, d.new_tokens, "greedy tokens per session", old=("--new-tokens",))
     p.add_argument("--chunk", type=int, default=d.chunk, help="prefill rows per request")
+    add_threads(p)
     g = p.add_argument_group("eviction traces (Pisot-guard, LRU, cost-aware; in-process)")
-    g.add_argument("--trace-prefixes", type=int, default=trace.prefixes, metavar="N")
-    g.add_argument("--trace-entries", type=int, default=trace.max_entries, metavar="N")
-    g.add_argument("--trace-accesses", type=int, default=trace.accesses, metavar="N")
-    g.add_argument("--trace-seeds", type=int, default=len(trace.seeds), metavar="N")
-    g.add_argument("--zipf-s", type=float, default=trace.zipf_s, metavar="S")
+    g.add_argument(
+        "--trace-prefixes", type=int, default=trace.prefixes, metavar="N", help="distinct prefixes"
+    )
+    g.add_argument(
+        "--trace-entries", type=int, default=trace.max_entries, metavar="N", help="cache entries"
+    )
+    g.add_argument(
+        "--trace-accesses", type=int, default=trace.accesses, metavar="N", help="accesses per seed"
+    )
+    g.add_argument(
+        "--trace-seeds", type=int, default=len(trace.seeds), metavar="N", help="seeds per trace"
+    )
+    g.add_argument(
+        "--zipf-s", type=float, default=trace.zipf_s, metavar="S", help="Zipf exponent of access"
+    )
     g.add_argument(
         "--tenant-requests",
         type=int,
@@ -62,7 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests per seed of the multi-tenant traces",
     )
-    p.add_argument("--llamacpp-threads", type=int, default=d.llamacpp_threads, metavar="N")
+    p.add_argument(
+        "--llamacpp-threads",
+        type=int,
+        default=d.llamacpp_threads,
+        metavar="N",
+        help="llama.cpp's threads, when llama-cpp-python is installed",
+    )
     p.add_argument("--json", metavar="PATH", help="write every raw timing and verdict")
     p.add_argument("--plot", metavar="PATH.png", help="write the plot (needs matplotlib)")
     p.add_argument("--report", metavar="PATH.md", help="write a Markdown report")
@@ -88,10 +100,10 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         stations=a.stations,
         mesh=a.mesh,
-        token=a.token,
+        token=token_of(a),
         sessions=a.sessions,
         prompt_tokens=a.prompt_tokens,
-        new_tokens=a.new_tokens,
+        new_tokens=a.max_tokens,
         chunk=a.chunk,
         model=a.model,
         trace=trace,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from amplituhedron_rs.cli.common import add_threads
+
 HELP = "every eviction policy on every trace, on the bundled model (no mesh phases)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every run")
+    add_threads(p)
 
 
 def run(a: argparse.Namespace) -> int:

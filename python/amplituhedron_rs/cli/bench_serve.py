@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_kv_dtype, add_model
+from amplituhedron_rs.cli.common import add_kv_dtype, add_model, add_precision, add_threads
 
 HELP = "streaming clients 1..16 against the server (and llama.cpp's)"
 
@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--concurrency",
         default="1,2,4,8,16",
         metavar="LIST",
-        help="client counts to sweep (default 1,2,4,8,16)",
+        help="client counts to sweep",
     )
     p.add_argument("--requests", type=int, default=2, metavar="R", help="requests per client")
     p.add_argument(
@@ -25,12 +25,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="repeat the sweep N times, systems and levels interleaved; report medians",
     )
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--system-tokens", type=int, default=200, metavar="N")
-    p.add_argument("--precision", choices=["refined", "fast"], default="refined")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, metavar="N", help="tokens per request at most"
+    )
+    p.add_argument(
+        "--system-tokens", type=int, default=200, metavar="N", help="shared system prompt length"
+    )
+    add_precision(p)
     add_kv_dtype(p)
-    p.add_argument("--max-batch", type=int, default=16, metavar="N")
-    p.add_argument("--step-tokens", type=int, default=64, metavar="T")
+    add_threads(p)
+    p.add_argument(
+        "--max-batch", type=int, default=16, metavar="N", help="our server's --max-batch"
+    )
+    p.add_argument(
+        "--step-tokens", type=int, default=64, metavar="T", help="our server's --step-tokens"
+    )
     p.add_argument(
         "--stations",
         type=int,

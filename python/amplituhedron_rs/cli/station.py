@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from amplituhedron_rs._core import DEFAULTS
 from amplituhedron_rs.cli.common import (
     TOKEN_ENV,
     add_cache_dir,
+    add_cache_options,
     add_kv_dtype,
     add_model,
+    add_precision,
+    add_threads,
+    add_token,
     layer_range,
-    read_token_file,
+    token_of,
 )
+from amplituhedron_rs.edge.limits import EdgeLimits
 
 HELP = "run one station"
 
@@ -21,34 +24,53 @@ HELP = "run one station"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="station_command", required=True)
     serve = sub.add_parser("serve", help="serve a layer range over HTTP")
-    serve.add_argument("--layers", required=True, metavar="LO:HI", type=layer_range)
-    serve.add_argument("--port", type=int, default=8100)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--layers", required=True, metavar="LO:HI", type=layer_range, help="the layers served"
+    )
+    serve.add_argument("--port", type=int, default=8100, help="port to listen on")
+    stream = serve.add_mutually_exclusive_group()
+    stream.add_argument(
+        "--stream-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the step stream's TCP port on the same host (default 0: any free port, "
+        "announced in /healthz)",
+    )
+    stream.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="serve batched steps over HTTP only (slower hops)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     add_model(serve)
     serve.add_argument("--model-index", metavar="JSON", help=argparse.SUPPRESS)
-    auth = serve.add_mutually_exclusive_group()
-    auth.add_argument(
-        "--token",
-        default=os.environ.get(TOKEN_ENV),
-        help=f"the mesh token every endpoint but /healthz requires (env {TOKEN_ENV})",
-    )
-    auth.add_argument("--token-file", metavar="PATH", help="read the mesh token from a file")
-    auth.add_argument(
-        "--insecure",
-        action="store_true",
-        help="serve without a token: anyone who can connect may use the station "
+    add_token(
+        serve,
+        "the mesh token every endpoint but /healthz requires",
+        insecure="serve without a token: anyone who can connect may use the station "
         "(loopback hosts only)",
     )
     serve.add_argument(
         "--open-metrics", action="store_true", help="serve /metrics without the token"
     )
-    serve.add_argument("--max-sessions", type=int, default=8)
+    serve.add_argument(
+        "--max-sessions", type=int, default=8, help="sessions (sequences) held at once"
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=EdgeLimits.max_connections,
+        metavar="N",
+        help="open connections; past it idle ones are closed first, then 503 "
+        f"(default {EdgeLimits.max_connections})",
+    )
     serve.add_argument(
         "--session-idle",
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="close a session unused this long (a vanished client's; default 30)",
+        help="close a session unused this long (a vanished client's)",
     )
     serve.add_argument(
         "--memory-budget",
@@ -56,41 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MB",
         help="KV rings the station may hold; past it, opens get 503 (default: a quarter of RAM)",
     )
-    serve.add_argument(
-        "--max-entries",
-        type=int,
-        default=DEFAULTS.max_entries,
-        help=f"volumes the cache holds (default {DEFAULTS.max_entries})",
-    )
-    serve.add_argument(
-        "--max-prefix-len",
-        type=int,
-        default=DEFAULTS.max_prefix_len,
-        help=f"longest prefix captured, in tokens (default {DEFAULTS.max_prefix_len})",
-    )
-    serve.add_argument(
-        "--policy",
-        choices=["pisot", "lru", "gdsf"],
-        default=DEFAULTS.policy,
-        help=f"eviction policy (default {DEFAULTS.policy})",
-    )
-    serve.add_argument(
-        "--min-prefix-reuse",
-        type=int,
-        default=DEFAULTS.min_prefix_reuse,
-        metavar="N",
-        help="replay the longest cached prefix of at least N tokens (0: exact prompts only; "
-        f"default {DEFAULTS.min_prefix_reuse})",
-    )
-    serve.add_argument("--no-cache", action="store_true", help="start with the cache disabled")
+    add_cache_options(serve, no_cache="start with the cache disabled")
     add_cache_dir(serve)
-    serve.add_argument(
-        "--precision",
-        choices=["refined", "fast"],
-        default="refined",
-        help="activation precision (every station of a mesh must use the same)",
-    )
+    add_precision(serve, "activation precision (every station of a mesh must use the same)")
     add_kv_dtype(serve)
+    add_threads(serve)
     serve.add_argument(
         "--fault-injection",
         action="store_true",
@@ -103,7 +95,7 @@ def run(a: argparse.Namespace) -> int:
     from amplituhedron_rs.mesh.station.app import is_loopback
     from amplituhedron_rs.runtime import CacheOptions
 
-    token = read_token_file(a.token_file) if a.token_file else a.token
+    token = token_of(a)
     if a.insecure:
         token = None
         if not is_loopback(a.host):
@@ -122,6 +114,7 @@ def run(a: argparse.Namespace) -> int:
         token=token,
         open_metrics=a.open_metrics,
         max_sessions=a.max_sessions,
+        max_connections=a.max_connections,
         session_idle_s=a.session_idle,
         memory_budget=None if a.memory_budget is None else a.memory_budget * 1024 * 1024,
         cache=CacheOptions(
@@ -133,6 +126,7 @@ def run(a: argparse.Namespace) -> int:
             cache_dir=a.cache_dir,
             max_disk_bytes=a.max_disk_bytes,
         ),
+        stream_port=None if a.no_stream else a.stream_port,
         fault_injection=a.fault_injection,
         precision=a.precision,
         kv_dtype=a.kv_dtype,

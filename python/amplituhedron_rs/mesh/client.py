@@ -1,19 +1,26 @@
-"""HTTP to stations, as the coordinator speaks it: one keep-alive aiohttp session, every
-answer read in full, and every failure a :class:`MeshError` that names the station and the
-phase of the generation it broke."""
+"""The coordinator's calls to stations: HTTP through one keep-alive aiohttp session, and
+batched steps over the step stream (:mod:`.stream`) where a station serves one; every answer
+read in full, and every failure a :class:`MeshError` that names the station and the phase of
+the generation it broke."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
 
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh.launcher import StationInfo
+from amplituhedron_rs.mesh.protocol import BATCH_ROUTE, FRAME_HEADER, OCTETS, Health, split_frame
+from amplituhedron_rs.mesh.stream import StreamError, StreamPool
+
+#: How steps reach the stations: the step stream where a station serves one, or HTTP only.
+Transport = Literal["stream", "http"]
 
 
 @dataclass(frozen=True)
@@ -29,12 +36,24 @@ class Reply:
 
 
 class StationClient:
-    """The connection pool to a mesh's stations; open it before use, close it after."""
+    """The connection pools to a mesh's stations (HTTP, and the step stream where a station
+    serves one: ``transport="stream"``); open it before use, close it after."""
 
-    def __init__(self, timeout: float, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        headers: Mapping[str, str] | None = None,
+        transport: Transport = "stream",
+    ) -> None:
+        if transport not in ("stream", "http"):
+            raise MeshError(f"transport must be 'stream' or 'http', got {transport!r}")
         self._timeout = timeout
         self._headers = dict(headers or {})
         self._session: aiohttp.ClientSession | None = None
+        self.transport = transport
+        self._streams = StreamPool()
+        #: Each station's step-stream port (None: it has none), from its /healthz.
+        self._ports: dict[str, int | None] = {}
 
     def open(self) -> None:
         # aiohttp keeps connections alive per host and costs ~0.25 ms a request on loopback
@@ -49,8 +68,77 @@ class StationClient:
         )
 
     async def close(self) -> None:
+        self._streams.close()
         if self._session is not None:
             await self._session.close()
+
+    def learn(self, station: StationInfo, health: Health) -> None:
+        """Notes the station's step-stream port from its health check."""
+        self._ports[station.url] = health.stream_port
+
+    async def step(
+        self,
+        phase: str,
+        station: StationInfo,
+        head: bytes,
+        payload: bytes | memoryview,
+        *,
+        token: str | None,
+        headers: Mapping[str, str],
+    ) -> tuple[bytes, bytes]:
+        """One batched step at ``station``: the answer's JSON header and payload. On the
+        step stream when the station serves one (its port comes from its /healthz, asked
+        again after a failure: a restarted station may listen elsewhere), else ``POST
+        /batch/step``. Failures are StationFailed, as :meth:`call`'s."""
+        port = await self._stream_port(station, headers)
+        if port is None:
+            r = await self.call(
+                phase,
+                station,
+                "POST",
+                BATCH_ROUTE,
+                content=len(head).to_bytes(FRAME_HEADER, "little") + head + bytes(payload),
+                headers={**headers, "Content-Type": OCTETS},
+            )
+            try:
+                out, rest = split_frame(r.content)
+            except ValueError as exc:
+                raise MeshError(f"station {station.url} answered a malformed step: {exc}") from exc
+            return out, bytes(rest)
+        host = urlsplit(station.url).hostname or "127.0.0.1"
+        try:
+            reply = await self._streams.call(
+                host, port, (token or "").encode(), head, payload, self._timeout
+            )
+        except StreamError as exc:
+            self._ports.pop(station.url, None)
+            self._streams.forget(host, port)
+            if exc.timeout:
+                why = f"did not answer within {self._timeout:g} s during {phase}"
+            else:
+                why = f"failed during {phase}: {exc}"
+            raise StationFailed(None, f"station {station.url} {why}", station=station) from exc
+        if reply.status != 200:
+            try:
+                body = json.loads(reply.head)
+                detail, retry = body.get("detail", ""), body.get("retry_after")
+            except (ValueError, AttributeError):
+                detail, retry = reply.head.decode(errors="replace"), None
+            raise StationFailed(
+                reply.status,
+                f"station {station.url} answered {reply.status} during {phase}: {detail}",
+                None if retry is None else str(retry),
+                station=station,
+            )
+        return reply.head, reply.payload
+
+    async def _stream_port(self, station: StationInfo, headers: Mapping[str, str]) -> int | None:
+        if self.transport == "http" or not station.url.startswith("http://"):
+            return None  # an https:// station is behind TLS: the stream would not be
+        if station.url not in self._ports:
+            r = await self.call("health check", station, "GET", "/healthz", headers=headers)
+            self._ports[station.url] = Health.model_validate_json(r.content).stream_port
+        return self._ports[station.url]
 
     async def call(
         self,

@@ -34,12 +34,18 @@ from typing import Any
 
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh import protocol as wire
+from amplituhedron_rs.mesh.client import Transport
 from amplituhedron_rs.mesh.engine import MeshEngine
+from amplituhedron_rs.mesh.hoptimes import HopTimes
 from amplituhedron_rs.mesh.launcher import MeshSpec
 from amplituhedron_rs.mesh.sessions import StationVerdict
 from amplituhedron_rs.runtime.sampling import SamplingParams
 
 __all__ = ["Coordinator", "MeshGeneration", "StationVerdict"]
+
+#: Prompt chunks one step may carry through the stations as a pipeline: station ``k`` runs
+#: chunk ``j`` while station ``k+1`` runs chunk ``j−1`` (SPEC §6).
+PIPELINE_PIECES = 8
 
 
 @dataclass
@@ -69,7 +75,8 @@ class MeshGeneration:
 
 class Coordinator:
     """A client of one mesh. Use as an async context manager. ``chunk``: prompt rows per
-    step (at most a station's ``max_chunk``)."""
+    request to a station (at most its ``max_chunk``); a step pipelines up to one chunk per
+    range (at most :data:`PIPELINE_PIECES`) through the stations."""
 
     def __init__(
         self,
@@ -81,24 +88,30 @@ class Coordinator:
         close_timeout: float = 2.0,
         open_deadline: float = 10.0,
         max_running: int = 8,
+        transport: Transport = "stream",
     ) -> None:
         """``token``: the mesh token (default: the mesh file's). ``timeout``: the longest any
         one station call may take; ``close_timeout``: the cleanup close's; ``open_deadline``:
-        how long to retry opening on full stations (503)."""
+        how long to retry opening on full stations (503). ``transport``: steps over the
+        stations' step streams (where they serve one) or over HTTP only."""
         if chunk < 1:
             raise InputError(f"chunk must be at least 1, got {chunk}")
         self.mesh = mesh
         self.chunk = chunk
-        # Every running sequence's decode row fits a step, whatever the chunk.
+        # A step carries up to one chunk per range (at most PIPELINE_PIECES), which flow
+        # through the stations pipelined; every running sequence's decode row fits a step.
+        pieces = min(len(mesh.ranges), PIPELINE_PIECES)
         self._engine = MeshEngine(
             mesh,
             token=token,
             timeout=timeout,
             max_running=max_running,
-            step_tokens=max(chunk, max_running),
+            step_tokens=max(chunk * pieces, max_running),
+            piece_rows=chunk,
             trace=True,
             close_timeout=close_timeout,
             open_deadline=open_deadline,
+            transport=transport,
         )
         self._link = self._engine.executor.link
         self.hidden = 0
@@ -189,6 +202,16 @@ class Coordinator:
             draft_accepted=int(st.get("draft_accepted", 0)),
             verify_steps=int(st.get("verify_steps", 0)),
         )
+
+    def time_hops(self, on: bool = True) -> None:
+        """Starts (afresh) or stops timing where each hop's time goes: the stations then
+        answer every step with their :class:`~.protocol.StepTiming` (benches)."""
+        self._engine.executor.hop_times = {} if on else None
+
+    def hop_times(self) -> dict[str, HopTimes]:
+        """Per phase ("decode step", "prefill step", "rebuild"): the hops timed since
+        :meth:`time_hops`."""
+        return dict(self._engine.executor.hop_times or {})
 
     def failover_stats(self) -> dict[str, Any]:
         """What failover cost so far: failovers, rebuilt sequences, rebuild seconds, the

@@ -15,7 +15,7 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
-from amplituhedron_rs.mesh.client import StationClient
+from amplituhedron_rs.mesh.client import StationClient, Transport
 from amplituhedron_rs.mesh.executor import MeshExecutor
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
 from amplituhedron_rs.mesh.sessions import MeshLink, SeqTrace
@@ -27,11 +27,14 @@ def mesh_link(
     timeout: float,
     close_timeout: float = 2.0,
     open_deadline: float = 10.0,
+    transport: Transport = "stream",
 ) -> MeshLink:
-    """The link to a mesh; ``token`` defaults to the mesh file's."""
+    """The link to a mesh; ``token`` defaults to the mesh file's. ``transport``: steps over
+    the stations' step streams (where they serve one) or over HTTP only."""
     token = token if token is not None else mesh.token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return MeshLink(mesh, StationClient(timeout), headers, close_timeout, open_deadline)
+    http = StationClient(timeout, transport=transport)
+    return MeshLink(mesh, http, headers, close_timeout, open_deadline, token=token or None)
 
 
 class MeshStepper:
@@ -47,10 +50,11 @@ class MeshStepper:
         token: str | None = None,
         timeout: float = 120.0,
         owned: LocalMesh | None = None,
+        transport: Transport = "stream",
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.owned = owned
-        link = mesh_link(mesh, token, timeout)
+        link = mesh_link(mesh, token, timeout, transport=transport)
         self.executor = MeshExecutor(engine, link)
         self.health: wire.Health | None = None
 
@@ -125,12 +129,14 @@ class MeshEngine:
         trace: bool = False,
         close_timeout: float = 2.0,
         open_deadline: float = 10.0,
+        transport: Transport = "stream",
+        piece_rows: int | None = None,
     ) -> None:
         self.engine = _core.Engine.external(
             max_running=max_running, max_queue=max_queue, step_tokens=step_tokens
         )
-        link = mesh_link(mesh, token, timeout, close_timeout, open_deadline)
-        self.executor = MeshExecutor(self.engine, link, trace=trace)
+        link = mesh_link(mesh, token, timeout, close_timeout, open_deadline, transport)
+        self.executor = MeshExecutor(self.engine, link, trace=trace, piece_rows=piece_rows)
         self.health: wire.Health | None = None
         self._queues: dict[int, asyncio.Queue[_core.EngineEvent]] = {}
         self._driver: asyncio.Task[None] | None = None

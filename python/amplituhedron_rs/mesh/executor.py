@@ -41,16 +41,19 @@ callers' drivers (a thread's stepper, an asyncio engine) are in :mod:`.engine`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
 from amplituhedron_rs.mesh.client import StationFailed
+from amplituhedron_rs.mesh.hoptimes import HopTimes
+from amplituhedron_rs.mesh.pipeline import cut, merge
 from amplituhedron_rs.mesh.rebuild import (
     FailoverStats,
     Piece,
@@ -68,6 +71,8 @@ from amplituhedron_rs.mesh.sessions import (
     sampling_of,
 )
 
+log = logging.getLogger("amplituhedron.mesh")
+
 
 @dataclass(frozen=True)
 class _Admitted:
@@ -82,7 +87,9 @@ class MeshExecutor:
     """Runs an external engine's admissions, steps and releases through a mesh, failing over
     between replicas (see the module docstring). With ``trace``, each sequence's
     :class:`SeqTrace` is kept in ``traces`` until its reader pops it (a server leaves it
-    off). ``max_failovers``: station failures one admission or step may survive."""
+    off). ``max_failovers``: station failures one admission or step may survive.
+    ``piece_rows``: rows of the pieces a step's prompt entries are cut into, which flow
+    through the stations pipelined (default: the step budget, at most 64)."""
 
     def __init__(
         self,
@@ -91,6 +98,7 @@ class MeshExecutor:
         *,
         trace: bool = False,
         max_failovers: int | None = None,
+        piece_rows: int | None = None,
     ) -> None:
         self.engine = engine
         self.link = link
@@ -109,6 +117,9 @@ class MeshExecutor:
         #: ``max_logits_rows`` (the exit verifies them). A rebuild step packs several
         #: sequences' pieces, up to 4 budgets: more rows per pass cost less per row
         #: (measured: 64-row steps ~3.3 ms/row, ~200-row steps ~2 ms/row on 2 cores).
+        #: Rows of a prompt entry's pieces, which flow through the stations pipelined
+        #: (:mod:`.pipeline`): a step of several pieces keeps several stations busy.
+        self.piece_rows = max(1, min(step_tokens, 64) if piece_rows is None else piece_rows)
         self.rebuild_rows = max(1, step_tokens)
         self.rebuild_decode_rows = max(1, min(step_tokens, 64))
         self.rebuild_step_rows = min(1024, 4 * self.rebuild_rows)
@@ -116,6 +127,9 @@ class MeshExecutor:
         self._pending: list[float] = []
         #: Closes of replaced sessions still under way (awaited at shutdown).
         self._closing: set[asyncio.Future[None]] = set()
+        #: Where hops' time goes, per phase ("decode step", "prefill step", "rebuild"),
+        #: when a bench sets it to a dict (None: off; the stations then time nothing).
+        self.hop_times: dict[str, HopTimes] | None = None
 
     @property
     def live(self) -> int:
@@ -148,7 +162,7 @@ class MeshExecutor:
         events: list[_core.EngineEvent] = []
         admissions = self.engine.plan_admissions()
         if admissions:
-            results = await asyncio.gather(*(self._admit(a) for a in admissions))
+            results = await asyncio.gather(*(self._admit_or_fail(a) for a in admissions))
             firsts = [None if r.logprobs is None else r.logprobs.as_tuple() for r in results]
             events.extend(self.engine.admitted([r.result for r in results], logprobs=firsts))
         batch = self.engine.plan_batch()
@@ -158,6 +172,12 @@ class MeshExecutor:
             except MeshError as exc:
                 # Every sequence of the step finishes with the error: no token after it.
                 events.extend(self.engine.complete([], error=str(exc)))
+            except Exception as exc:
+                # Not a station's answer: a bug here. It ends this step's sequences, never
+                # the engine (its caller steps the others on).
+                log.exception("a mesh step failed")
+                error = f"the mesh step failed: {type(exc).__name__}: {exc}"
+                events.extend(self.engine.complete([], error=error))
             else:
                 logprobs = [[lp.as_tuple() for lp in r.logprobs or []] for r in entries]
                 scored = [[lp.as_tuple() for lp in r.prompt_logprobs or []] for r in entries]
@@ -215,6 +235,19 @@ class MeshExecutor:
         self._pending.clear()
 
     # --- admissions ------------------------------------------------------------------------
+    async def _admit_or_fail(self, a: _core.EngineAdmission) -> _Admitted:
+        """Admits one sequence; any failure fails that sequence alone (its sessions
+        closed), never the step or the engine."""
+        try:
+            return await self._admit(a)
+        except Exception as exc:
+            log.exception("admitting sequence %d failed", a.seq)
+            try:
+                await self._release([a.seq])
+            except Exception:
+                log.exception("closing the sessions of sequence %d failed", a.seq)
+            return _Admitted((a.seq, 0, None, f"admission failed: {type(exc).__name__}: {exc}"))
+
     async def _admit(self, a: _core.EngineAdmission) -> _Admitted:
         opening = wire.OpenSessionRequest(prompt_tokens=list(a.prompt), sampling=sampling_of(a))
         state = SeqState(
@@ -340,37 +373,97 @@ class MeshExecutor:
         specs: Sequence[wire.BatchEntrySpec],
         batch: Sequence[_core.EngineEntry] | None = None,
     ) -> wire.BatchStepReply:
-        """Runs one step of ``specs`` through ``chain`` (one request per station, in
-        order); the exit station's answer. Each station's header names the sessions by its
-        own ids."""
+        """Runs one step of ``specs`` through ``chain``; the exit station's answer. Prompt
+        entries longer than ``piece_rows`` go as pieces in a pipeline (:mod:`.pipeline`):
+        piece ``j`` enters a station once piece ``j−1`` left it, so the stations work on
+        consecutive pieces at once. Each station's header names the sessions by its own ids."""
+        steps = cut(specs, self.piece_rows)
+        if len(steps) == 1:
+            return await self._through(chain, phase, seqs, specs, batch)
+        loop = asyncio.get_running_loop()
+        # left[j][i]: piece j has left station i (piece j+1 may enter it).
+        left = [[loop.create_future() for _ in chain.stations] for _ in steps[:-1]]
+
+        async def piece(j: int) -> wire.BatchStepReply:
+            step = steps[j]
+            gates = None if j == 0 else left[j - 1]
+            done = left[j] if j < len(left) else None
+            try:
+                return await self._through(
+                    chain,
+                    phase,
+                    [seqs[k] for k in step.entries],
+                    step.specs,
+                    None if batch is None else [batch[k] for k in step.entries],
+                    gates=gates,
+                    done=done,
+                )
+            except BaseException as exc:
+                # The pieces behind this one stop where they would wait for it.
+                for f in done or []:
+                    if not f.done():
+                        f.set_exception(exc)
+                raise
+
+        answers = await asyncio.gather(
+            *(piece(j) for j in range(len(steps))), return_exceptions=True
+        )
+        for gates in left:  # a failure's gates that no piece reached: retrieved, not warned
+            for f in gates:
+                if f.done() and not f.cancelled():
+                    f.exception()
+        for a in answers:
+            if isinstance(a, BaseException):
+                raise a
+        return merge(len(specs), steps, cast(list[wire.BatchStepReply], answers))
+
+    async def _through(
+        self,
+        chain: Chain,
+        phase: str,
+        seqs: Sequence[int],
+        specs: Sequence[wire.BatchEntrySpec],
+        batch: Sequence[_core.EngineEntry] | None,
+        *,
+        gates: Sequence[asyncio.Future[None]] | None = None,
+        done: Sequence[asyncio.Future[None]] | None = None,
+    ) -> wire.BatchStepReply:
+        """One request per station of ``chain``, in order; the exit station's answer. With
+        ``gates``, each station's request waits for its gate; ``done[i]`` is set once
+        station ``i`` answered."""
         sids = [self.seqs[seq].ids() for seq in seqs]
-        payload: bytes | memoryview = b""
+        timing = self.hop_times is not None
+        payload = b""
         reply = None
         for i, s in enumerate(chain.stations):
+            if gates is not None:
+                await gates[i]
+            started = time.monotonic()
             header = wire.BatchStepRequest(
                 entries=[
                     spec.model_copy(update={"session_id": ids[i]})
                     for spec, ids in zip(specs, sids, strict=True)
-                ]
+                ],
+                timing=timing,
             )
-            r = await self.link.call(
-                phase,
-                s,
-                "POST",
-                wire.BATCH_ROUTE,
-                content=wire.pack_frame(header, bytes(payload)),
-                headers={"Content-Type": wire.OCTETS},
-            )
+            head = header.model_dump_json().encode()
+            sent = time.monotonic()
+            out, payload = await self.link.step(phase, s, head, payload)
+            answered = time.monotonic()
             self.hops += 1
             try:
-                head, payload = wire.split_frame(r.content)
-                reply = wire.BatchStepReply.model_validate_json(head)
+                reply = wire.BatchStepReply.model_validate_json(out)
             except ValueError as exc:
                 raise MeshError(f"station {s.url} answered a malformed step: {exc}") from exc
             if len(reply.entries) != len(specs):
                 raise MeshError(
                     f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
                 )
+            if done is not None:
+                done[i].set_result(None)
+            if self.hop_times is not None and reply.timing is not None:
+                times = self.hop_times.setdefault(phase, HopTimes())
+                times.add(started, sent, answered, time.monotonic(), reply.timing)
             if self.trace and batch is not None:
                 note_step(self.traces, i, [e.seq for e in batch], specs, reply)
         assert reply is not None

@@ -175,6 +175,20 @@ def split_layers(n_layers: int, k: int) -> list[tuple[int, int]]:
     return ranges
 
 
+#: The environment variable that sets a process's compute threads (the core's pool).
+THREADS_ENV = "AMPLITUHEDRON_THREADS"
+
+
+def station_threads(stations: int, cores: int | None = None) -> int:
+    """Compute threads for each of ``stations`` processes sharing this host's cores: the
+    cores divided among them, at least one. A station's second thread spins while its pass
+    runs and must be woken for every pass; with more processes than cores those spins and
+    wake-ups take the cores the busy station needs (measured: 28 stations on 2 cores burn
+    ≈ 2× the CPU per token with two threads each; see docs/mesh-transport.md)."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // max(1, stations))
+
+
 def free_ports(k: int) -> list[int]:
     """``k`` distinct ports the OS reports free on loopback right now."""
     sockets, ports = [], []
@@ -214,7 +228,9 @@ class LocalMesh:
     """K station processes on loopback (``replicas`` of each of K layer ranges: K×N in all),
     started together and stopped together. They require ``token``, or a fresh random one
     (``spec.token``); ``insecure=True`` runs them open. ``station_env`` adds environment
-    variables to some stations (by index in ``spec.stations``: failure drills)."""
+    variables to some stations (by index in ``spec.stations``: failure drills). ``threads``:
+    each station's compute threads (default: :func:`station_threads`, unless the
+    environment sets ``AMPLITUHEDRON_THREADS``)."""
 
     def __init__(
         self,
@@ -228,6 +244,7 @@ class LocalMesh:
         station_args: list[str] | None = None,
         station_env: Mapping[int, Mapping[str, str]] | None = None,
         startup_timeout: float = 120.0,
+        threads: int | None = None,
     ) -> None:
         if insecure and token is not None:
             raise MeshError("an insecure mesh has no token")
@@ -241,6 +258,9 @@ class LocalMesh:
         self.station_args = station_args or []
         self.station_env = {i: dict(e) for i, e in (station_env or {}).items()}
         self.startup_timeout = startup_timeout
+        if threads is not None and threads < 1:
+            raise MeshError(f"a station needs at least one compute thread, got {threads}")
+        self.threads = threads
         self.processes: list[subprocess.Popen[bytes]] = []
         self.spec: MeshSpec | None = None
         #: Each station's command line and environment (a restart reuses them).
@@ -257,11 +277,17 @@ class LocalMesh:
         # Range-major: the replicas of a range are neighbours in the mesh file.
         ranges = [r for r in split_layers(n_layers, self.k) for _ in range(self.replicas)]
         n = len(ranges)
+        # Each station's HTTP port, then its step stream's: fixed here, so a restarted
+        # station listens where it did.
         ports = (
-            [self.base_port + i for i in range(n)] if self.base_port is not None else free_ports(n)
+            [self.base_port + i for i in range(2 * n)]
+            if self.base_port is not None
+            else free_ports(2 * n)
         )
         env = dict(os.environ)
         env.pop("AMPLITUHEDRON_TOKEN", None)  # the stations take this mesh's token, or none
+        if self.threads is not None or THREADS_ENV not in env:
+            env[THREADS_ENV] = str(self.threads or station_threads(n))
         self._env = env
         if self.token is None:
             auth = ["--insecure"]
@@ -273,7 +299,7 @@ class LocalMesh:
                 f.write(self.token)
             auth = ["--token-file", str(token_file)]
         infos = []
-        for i, ((lo, hi), port) in enumerate(zip(ranges, ports, strict=True)):
+        for i, ((lo, hi), port) in enumerate(zip(ranges, ports[:n], strict=True)):
             cmd = [
                 sys.executable,
                 "-m",
@@ -284,6 +310,11 @@ class LocalMesh:
                 f"{lo}:{hi}",
                 "--port",
                 str(port),
+                *(
+                    []
+                    if "--no-stream" in self.station_args
+                    else ["--stream-port", str(ports[n + i])]
+                ),
                 "--model-index",
                 str(index),
                 *auth,

@@ -5,12 +5,14 @@ f32 hidden rows between stations, f32 tail (+ logits) for volumes."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from amplituhedron_rs._core import MAX_TOP_LOGPROBS, TokenLogprobs
-from amplituhedron_rs.runtime.sampling import SamplingParams
+from amplituhedron_rs.runtime.sampling import TOP_K_MAX, SamplingParams
 
 U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
@@ -34,6 +36,13 @@ RETRY_AFTER = "Retry-After"
 # Request header: the tenant the authenticated coordinator acts for (the station derives
 # the cache salt from it and the mesh token; a tenant is refused on an open station).
 TENANT = "X-Amplituhedron-Tenant"
+
+
+def tenant_header(tenant: str) -> str:
+    """The tenant header's value: a hex SHA-256 of the tenant, whatever its characters or
+    length (a header carries neither control characters nor kilobytes)."""
+    return hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()
+
 
 # Strict: a JSON float, bool or string is not a token id.
 TokenId = Annotated[int, Field(ge=0, le=U32_MAX, strict=True)]
@@ -72,7 +81,7 @@ class SamplingSpec(_Strict):
     tokens equal the single-process runtime's for the same parameters)."""
 
     temperature: float | None = Field(default=None, ge=0, le=1e6)
-    top_k: int | None = Field(default=None, ge=0, le=1 << 31)
+    top_k: int | None = Field(default=None, ge=0, le=TOP_K_MAX)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int = Field(default=0, ge=0, le=U64_MAX)
 
@@ -116,6 +125,9 @@ class Health(BaseModel):
     sessions: int
     entry: bool
     exit: bool
+    #: The TCP port of the station's step stream on its host (None: it serves steps over
+    #: HTTP only). See the step stream below.
+    stream_port: int | None = None
 
 
 class SessionOpened(BaseModel):
@@ -218,6 +230,8 @@ class BatchEntrySpec(_Strict):
 
 class BatchStepRequest(_Strict):
     entries: list[BatchEntrySpec] = Field(min_length=1, max_length=4096)
+    #: Answer with :class:`StepTiming` (benches: where a hop's time goes).
+    timing: bool = False
 
 
 class BatchEntryResult(BaseModel):
@@ -235,8 +249,24 @@ class BatchEntryResult(BaseModel):
     prompt_logprobs: list[TokenLogprobsWire] | None = None
 
 
+class StepTiming(BaseModel):
+    """When the station reached each phase of a step, in seconds of the host's
+    ``CLOCK_MONOTONIC`` (``time.monotonic()``): comparable with the caller's own clock only
+    on the same host, which is what a bench of a local mesh needs."""
+
+    #: The whole request was in (its last byte read).
+    received: float
+    #: Parsed and validated; every session's lock held.
+    planned: float
+    #: The forward pass returned.
+    computed: float
+    #: Emission and capture done, the answer encoded (it is written next).
+    finished: float
+
+
 class BatchStepReply(BaseModel):
     entries: list[BatchEntryResult]
+    timing: StepTiming | None = None
 
 
 def pack_frame(header: BaseModel, payload: bytes = b"") -> bytes:
@@ -256,3 +286,43 @@ def split_frame(body: bytes) -> tuple[bytes, memoryview]:
         )
     view = memoryview(body)
     return bytes(view[FRAME_HEADER : FRAME_HEADER + n]), view[FRAME_HEADER + n :]
+
+
+# --- the step stream -----------------------------------------------------------------------
+#
+# A station also takes batched steps over a persistent TCP stream on its ``stream_port``
+# (announced in /healthz): the same JSON header and payload as ``/batch/step``, without
+# HTTP. Its hops cost a fifth of an HTTP hop's on loopback (see docs/mesh-transport.md).
+# Each request frame carries the mesh token, checked in constant time before the header
+# or payload is read, and declares its lengths up front, refused (413) past the station's
+# limits before they are read:
+#
+#     4 bytes  STREAM_MAGIC
+#     u16 LE   token length T (at most MAX_TOKEN_BYTES; 0 on an open station)
+#     u32 LE   header length H
+#     u32 LE   payload length P
+#     T bytes  the mesh token
+#     H bytes  JSON header: a BatchStepRequest
+#     P bytes  payload, as /batch/step's
+#
+# The answer frame is ``STREAM_MAGIC, u16 status, u32 H, u32 P`` then the header (a
+# BatchStepReply on 200, else ``{"detail": …, "retry_after"?: …}``) and the payload. One
+# request at a time per connection, answered in order. After a refusal of the frame itself
+# (bad magic, token or lengths: 400, 401, 413) the station closes the connection.
+
+STREAM_MAGIC = b"AMS1"
+STREAM_PREFIX = struct.Struct("<4sHII")
+MAX_TOKEN_BYTES = 1024
+
+
+def stream_request(token: bytes, head: bytes, payload: bytes | memoryview = b"") -> bytes:
+    """One request frame of the step stream."""
+    prefix = STREAM_PREFIX.pack(STREAM_MAGIC, len(token), len(head), len(payload))
+    return b"".join((prefix, token, head, payload))
+
+
+def stream_reply(status: int, head: bytes, payload: bytes = b"") -> bytes:
+    """One answer frame of the step stream."""
+    return b"".join(
+        (STREAM_PREFIX.pack(STREAM_MAGIC, status, len(head), len(payload)), head, payload)
+    )

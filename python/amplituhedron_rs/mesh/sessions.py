@@ -35,6 +35,8 @@ class MeshLink:
     headers: Mapping[str, str]
     close_timeout: float = 2.0
     open_deadline: float = 10.0
+    #: The mesh token the step stream's frames carry (the HTTP calls send ``headers``).
+    token: str | None = field(default=None, repr=False)
     replicas: Replicas = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +64,15 @@ class MeshLink:
         """One request with the mesh token (a failure is a MeshError naming the station)."""
         sent = {**self.headers, **(headers or {})}
         return await self.http.call(phase, station, method, path, ok=ok, headers=sent, **kw)
+
+    async def step(
+        self, phase: str, station: StationInfo, head: bytes, payload: bytes | memoryview
+    ) -> tuple[bytes, bytes]:
+        """One batched step with the mesh token (step stream or HTTP): the answer's JSON
+        header and payload."""
+        return await self.http.step(
+            phase, station, head, payload, token=self.token, headers=self.headers
+        )
 
 
 @dataclass
@@ -140,7 +151,8 @@ async def check_mesh(link: MeshLink) -> wire.Health:
         elif isinstance(a, BaseException):
             raise a
         else:
-            reports[s.url] = wire.Health.model_validate_json(a.content)
+            reports[s.url] = health = wire.Health.model_validate_json(a.content)
+            link.http.learn(s, health)
     fingerprints = {h.fingerprint for h in reports.values()}
     if len(fingerprints) > 1:
         raise MeshError(f"the stations run different models (fingerprints {fingerprints})")
@@ -172,12 +184,13 @@ async def open_sessions(
     closed at once, also when the caller is cancelled mid-open. If every failure was a full
     station (503), the whole fan-out is retried with full-jitter exponential backoff until
     ``open_deadline``: holding some stations' sessions while waiting for another's would let
-    waiting clients starve each other. ``tenant`` travels in the tenant header (the stations
-    derive the cache salt from it and the mesh token). ``stations``: the chain to open on
-    (default: the current one)."""
+    waiting clients starve each other. ``tenant`` travels in the tenant header, as its
+    SHA-256 (so no character or length of it can break a header; the stations derive the
+    cache salt from that and the mesh token). ``stations``: the chain to open on (default:
+    the current one)."""
     chain = link.stations if stations is None else tuple(stations)
     body = opening.model_dump(mode="json")
-    headers = {wire.TENANT: tenant} if tenant is not None else {}
+    headers = {wire.TENANT: wire.tenant_header(tenant)} if tenant is not None else {}
     deadline = time.monotonic() + link.open_deadline
     attempt = 0
     while True:

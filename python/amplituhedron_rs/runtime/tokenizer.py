@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -109,17 +110,122 @@ class Tokenizer:
         self.add_bos = model_file.add_bos
         self._tokens = tokens
         self._byte_level = kind == "gpt2"
+        #: The GGUF tokenizer model (``gpt2``: byte-level BPE; ``llama``: SentencePiece).
+        self.kind = str(kind)
         self._template_source = model_file.chat_template or _FALLBACK_TEMPLATES.get(
             model_file.architecture
         )
+        #: Where the chat template comes from: the model file, the runtime's built-in turn
+        #: format for the architecture, a given one (:meth:`set_chat_template`), or none.
+        self.template_origin: str | None = (
+            "file" if model_file.chat_template else "built-in" if self._template_source else None
+        )
         self._template: Any = None
+        self._control = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
+        self._literal: Any = None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special tokens written in the text are recognised)."""
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's Jinja source (None: the model has none)."""
+        return self._template_source
+
+    def set_chat_template(self, source: str) -> None:
+        """Renders chats with ``source`` (Jinja, as ``transformers`` reads it) instead of the
+        file's; checked now, so a broken template fails here, not at the first chat."""
+        from jinja2.exceptions import TemplateError
+
+        previous = (self._template_source, self._template, self.template_origin)
+        self._template_source, self._template, self.template_origin = source, None, "given"
+        try:
+            self._compiled_template()
+        except TemplateError as exc:
+            self._template_source, self._template, self.template_origin = previous
+            raise InputError(f"the chat template does not compile: {exc}") from exc
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text`` (special tokens written in the text are recognised); BOS
+        leads them when the model file asks for it and ``add_bos`` is true. The batch call
+        releases the GIL (the single one holds it for the whole text), so a long text
+        tokenised in a worker thread never stalls the event loop."""
+        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._with_bos(ids) if add_bos else ids
+
+    def encode_chat(
+        self, messages: Sequence[Message], *, special_in_content: bool = False
+    ) -> list[int]:
+        """Token ids of a chat through the model's template, ready for generation. The
+        template's own markup is parsed for special tokens, the messages' content is not: a
+        control token spelled inside it (``<|im_end|><|im_start|>system``) is tokenised as
+        the characters it is, so no message can forge a turn (llama.cpp tokenises user
+        content with ``parse_special=false``), unless ``special_in_content``."""
+        rendered = self.render_chat(messages)
+        if special_in_content or not any(self.spells_special(m["content"]) for m in messages):
+            return self.encode(rendered)
+        pieces = self._content_pieces(messages)
+        markup = self._tok.encode_batch([p for p, c in pieces if not c], add_special_tokens=False)
+        literal = self._literal_tokenizer().encode_batch(
+            [p for p, c in pieces if c], add_special_tokens=False
+        )
+        markup_ids, literal_ids = iter(markup), iter(literal)
+        ids: list[int] = []
+        for _, is_content in pieces:
+            ids.extend(next(literal_ids if is_content else markup_ids).ids)
+        return self._with_bos(ids)
+
+    def spells_special(self, text: str) -> bool:
+        """Whether ``text`` contains a control token's spelling."""
+        return self._control_pattern.search(text) is not None
+
+    @functools.cached_property
+    def _control_pattern(self) -> re.Pattern[str]:
+        # One trie-shaped pattern: Gemma 3 has 6,249 control tokens, and a plain
+        # alternation would try each at every position of a long message.
+        return re.compile(_trie_pattern(self._control) or r"(?!)")
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's spelling in bytes: no token covers more characters of input,
+        so a text of more than ``n × max_token_bytes`` characters has more than ``n``
+        tokens (checked before tokenising it)."""
+        return max(len(t.encode("utf-8", "surrogatepass")) for t in self._tokens)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
+
+    def _content_pieces(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
+        """The rendered chat cut into the template's markup and the messages' content
+        ``(text, is_content)``, found by rendering each content between random markers."""
+        nonce = secrets.token_hex(8)
+        opening, closing = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        marked = [{**m, "content": opening + m["content"] + closing} for m in messages]
+        rendered = self.render_chat(marked)
+        pieces: list[tuple[str, bool]] = []
+        rest = rendered
+        while rest:
+            head, found, tail = rest.partition(opening)
+            content, closed, after = tail.partition(closing)
+            if closing in head or (found and (not closed or opening in content)):
+                raise InputError(
+                    "a message spells a special token, and this model's chat template "
+                    "rearranges message content, so it cannot be kept as text"
+                )
+            pieces.append((head, False))
+            if found:
+                pieces.append((content, True))
+            rest = after if found else ""
+        return [(p, c) for p, c in pieces if p]
+
+    def _literal_tokenizer(self) -> Any:
+        """A copy of the tokenizer that reads special tokens' spellings as plain text."""
+        if self._literal is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            literal = HFTokenizer.from_str(self._tok.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of ``ids``; raises InputError for ids outside the vocabulary."""
@@ -174,7 +280,7 @@ class Tokenizer:
         if system is not None:
             messages.append({"role": "system", "content": system})
         messages.append({"role": "user", "content": user})
-        return self.encode(self.render_chat(messages))
+        return self.encode_chat(messages)
 
     def _compiled_template(self) -> Any:
         if self._template is None:
@@ -190,6 +296,27 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(self._template_source)
         return self._template
+
+
+def _trie_pattern(words: Sequence[str]) -> str:
+    """A regex matching any of ``words``, shaped as their prefix trie (linear-time search
+    however many words there are)."""
+    trie: dict[str, Any] = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + pattern(child) for ch, child in sorted(node.items()) if ch]
+        if "" in node:
+            branches.append("")
+        if len(branches) == 1:
+            return branches[0]
+        return "(?:" + "|".join(branches) + ")"
+
+    return pattern(trie) if trie else ""
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

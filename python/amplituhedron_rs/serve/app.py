@@ -1,12 +1,20 @@
 """The OpenAI-compatible HTTP server: routes, auth, streaming; the engine does the rest.
 
 - ``POST /v1/chat/completions`` — ``messages`` through the model's own chat template;
-- ``POST /v1/completions`` — ``prompt`` as text or token ids;
-- ``GET /v1/models``, ``GET /health`` (no key needed), ``GET /metrics`` (Prometheus).
+- ``POST /v1/completions`` — ``prompt`` as text or token ids, or a list of either;
+- ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` (no key needed),
+  ``GET /metrics`` (Prometheus; :mod:`.metrics`);
+- ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (:mod:`.tokenize_routes`).
 
-Each request becomes one engine sequence: it consults the volume cache (exact, then longest
+Each prompt becomes one engine sequence: it consults the volume cache (exact, then longest
 prefix; ``usage.prompt_tokens_details.cached_tokens`` reports what was replayed) and joins
-the running batch. A client that disconnects cancels its sequence at once.
+the running batch; a request's prompts run batched together, one choice each. A client that
+disconnects cancels its sequences at once.
+
+The trust boundary (SPEC §17, SECURITY.md): with ``--api-key``, every path but ``/health``
+needs a key, checked before the body is read; bodies are bounded as they stream; prompts
+are bounded in characters before they are tokenised, off the event loop; each key is its
+own cache partition.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,19 +35,30 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import QueueFullError
+from amplituhedron_rs.edge.asgi import BearerAuth, BodyLimit, matching_key
+from amplituhedron_rs.edge.limits import DEFAULT_JSON_BYTES
 from amplituhedron_rs.runtime.sampling import SamplingParams
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
 from amplituhedron_rs.serve.errors import APIError, bad_request
-from amplituhedron_rs.serve.frontend import EngineFront, GenerationParams, RequestStream
-from amplituhedron_rs.serve.generation import Generation, Prepared
+from amplituhedron_rs.serve.frontend import (
+    EngineFailed,
+    EngineFront,
+    GenerationParams,
+    RequestStream,
+)
+from amplituhedron_rs.serve.generation import Delta, Generation, Prepared
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     new_id,
     now,
+    usage,
 )
+from amplituhedron_rs.serve.tokenize_routes import install_tokenize_routes
+
+log = logging.getLogger("amplituhedron.serve")
 
 
 @dataclass
@@ -52,6 +72,25 @@ class ServeSettings:
     #: Speculate (prompt lookup) unless a request says ``"draft": "off"``.
     draft_by_default: bool = False
     draft_max: int = 8
+    #: Logged at the first chat request (a base checkpoint: why its replies disappoint).
+    chat_warning: str | None = None
+    #: Every key shares one cache partition (a prompt oracle across keys: off by default).
+    shared_cache_keys: bool = False
+    #: Special tokens spelled in message content are control tokens (off: text).
+    allow_special_tokens_in_content: bool = False
+    #: /metrics without a key.
+    open_metrics: bool = False
+    max_body_bytes: int = DEFAULT_JSON_BYTES
+
+
+def cache_partition(key_index: int | None, salt: str | None, *, shared: bool) -> str:
+    """The cache salt of a request: a hash of who calls (the index of their API key among
+    the server's, None for an open server) and their ``cache_salt``, so requests of
+    different keys never share volumes unless the operator says ``shared``. Always a hex
+    digest: no length or character of a client's salt reaches a station header."""
+    who = "shared" if shared or key_index is None else f"key:{key_index}"
+    material = f"{who}\0{'' if salt is None else 'salt:' + salt}".encode()
+    return hashlib.sha256(material).hexdigest()
 
 
 def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings) -> FastAPI:
@@ -71,26 +110,49 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         lifespan=lifespan,
     )
     errors.install(app)
-    metrics = ServeMetrics(front)
+    metrics = ServeMetrics(front, settings.model_name)
+    chat_warned = False
     keys = [k.encode() for k in settings.api_keys]
+    # Outermost last: the key is checked before the body is read, then the body is
+    # counted as it streams.
+    app.add_middleware(
+        BodyLimit,
+        json_limit=settings.max_body_bytes,
+        octet_limit=settings.max_body_bytes,
+        respond=errors.edge_refusal,
+    )
+    open_paths = {"/health", "/metrics"} if settings.open_metrics else {"/health"}
+    app.add_middleware(
+        BearerAuth, keys=keys, open_paths=open_paths, respond=errors.edge_refusal, what="API key"
+    )
+    # No prompt longer than this many characters can fit the context (each token spells
+    # at most ``max_token_bytes`` characters): refused before it is tokenised.
+    max_prompt_chars = settings.context_len * tokenizer.max_token_bytes
 
-    def tenant(authorization: str | None) -> str:
-        """Who is calling (a hash of their key): the root of their cache salt."""
-        token = (authorization or "").removeprefix("Bearer ")
-        return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-
-    def require_key(authorization: str | None = Header(default=None)) -> str:
+    def caller(authorization: str | None = Header(default=None, include_in_schema=False)) -> int:
+        """Which key authenticated the request (the edge already refused a wrong one)."""
         if not keys:
-            return tenant(None)
-        if authorization is None or not authorization.startswith("Bearer "):
-            raise errors.unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        given = authorization.removeprefix("Bearer ").encode("utf-8", "surrogateescape")
-        # Compare with every key, in constant time per key.
-        if not any(secrets.compare_digest(given, k) for k in keys):
+            return -1
+        raw = authorization.encode("latin-1") if authorization is not None else None
+        index = matching_key(raw, keys)
+        if index is None:  # unreachable behind BearerAuth; refuse rather than share
             raise errors.unauthorized("invalid API key")
-        return tenant(authorization)
+        return index
 
-    auth = Depends(require_key)
+    auth = Depends(caller)
+
+    def check_chars(n: int, param: str) -> None:
+        if n > max_prompt_chars:
+            raise bad_request(
+                f"the prompt has {n} characters; no more than {max_prompt_chars} can fit this "
+                f"model's context of {settings.context_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def tokenize(text: str) -> list[int]:
+        # In a worker thread, without the GIL: a long prompt never stalls the event loop.
+        return await asyncio.to_thread(tokenizer.encode, text)
 
     def check_model(name: str) -> None:
         if name != settings.model_name:
@@ -106,7 +168,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         body: ChatCompletionRequest | CompletionRequest,
         prompt: list[int],
         max_tokens: int | None,
-        who: str,
+        who: int,
         *,
         echo: str | None = None,
         prompt_logprobs: int | None = None,
@@ -133,7 +195,9 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             body.draft == "prompt-lookup" if body.draft is not None else settings.draft_by_default
         )
         eos = tokenizer.eos_id
-        salt = f"{who}:{body.cache_salt}" if body.cache_salt is not None else None
+        salt = cache_partition(
+            None if who < 0 else who, body.cache_salt, shared=settings.shared_cache_keys
+        )
         return Prepared(
             GenerationParams(
                 prompt=prompt,
@@ -151,63 +215,91 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             echo,
         )
 
-    def submit(p: Prepared) -> RequestStream:
+    def submit(preps: list[Prepared]) -> list[RequestStream]:
+        """Queues every prompt of a request, or none (a full queue refuses them all)."""
+        streams: list[RequestStream] = []
         try:
-            return front.submit(p.params)
-        except QueueFullError as exc:
-            metrics.rejected.inc()
-            raise errors.queue_full(str(exc)) from exc
-        except ValueError as exc:
+            for p in preps:
+                streams.append(front.submit(p.params))
+        except (QueueFullError, EngineFailed, ValueError) as exc:
+            for st in streams:
+                front.cancel(st)
+            if isinstance(exc, QueueFullError):
+                metrics.rejected.labels(settings.model_name).inc()
+                raise errors.queue_full(str(exc)) from exc
+            if isinstance(exc, EngineFailed):
+                raise errors.engine_error(str(exc), 503) from exc
             raise bad_request(str(exc)) from exc
+        return streams
 
     # --- routes ------------------------------------------------------------------------
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_name}
+    def health() -> JSONResponse:
+        if not front.alive:
+            body = {"status": "failed", "model": settings.model_name, "error": front.failure}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "model": settings.model_name})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "amplituhedron",
+            "max_model_len": settings.context_len,
+        }
+
     @app.get("/v1/models", dependencies=[auth])
     def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "amplituhedron",
-                    "max_model_len": settings.context_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[auth])
+    def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
+
+    install_tokenize_routes(app, tokenizer, settings.context_len, auth, check_model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
-        body: ChatCompletionRequest, request: Request, who: str = auth
+        body: ChatCompletionRequest, request: Request, who: int = auth
     ) -> Any:
+        nonlocal chat_warned
+        if settings.chat_warning and not chat_warned:
+            chat_warned = True
+            log.warning("%s", settings.chat_warning)
         messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
+        check_chars(sum(len(m["content"]) for m in messages), "messages")
+        special = settings.allow_special_tokens_in_content
         try:
-            prompt = tokenizer.encode(tokenizer.render_chat(messages))
+            prompt = await asyncio.to_thread(
+                tokenizer.encode_chat, messages, special_in_content=special
+            )
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", param="messages") from exc
         prepared = prepare(body, prompt, body.token_limit(), who)
-        return await respond(prepared, request, chat=True)
+        return await respond([prepared], request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, who: str = auth) -> Any:
-        text: str | None = None
-        if isinstance(body.prompt, str):
-            text = body.prompt
-        elif body.prompt and isinstance(body.prompt[0], str):
-            text = str(body.prompt[0])
-        if text is not None:
-            prompt = tokenizer.encode(text)
+    async def completions(body: CompletionRequest, request: Request, who: int = auth) -> Any:
+        # Every prompt is checked before any is queued: a bad one refuses the request.
+        given = body.prompts()
+        for p in given:
+            if isinstance(p, str):
+                check_chars(len(p), "prompt")
+        preps = [await prepare_prompt(body, prompt, who) for prompt in given]
+        return await respond(preps, request, chat=False)
+
+    async def prepare_prompt(body: CompletionRequest, given: str | list[int], who: int) -> Prepared:
+        if isinstance(given, str):
+            prompt, text = await tokenize(given), given
         else:
-            prompt = [int(t) for t in body.prompt]
+            prompt, text = given, None
             bad = [t for t in prompt if t >= tokenizer.vocab_size]
             if bad:
                 raise bad_request(
@@ -217,7 +309,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         echo = None
         if body.echo:
             echo = text if text is not None else tokenizer.decode(prompt)
-        prepared = prepare(
+        return prepare(
             body,
             prompt,
             body.max_tokens,
@@ -225,41 +317,43 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             echo=echo,
             prompt_logprobs=body.prompt_logprobs_count(),
         )
-        return await respond(prepared, request, chat=False)
 
-    async def respond(p: Prepared, request: Request, *, chat: bool) -> Any:
+    async def respond(preps: list[Prepared], request: Request, *, chat: bool) -> Any:
         rid = new_id("chatcmpl" if chat else "cmpl")
         created = now()
         started = time.perf_counter()
-        stream = submit(p)
-        metrics.requests.labels("chat" if chat else "completions").inc()
-        generation = Generation(stream, tokenizer, p, metrics, started)
-        if p.stream:
+        streams = submit(preps)
+        first = preps[0]
+        metrics.accepted("chat" if chat else "completions", first.params.max_new_tokens, len(preps))
+        gens = [
+            Generation(st, tokenizer, p, metrics, started, front, index=i)
+            for i, (st, p) in enumerate(zip(streams, preps, strict=True))
+        ]
+        if first.stream:
             shape = _ChunkShape(rid, created, settings.model_name, chat)
             return StreamingResponse(
-                _sse(generation, shape, p.include_usage, front),
+                _sse(gens, shape, first.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        text = await _until_done_or_disconnect(generation.collect(), request, front, stream)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": generation.finish_reason}
-        logprobs = generation.reply_logprobs(chat=chat)
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            choice["logprobs"] = logprobs
-            obj = "chat.completion"
-        else:
-            choice["text"] = (p.echo or "") + text
-            choice["logprobs"] = logprobs
-            obj = "text_completion"
+        texts = await _until_done_or_disconnect(gens, request)
+        choices = []
+        for g, p, text in zip(gens, preps, texts, strict=True):
+            choice: dict[str, Any] = {"index": g.index, "finish_reason": g.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = (p.echo or "") + text
+            choice["logprobs"] = g.reply_logprobs(chat=chat)
+            choices.append(choice)
         return JSONResponse(
             {
                 "id": rid,
-                "object": obj,
+                "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": settings.model_name,
-                "choices": [choice],
-                "usage": generation.usage(),
+                "choices": choices,
+                "usage": _total_usage(gens),
             }
         )
 
@@ -280,12 +374,13 @@ class _ChunkShape:
 
     def chunk(
         self,
+        index: int,
         delta: str | None,
         finish: str | None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish}
         if self.chat:
             d: dict[str, Any] = {}
             if first:
@@ -312,61 +407,90 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def _total_usage(gens: list[Generation]) -> dict[str, Any]:
+    """A request's usage: its sequences' summed (one prompt each)."""
+    return usage(
+        sum(g.prompt_tokens for g in gens),
+        sum(g.completion_tokens for g in gens),
+        sum(g.cached_tokens for g in gens),
+    )
+
+
 async def _sse(
-    g: Generation, shape: _ChunkShape, include_usage: bool, front: EngineFront
+    gens: list[Generation], shape: _ChunkShape, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """Server-sent events; the client leaving cancels the sequence (Starlette cancels this
-    generator, and `finally` hands the cancel to the engine)."""
-    done = False
-    try:
-        first = True
-        if shape.chat:
-            yield _event(shape.chunk("", None, first=True))
-            first = False
+    """Server-sent events: each sequence's deltas as they come, tagged with its choice's
+    index, and each choice's end; the client leaving cancels every sequence (Starlette
+    cancels this generator, and `finally` hands the cancel to the engine)."""
+    queue: asyncio.Queue[tuple[Generation, Delta | APIError | None]] = asyncio.Queue()
+
+    async def pump(g: Generation) -> None:
         try:
-            sent = 0  # characters of reply text so far (completions' text offsets)
             async for d in g.deltas():
-                logprobs = g.logprobs_payload(d, chat=shape.chat, offset=sent)
-                yield _event(shape.chunk(d.text, None, first=first, logprobs=logprobs))
-                sent += len(d.text)
-                first = False
+                await queue.put((g, d))
+            await queue.put((g, None))
         except APIError as exc:
-            # Headers are gone: report in-band, as OpenAI does, then end the stream.
-            yield _event({"error": {"message": exc.message, "type": exc.type, "code": exc.code}})
-            done = True
-            return
-        final = shape.chunk(None if shape.chat else "", g.finish_reason)
+            await queue.put((g, exc))
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        if shape.chat:
+            for g in gens:
+                yield _event(shape.chunk(g.index, "", None, first=True))
+        tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+        sent = {g.index: 0 for g in gens}  # characters of reply text so far (text offsets)
+        left = len(gens)
+        while left:
+            g, item = await queue.get()
+            if isinstance(item, APIError):
+                # Headers are gone: report in-band, as OpenAI does, then end the stream.
+                yield _event(
+                    {"error": {"message": item.message, "type": item.type, "code": item.code}}
+                )
+                return
+            if item is None:
+                left -= 1
+                final = shape.chunk(g.index, None if shape.chat else "", g.finish_reason)
+                if include_usage:
+                    final["usage"] = None
+                yield _event(final)
+                continue
+            logprobs = g.logprobs_payload(item, chat=shape.chat, offset=sent[g.index])
+            yield _event(shape.chunk(g.index, item.text, None, logprobs=logprobs))
+            sent[g.index] += len(item.text)
         if include_usage:
-            final["usage"] = None
-        yield _event(final)
-        if include_usage:
-            tail = shape.chunk(None, None)
+            tail = shape.chunk(0, None, None)
             tail["choices"] = []
-            tail["usage"] = g.usage()
+            tail["usage"] = _total_usage(gens)
             yield _event(tail)
         yield b"data: [DONE]\n\n"
-        done = True
     finally:
-        if not done or g.stream.finished is None:
-            front.cancel(g.stream)
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            if g.stream.finished is None:
+                g.abort()
 
 
-async def _until_done_or_disconnect(
-    work: Awaitable[str], request: Request, front: EngineFront, stream: RequestStream
-) -> str:
-    """Awaits a non-streamed generation, cancelling it if the client disconnects first."""
-    task = asyncio.ensure_future(work)
+async def _until_done_or_disconnect(gens: list[Generation], request: Request) -> list[str]:
+    """Awaits non-streamed generations, cancelling them all if the client disconnects first
+    (or one of them fails)."""
+    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
     waiter = asyncio.ensure_future(_disconnected(request.receive))
     try:
-        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
+        work: asyncio.Future[list[str]] = asyncio.gather(*tasks)
+        pending: set[asyncio.Future[Any]] = {work, waiter}
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
         raise APIError(499, "client disconnected", "invalid_request_error")
     finally:
         waiter.cancel()
-        if not task.done():
-            task.cancel()
-            front.cancel(stream)
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            if g.stream.finished is None:
+                g.abort()
 
 
 async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:

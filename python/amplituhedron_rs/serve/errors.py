@@ -2,8 +2,9 @@
 
 ``{"error": {"message", "type", "param", "code"}}``: 400 for bad parameters and for a
 context that is too long, 401 for a wrong or missing key, 404 for an unknown model or
-route, 429 with ``Retry-After`` when the queue is full, 503 while the engine stops. A 5xx
-means a bug or a failed backend, never a client's input.
+route, 413 for a body over the limit, 429 with ``Retry-After`` when the queue is full, 503
+while the engine stops or after it failed. A 5xx means a bug or a failed backend, never a
+client's input.
 """
 
 from __future__ import annotations
@@ -70,14 +71,34 @@ def engine_error(message: str, status: int = 500) -> APIError:
     return APIError(status, message, "server_error")
 
 
+def edge_refusal(status: int, message: str, headers: dict[str, str]) -> JSONResponse:
+    """A refusal by the HTTP edge, before any route (a missing key, an oversized body), in
+    OpenAI's error shape."""
+    if status == 401:
+        e = APIError(status, message, "authentication_error", code="invalid_api_key")
+    else:
+        e = APIError(status, message, code="request_too_large" if status == 413 else None)
+    e.headers = headers
+    return _response(e)
+
+
 def _response(e: APIError) -> JSONResponse:
     return JSONResponse(
         error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers
     )
 
 
+#: Parts of a validation error's location that name a union member, not a field.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def _param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "header")]
+    parts = [
+        str(p)
+        for p in loc
+        if p not in ("body", "query", "header")
+        and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
+    ]
     return ".".join(parts) or None
 
 
@@ -91,7 +112,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
+        # Of a union's failed branches, a validator's own verdict (invalid Unicode, a
+        # cross-field rule) says more than "should be a valid list".
+        mine = [e for e in errors if e.get("type") == "value_error"]
+        first = (mine or errors or [{}])[0]
         loc = tuple(first.get("loc", ()))
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         param = _param(loc)

@@ -11,12 +11,20 @@ asyncio queues in one hand-off.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from amplituhedron_rs import _core
+
+log = logging.getLogger("amplituhedron.serve")
+
+
+class EngineFailed(RuntimeError):
+    """The engine's stepping thread stopped on an error: nothing more will run (every
+    waiting request is failed with this, and new ones are refused)."""
 
 
 class Stepper(Protocol):
@@ -88,16 +96,19 @@ class GenerationParams:
 
 
 class RequestStream:
-    """The events of one submitted request, ending with its ``finished`` event."""
+    """The events of one submitted request, ending with its ``finished`` event (or an
+    :class:`EngineFailed` if the engine died first)."""
 
     def __init__(self, seq: int) -> None:
         self.seq = seq
-        self.queue: asyncio.Queue[_core.EngineEvent] = asyncio.Queue()
+        self.queue: asyncio.Queue[_core.EngineEvent | EngineFailed] = asyncio.Queue()
         self.finished: _core.EngineEvent | None = None
 
     async def events(self) -> AsyncIterator[_core.EngineEvent]:
         while self.finished is None:
             ev = await self.queue.get()
+            if isinstance(ev, EngineFailed):
+                raise ev
             if ev.kind == "finished":
                 self.finished = ev
             yield ev
@@ -116,6 +127,8 @@ class EngineFront:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.steps = 0
+        #: Why the stepping thread stopped, if it died (then nothing runs any more).
+        self.failure: str | None = None
 
     def start(self) -> None:
         """Starts the stepping thread (call from the event loop that awaits the streams)."""
@@ -130,10 +143,18 @@ class EngineFront:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine steps (started, not stopped, not dead)."""
+        thread = self._thread
+        return self.failure is None and thread is not None and thread.is_alive()
+
     def submit(self, p: GenerationParams) -> RequestStream:
-        """Queues a request. Raises ValueError (bad request) or RuntimeError (queue full);
-        nothing is queued then."""
+        """Queues a request. Raises ValueError (bad request), QueueFullError (queue full) or
+        EngineFailed (the engine died); nothing is queued then."""
         with self._wake:
+            if self.failure is not None:
+                raise EngineFailed(self.failure)
             seq = self.engine.submit(
                 p.prompt,
                 p.max_new_tokens,
@@ -150,12 +171,16 @@ class EngineFront:
             self._wake.notify()
         return stream
 
-    def cancel(self, stream: RequestStream) -> None:
-        """Stops a request (its client left): its KV is freed at the next step."""
+    def cancel(self, stream: RequestStream) -> _core.EngineEvent | None:
+        """Stops a request (its client left, or a stop sequence ended it): its KV is freed at
+        the next step. Returns its end (figures included), or None when it had already ended
+        in the engine: that end is then still delivered to its stream."""
         with self._wake:
-            self._streams.pop(stream.seq, None)
-            self.engine.cancel(stream.seq)
+            ev = self.engine.cancel(stream.seq)
+            if ev is not None:
+                self._streams.pop(stream.seq, None)
             self._wake.notify()
+        return ev
 
     @property
     def live_sequences(self) -> int:
@@ -169,8 +194,27 @@ class EngineFront:
     def _run(self) -> None:
         try:
             self._loop_steps()
+        except BaseException as exc:
+            # Per-sequence failures finish their sequence inside the step; reaching here is
+            # a bug or a broken backend. Say so on /health and end every waiting request
+            # now rather than leave them waiting for a step that never comes.
+            log.exception("the engine thread failed")
+            self._die(f"the engine stopped: {type(exc).__name__}: {exc}")
         finally:
-            self.stepper.close()
+            try:
+                self.stepper.close()
+            except Exception:
+                log.exception("closing the engine's executor failed")
+
+    def _die(self, failure: str) -> None:
+        with self._wake:
+            self.failure = failure
+            streams = list(self._streams.values())
+            self._streams.clear()
+        if streams and self._loop is not None and not self._loop.is_closed():
+            error = EngineFailed(failure)
+            deliveries: list[Delivery] = [(stream, error) for stream in streams]
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _loop_steps(self) -> None:
         while True:
@@ -183,7 +227,7 @@ class EngineFront:
             self.steps += 1
             if not events:
                 continue
-            deliveries = []
+            deliveries: list[Delivery] = []
             with self._lock:
                 for ev in events:
                     stream = self._streams.get(ev.seq)
@@ -196,6 +240,10 @@ class EngineFront:
                 self._loop.call_soon_threadsafe(_deliver, deliveries)
 
 
-def _deliver(deliveries: list[tuple[RequestStream, _core.EngineEvent]]) -> None:
+#: An event (or the engine's failure) for one request's stream.
+Delivery = tuple[RequestStream, "_core.EngineEvent | EngineFailed"]
+
+
+def _deliver(deliveries: list[Delivery]) -> None:
     for stream, ev in deliveries:
         stream.queue.put_nowait(ev)

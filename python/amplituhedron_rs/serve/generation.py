@@ -1,5 +1,9 @@
-"""One request's run: its validated parameters, and its engine events turned into reply text,
-token counts, log-probabilities and a finish reason."""
+"""One sequence's run: its validated parameters, and its engine events turned into reply text,
+token counts, log-probabilities and a finish reason.
+
+Every sequence is counted in the metrics exactly once, however it ends: the engine's end
+(EOS, length, error), a stop sequence (the sequence is cancelled in the engine at once, and
+its figures are those of the cancellation), or the client leaving (``abort``)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ from typing import Any
 from amplituhedron_rs import _core
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve import errors
-from amplituhedron_rs.serve.frontend import GenerationParams, RequestStream
+from amplituhedron_rs.serve.frontend import (
+    EngineFailed,
+    EngineFront,
+    GenerationParams,
+    RequestStream,
+)
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import chat_logprobs, completion_logprobs, usage
 from amplituhedron_rs.serve.text import TextStream
@@ -30,7 +39,7 @@ class Prepared:
 
 
 class Generation:
-    """One request's run: its events turned into text, its counts, its finish reason."""
+    """One sequence's run: its events turned into text, its counts, its finish reason."""
 
     def __init__(
         self,
@@ -39,8 +48,13 @@ class Generation:
         p: Prepared,
         metrics: ServeMetrics,
         started: float,
+        front: EngineFront,
+        index: int = 0,
     ) -> None:
         self.stream = stream
+        self.front = front
+        #: The choice's ``index`` in the reply.
+        self.index = index
         self.tokenizer = tokenizer
         self.wants_logprobs = p.params.logprobs is not None
         #: Log-probabilities of the tokens whose text was sent, in order.
@@ -57,6 +71,8 @@ class Generation:
         self.metrics = metrics
         self.started = started
         self.last_token_at: float | None = None
+        #: Counted in the metrics (once, whatever ended it).
+        self.recorded = False
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas as tokens arrive, each with the log-probabilities of the tokens whose
@@ -73,7 +89,7 @@ class Generation:
         # A scored prompt is sent with its scores, when they come; else at once.
         if self.echo is not None and not self.wants_logprobs:
             yield Delta(self.echo, [], prompt=True)
-        async for ev in self.stream.events():
+        async for ev in self._events():
             if ev.kind == "prompt":
                 self.prompt_scores = list(ev.prompt_logprobs or [])
                 if self.echo is not None:
@@ -89,7 +105,7 @@ class Generation:
                 if piece:
                     yield delta(piece)
                 if self.text.stopped:
-                    self.finish_reason = "stop"
+                    await self._stop_early()
                     return
                 continue
             self._finished(ev)
@@ -97,6 +113,13 @@ class Generation:
             if tail:
                 yield delta(tail)
             return
+
+    async def _events(self) -> AsyncIterator[_core.EngineEvent]:
+        try:
+            async for ev in self.stream.events():
+                yield ev
+        except EngineFailed as exc:
+            raise errors.engine_error(str(exc), 503) from exc
 
     async def collect(self) -> str:
         async for _ in self.deltas():
@@ -130,22 +153,58 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
+    def abort(self) -> None:
+        """The client left: the sequence stops now and is counted as ``abort`` with what
+        the engine generated (nothing, when it had already ended)."""
+        ev = self.front.cancel(self.stream)
+        reason = "abort"
+        if ev is None:
+            # It had ended in the engine; its end may wait, unread, in the stream.
+            while not self.stream.queue.empty():
+                e = self.stream.queue.get_nowait()
+                if e.kind == "finished":
+                    ev = e
+                    reason = {"cancelled": "abort"}.get(str(e.reason), str(e.reason))
+        if ev is not None and not self.recorded:
+            stats = ev.stats or {}
+            self._record(stats, reason, int(stats.get("output_tokens", 0)))
+
     def _timing(self) -> None:
         t = time.perf_counter()
         if self.last_token_at is None:
-            self.metrics.ttft.observe(t - self.started)
+            self.metrics.first_token(t - self.started)
         else:
-            self.metrics.itl.observe(t - self.last_token_at)
+            self.metrics.next_token(t - self.last_token_at)
         self.last_token_at = t
 
-    def _finished(self, ev: _core.EngineEvent) -> None:
+    async def _stop_early(self) -> None:
+        """A stop sequence ended the reply: the engine stops the sequence (freeing its KV
+        now, not after ``max_tokens``) and reports its figures, which count like any end."""
+        self.finish_reason = "stop"
+        ev = self.front.cancel(self.stream)
+        if ev is not None:
+            self.stream.finished = ev
+        else:
+            # It ended in the engine meanwhile: its own end is on its way.
+            async for e in self.stream.events():
+                ev = e
+        assert ev is not None and ev.kind == "finished"
+        self._finished(ev, reason="stop")
+
+    def _finished(self, ev: _core.EngineEvent, reason: str | None = None) -> None:
         stats = ev.stats or {}
         self.cached_tokens = int(stats.get("cached_tokens", 0))
-        self.metrics.finished(self.prompt_tokens, self.completion_tokens, stats, str(ev.reason))
-        self.metrics.latency.observe(time.perf_counter() - self.started)
-        if ev.reason == "error":
+        if reason is None:
+            reason = "error" if ev.reason == "error" else ev.reason or "stop"
+        self._record(stats, reason, self.completion_tokens)
+        if ev.reason == "error" and reason == "error":
             raise errors.engine_error(ev.error or "generation failed")
-        self.finish_reason = "stop" if ev.reason == "stop" else "length"
+        self.finish_reason = "stop" if reason == "stop" else "length"
+
+    def _record(self, stats: dict[str, int | float | bool], reason: str, generated: int) -> None:
+        self.recorded = True
+        e2e = time.perf_counter() - self.started
+        self.metrics.finished(self.prompt_tokens, generated, stats, reason, e2e)
 
 
 @dataclass(frozen=True)

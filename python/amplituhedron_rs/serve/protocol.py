@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies (validated) and the shapes of the replies.
 
 Only what the server implements is accepted: a parameter it cannot honour (``n > 1``,
-penalties, tools…) is a 400 that names it, never silently ignored. Unknown extra fields are
-ignored, as OpenAI's own server does.
+penalties, tools…) is a 400 that names it, never silently ignored, and so is a field nobody
+defines (as OpenAI's own server answers); fields that cannot change the output (``user``,
+``metadata``…) are accepted. :mod:`.fields` holds those tables. JSON ``null`` means "not
+given" everywhere.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,14 +25,37 @@ from pydantic import (
 )
 
 from amplituhedron_rs._core import MAX_TOP_LOGPROBS
+from amplituhedron_rs.runtime.sampling import TOP_K_MAX
+from amplituhedron_rs.serve.fields import screen
 
 if TYPE_CHECKING:
     from amplituhedron_rs._core import TokenLogprobs
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
+#: Stop sequences per request (OpenAI allows 4; lm-evaluation-harness sends a task's list
+#: plus the EOS text, and vLLM sets no limit).
+MAX_STOPS = 16
+#: Prompts in one completions request (each its own sequence, batched together).
+MAX_PROMPTS = 256
 
 Role = Literal["system", "developer", "user", "assistant"]
+
+
+def _unicode_text(value: str) -> str:
+    """Text that is valid Unicode: JSON's ``"\\ud800"`` escapes decode to lone surrogates,
+    which no UTF-8 tokenizer, header or log line can carry."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"invalid Unicode at character {exc.start} (a lone UTF-16 surrogate)"
+        ) from None
+    return value
+
+
+#: Every string a request carries: valid Unicode, refused with a 400 otherwise.
+Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
 class TextPart(BaseModel):
@@ -37,14 +63,14 @@ class TextPart(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -62,20 +88,28 @@ class _SamplingFields(BaseModel):
     runtime's one greedy rule); any other value samples."""
 
     model_config = ConfigDict(extra="ignore")
-    model: str = Field(min_length=1)
+    model: Text = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, body: Any) -> Any:
+        # Nulls dropped, refused and unknown fields named (see .fields).
+        return screen(body, cls.model_fields) if isinstance(body, dict) else body
+
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=0, le=U32_MAX)
+    top_k: int | None = Field(default=None, ge=0, le=TOP_K_MAX)
     seed: int | None = Field(default=None, ge=0, le=U64_MAX)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    #: Splits the caller's cache partition further (it is hashed with the API key's).
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     #: Speculative decoding for this request (an extension): "prompt-lookup" or "off"; the
     #: server's default when absent.
     draft: Literal["prompt-lookup", "off"] | None = None
-    user: str | None = None
+    user: Text | None = None
     # Accepted only at their neutral value.
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
@@ -87,8 +121,8 @@ class _SamplingFields(BaseModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
@@ -97,8 +131,9 @@ class _SamplingFields(BaseModel):
     def _supported(self) -> _SamplingFields:
         if self.n != 1:
             raise ValueError("n: only n = 1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: penalties are not supported")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
         return self
@@ -136,29 +171,43 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TokenIds = list[Annotated[int, Field(ge=0, le=U32_MAX)]]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[Annotated[int, Field(ge=0, le=U32_MAX)]] | list[str]
+    #: One prompt (text or token ids) or several (texts or token-id lists): one choice per
+    #: prompt, each its own sequence, batched together.
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=0)
     #: Reply with the prompt, then the completion; with ``logprobs``, the prompt's tokens
     #: are scored too (the first has nothing before it: ``null``). ``max_tokens: 0`` with
     #: ``echo`` only scores the prompt (loglikelihood evaluation).
     echo: StrictBool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     #: Report each generated token's log-probability and this many alternatives.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if isinstance(self.prompt, list):
-            if not self.prompt:
-                raise ValueError("prompt: must not be empty")
-            if isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-                raise ValueError("prompt: only one prompt per request is supported")
+        prompts = self.prompts()
+        if not prompts:
+            raise ValueError("prompt: must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be at least 1 (0 only with echo)")
         if self.suffix:
             raise ValueError("suffix: not supported")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [[int(t) for t in p]]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
     def logprobs_count(self) -> int | None:
         """Alternatives to report per token, or None for no log-probabilities."""

@@ -3,16 +3,16 @@
 FastAPI gives typed request models, clear 4xx on bad input, and an OpenAPI description
 (which the schemathesis run checks); uvicorn with httptools/uvloop keeps the per-request
 cost low. Outermost first, a request meets :class:`ObserveMiddleware` (latency and status
-metrics), :class:`AuthMiddleware` (the mesh token, on everything but /healthz),
-:class:`BodyLimitMiddleware` (chunked bodies included), then
-:class:`~.fastpath.DecodeFastPath` (decode steps), then FastAPI.
+metrics), :class:`~amplituhedron_rs.edge.asgi.BearerAuth` (the mesh token, on everything
+but /healthz), :class:`~amplituhedron_rs.edge.asgi.BodyLimit` (chunked bodies included),
+then :class:`~.fastpath.DecodeFastPath` (decode steps), then FastAPI. Connections are
+capped and their heads and bodies read within deadlines (:mod:`amplituhedron_rs.edge`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import time
 from collections.abc import AsyncIterator
@@ -26,19 +26,21 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
-from amplituhedron_rs.mesh.protocol import OCTETS
+from amplituhedron_rs.edge import EdgeLimits
+from amplituhedron_rs.edge.asgi import BearerAuth, BodyLimit
 from amplituhedron_rs.mesh.station.batch import router as batch_router
+from amplituhedron_rs.mesh.station.batch import stepper_of
 from amplituhedron_rs.mesh.station.drill import DieOn, armed
 from amplituhedron_rs.mesh.station.errors import (
     HANDLED,
-    TooLarge,
-    Unauthorized,
     error_response,
     validation_response,
 )
 from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
 from amplituhedron_rs.mesh.station.state import Station, StationSettings
+from amplituhedron_rs.mesh.station.stream import ENDPOINT as STREAM_ENDPOINT
+from amplituhedron_rs.mesh.station.stream import StepStreamServer
 
 #: Seconds a station keeps an idle connection open.
 KEEPALIVE_S = 30
@@ -76,96 +78,6 @@ class ObserveMiddleware:
             self.requests.labels(endpoint, str(status)).inc()
 
 
-class BodyLimitMiddleware:
-    """Reads the body, counted as it streams (a chunked body has no Content-Length to
-    trust), and refuses it with 413 as soon as it passes the limit: octet bodies (compute)
-    get ``limit``, anything else (JSON) ``json_limit``. The app then reads the buffered
-    body. Inside the auth check, so an unauthenticated client cannot make it buffer."""
-
-    def __init__(self, app: Any, limit: int, json_limit: int) -> None:
-        self.app = app
-        self.limit = limit
-        self.json_limit = json_limit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        body = await self._read_body(scope, receive)
-        if isinstance(body, TooLarge):
-            await error_response(body)(scope, receive, send)
-        elif body is not None:
-            await self.app(scope, _replay(body, receive), send)
-
-    async def _read_body(self, scope: Any, receive: Any) -> bytes | TooLarge | None:
-        """The whole body, a TooLarge refusal, or None if the client left meanwhile."""
-        octets = False
-        limit = self.json_limit
-        for name, value in scope["headers"]:
-            if name == b"content-type" and value.split(b";")[0].strip() == OCTETS.encode():
-                octets, limit = True, self.limit
-        what = "octet" if octets else "JSON"
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                return TooLarge(
-                    f"body of {int(value)} bytes exceeds the {limit}-byte limit of {what} bodies"
-                )
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return TooLarge(f"body exceeds the {limit}-byte limit of {what} bodies")
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """A `receive` that hands the buffered body to the app, then the client's own messages
-    (a disconnect)."""
-    sent = False
-
-    async def replay() -> Any:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-class AuthMiddleware:
-    """The mesh token on every request but the open paths (/healthz, and /metrics when the
-    station opens it): one check for the whole app, so no route (/docs, /openapi.json, the
-    decode fast path, a 404) is left out. Compared in constant time, as bytes: any header
-    value is an answerable 401, never a 500."""
-
-    def __init__(self, app: Any, token: str | None, open_paths: frozenset[str]) -> None:
-        self.app = app
-        self.expected = None if token is None else b"Bearer " + token.encode()
-        self.open_paths = open_paths
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.expected is None or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if given is None or not given.startswith(b"Bearer "):
-            refusal = Unauthorized("this station needs 'Authorization: Bearer <mesh token>'")
-        elif not hmac.compare_digest(given, self.expected):
-            refusal = Unauthorized("wrong bearer token")
-        else:
-            await self.app(scope, receive, send)
-            return
-        await error_response(refusal)(scope, receive, send)
-
-
 class CacheCollector:
     """The volume cache's counters and gauges, read at scrape time."""
 
@@ -198,10 +110,15 @@ def create_app(station: Station) -> FastAPI:
                 station.sweep_idle()
 
         task = asyncio.create_task(sweep())
+        stream: StepStreamServer | None = app.state.step_stream
+        if stream is not None:
+            station.stream_port = await stream.start(s.stream_host, s.stream_port or 0)
         try:
             yield
         finally:
             task.cancel()
+            if stream is not None:
+                stream.close()
             # A graceful stop leaves every accepted volume on disk for the next start.
             await asyncio.to_thread(station.flush_volumes)
 
@@ -251,17 +168,44 @@ def create_app(station: Station) -> FastAPI:
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode())
 
+    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
+
+    def observe_stream(seconds: float, status: int) -> None:
+        latency.labels(STREAM_ENDPOINT).observe(seconds)
+        requests.labels(STREAM_ENDPOINT, str(status)).inc()
+
+    app.state.step_stream = (
+        None
+        if s.stream_port is None
+        else StepStreamServer(
+            station,
+            lambda: stepper_of(app.state, station),
+            station_limits(s),
+            drill=drill,
+            observe=observe_stream,
+        )
+    )
+
     # Each added middleware wraps the ones before: outermost last.
     app.add_middleware(DecodeFastPath, station=station)
-    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
     if drill is not None:
-        app.add_middleware(DieOn, phase=drill[0], n=drill[1])
-    app.add_middleware(BodyLimitMiddleware, limit=s.max_body_bytes, json_limit=s.max_json_bytes)
-    open_paths = frozenset({"/healthz", "/metrics"} if s.open_metrics else {"/healthz"})
-    app.add_middleware(AuthMiddleware, token=s.token, open_paths=open_paths)
+        app.add_middleware(DieOn, drill=drill)
+    app.add_middleware(
+        BodyLimit, json_limit=s.max_json_bytes, octet_limit=s.max_body_bytes, respond=_refusal
+    )
+    open_paths = {"/healthz", "/metrics"} if s.open_metrics else {"/healthz"}
+    keys = [] if s.token is None else [s.token.encode()]
+    app.add_middleware(
+        BearerAuth, keys=keys, open_paths=open_paths, respond=_refusal, what="mesh token"
+    )
     # Outermost: it sees (and times) every request, refusals and the fast path included.
     app.add_middleware(ObserveMiddleware, latency=latency, requests=requests)
     return app
+
+
+def _refusal(status: int, message: str, headers: dict[str, str]) -> JSONResponse:
+    """An edge refusal (401, 413) in the station's ``{"detail": …}`` shape."""
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
 
 
 def is_loopback(host: str) -> bool:
@@ -276,20 +220,24 @@ def is_loopback(host: str) -> bool:
 def serve(settings: StationSettings, host: str = "127.0.0.1", port: int = 8100) -> None:
     """Runs one station until interrupted (SIGINT/SIGTERM stop it cleanly). A station
     without a token (``--insecure``) only listens on loopback."""
-    import uvicorn
+    from amplituhedron_rs.edge.server import run
 
     if settings.token is None and not is_loopback(host):
         raise InputError(
             f"refusing to serve without a token on {host}: --insecure is for loopback only"
         )
+    settings.stream_host = host
     app = create_app(Station(settings))
-    # Idle keep-alive connections live longer here than in the coordinator's pool
+    run(app, host, port, station_limits(settings))
+
+
+def station_limits(settings: StationSettings) -> EdgeLimits:
+    """The edge limits of a station's HTTP port and step stream."""
+    # Idle keep-alive connections live longer here than in the coordinator's pools
     # (StationClient: 15 s), so the client never reuses one the station just closed.
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_keep_alive=KEEPALIVE_S,
+    return EdgeLimits(
+        max_connections=settings.max_connections,
+        keepalive_s=KEEPALIVE_S,
+        max_json_bytes=settings.max_json_bytes,
+        max_octet_bytes=settings.max_body_bytes,
     )

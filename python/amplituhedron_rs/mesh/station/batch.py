@@ -22,7 +22,7 @@ and changes nothing. The step runs in a worker thread, which alone waits on sess
 from __future__ import annotations
 
 import contextlib
-import threading
+import time
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -34,13 +34,14 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh.protocol import (
     BATCH_ROUTE,
+    FRAME_HEADER,
     OCTETS,
     BatchEntryResult,
     BatchEntrySpec,
     BatchStepReply,
     BatchStepRequest,
+    StepTiming,
     TokenLogprobsWire,
-    pack_frame,
     split_frame,
 )
 from amplituhedron_rs.mesh.station.errors import BadBody, Conflict, TooLarge
@@ -72,16 +73,39 @@ class BatchStepper:
         self.max_rows = int(station.max_rows)
 
     def step(self, body: bytes) -> bytes:
-        """Runs one framed step; returns the framed answer."""
+        """Runs one framed step (``/batch/step``'s body); returns the framed answer."""
+        try:
+            head, payload = split_frame(body)
+        except ValueError as exc:
+            raise BadBody(f"batch step body: {exc}") from exc
+        received = time.monotonic()
+        reply, out = self.run(parse_step(head), payload, received=received)
+        return len(reply).to_bytes(FRAME_HEADER, "little") + reply + out
+
+    def run(
+        self,
+        req: BatchStepRequest,
+        payload: bytes | memoryview,
+        *,
+        received: float,
+        wait: float | None = None,
+    ) -> tuple[bytes, bytes]:
+        """Runs one step: its parsed header (:func:`parse_step`) and payload in, the
+        answer's JSON header and payload out. ``received``: when the request was in
+        (``time.monotonic()``, for the timing answer). ``wait``: seconds to wait for a busy
+        session (default: the station's ``busy_wait_s``); 0 on the event loop, where a busy
+        session raises Busy before anything changed, so the caller can run the step in a
+        worker instead."""
         st = self.station
-        req = _parse(body)
-        planned = self._plan(req, body)
-        # Locks in one global order (session id), so concurrent steps cannot deadlock; this
-        # runs in a worker thread, so waiting (bounded) for a busy session is fine here.
+        planned = self._plan(req, payload)
+        wait = st.settings.busy_wait_s if wait is None else wait
+        # Locks in one global order (session id), so concurrent steps cannot deadlock; in a
+        # worker thread waiting (bounded) for a busy session is fine, on the loop it is not.
         with st.computing(), contextlib.ExitStack() as held:
             for p in sorted(planned, key=lambda p: p.spec.session_id):
-                held.enter_context(p.live.use(p.spec.session_id, st.settings.busy_wait_s))
+                held.enter_context(p.live.use(p.spec.session_id, wait))
             self._check_positions(planned)
+            ready = time.monotonic()
             for p in planned:
                 if p.live.session.clock > p.spec.start:
                     p.live.rollback(p.live.session, p.spec.start)
@@ -96,12 +120,18 @@ class BatchStepper:
                     for p in planned
                 ],
             )
+            computed = time.monotonic()
             results = [self._finish(p, h, lg) for p, (h, lg) in zip(planned, outs, strict=True)]
         st.forward_rows += sum(len(p.spec.tokens) for p in planned)
-        payload = b"" if st.is_exit else b"".join(_f32(h) for h, _ in outs)
-        return pack_frame(BatchStepReply(entries=results), payload)
+        out = b"" if st.is_exit else b"".join(_f32(h) for h, _ in outs)
+        reply = BatchStepReply(entries=results)
+        if req.timing:
+            reply.timing = StepTiming(
+                received=received, planned=ready, computed=computed, finished=time.monotonic()
+            )
+        return reply.model_dump_json().encode(), out
 
-    def _plan(self, req: BatchStepRequest, body: bytes) -> list[_Planned]:
+    def _plan(self, req: BatchStepRequest, payload: bytes | memoryview) -> list[_Planned]:
         """Every check that needs no session lock: sizes, kinds, the payload's shape."""
         st = self.station
         seen: set[str] = set()
@@ -134,7 +164,6 @@ class BatchStepper:
             if e.emit and not e.last:
                 raise BadBody(f"entry {i}: emit needs the prompt's last chunk")
         rows = sum(len(e.tokens) for e in req.entries)
-        _, payload = split_frame(body)
         if st.is_entry:
             if len(payload):
                 raise BadBody("the entry station takes token ids in the header, no payload")
@@ -261,30 +290,31 @@ def _capture_head(st: Station, live: LiveSession, start: int, hidden: FloatArray
         )
 
 
-def _parse(body: bytes) -> BatchStepRequest:
+def parse_step(head: bytes) -> BatchStepRequest:
+    """A step's JSON header, validated (BadBody: it is not a step)."""
     try:
-        head, _ = split_frame(body)
         return BatchStepRequest.model_validate_json(head)
     except ValidationError as exc:
         raise BadBody(f"batch step header: {exc}") from exc
-    except ValueError as exc:
-        raise BadBody(f"batch step body: {exc}") from exc
 
 
 def _f32(a: Any) -> bytes:
     return np.ascontiguousarray(a, dtype="<f4").tobytes()
 
 
-_stepper_lock = threading.Lock()
-
-
-def current_stepper(request: Request, station: StationDep) -> BatchStepper:
-    """The app's one stepper, made on first use (its step buffers grow to the largest step)."""
-    with _stepper_lock:
-        stepper: BatchStepper | None = getattr(request.app.state, "batch_stepper", None)
-        if stepper is None or stepper.station is not station:
-            stepper = request.app.state.batch_stepper = BatchStepper(station)
+def stepper_of(state: Any, station: Station) -> BatchStepper:
+    """The app's one stepper (in its ``state``), made on first use: its step buffers grow to
+    the largest step. Called on the event loop only (the route's dependency and the step
+    stream), so no lock is needed: nothing else runs between the check and the set."""
+    stepper: BatchStepper | None = getattr(state, "batch_stepper", None)
+    if stepper is None or stepper.station is not station:
+        stepper = state.batch_stepper = BatchStepper(station)
     return stepper
+
+
+async def current_stepper(request: Request, station: StationDep) -> BatchStepper:
+    # async: FastAPI would run a plain function in a worker thread, a hand-off per step.
+    return stepper_of(request.app.state, station)
 
 
 StepperDep = Annotated[BatchStepper, Depends(current_stepper)]

@@ -33,7 +33,7 @@ def parse(value: str) -> tuple[str, int]:
 
 
 def phase_of(method: str, path: str, body: bytes) -> str | None:
-    """The drill phase of a request (None: not one the drill counts)."""
+    """The drill phase of an HTTP request (None: not one the drill counts)."""
     if method != "POST":
         return None
     if path == "/sessions":
@@ -43,8 +43,13 @@ def phase_of(method: str, path: str, body: bytes) -> str | None:
     if path != "/batch/step" or len(body) < 4:
         return None
     n = int.from_bytes(body[:4], "little")
+    return step_phase(body[4 : 4 + n])
+
+
+def step_phase(head: bytes) -> str | None:
+    """The drill phase of a batched step, from its JSON header (HTTP or the step stream)."""
     try:
-        entries = json.loads(body[4 : 4 + n])["entries"]
+        entries = json.loads(head)["entries"]
     except (ValueError, KeyError, TypeError):
         return None
     if any(e.get("capture") and e.get("last") for e in entries):
@@ -54,15 +59,34 @@ def phase_of(method: str, path: str, body: bytes) -> str | None:
     return "decode"
 
 
-class DieOn:
-    """Pure ASGI middleware (inside the body limit, which has buffered the body): counts
-    requests of ``phase`` and SIGKILLs this process when the ``n``-th one answers."""
+class Drill:
+    """Counts requests of ``phase`` (over HTTP and the step stream alike): ``hit`` is true
+    for the ``n``-th, whose answer must then never leave (:func:`die`)."""
 
-    def __init__(self, app: Any, phase: str, n: int) -> None:
-        self.app = app
+    def __init__(self, phase: str, n: int) -> None:
         self.phase = phase
         self.n = n
         self.seen = 0
+
+    def hit(self, phase: str | None) -> bool:
+        if phase != self.phase:
+            return False
+        self.seen += 1
+        return self.seen == self.n
+
+
+def die() -> None:
+    """SIGKILLs this process (after the work, before the answer)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DieOn:
+    """Pure ASGI middleware (inside the body limit, which has buffered the body): SIGKILLs
+    this process when the ``drill``'s request answers."""
+
+    def __init__(self, app: Any, drill: Drill) -> None:
+        self.app = app
+        self.drill = drill
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -79,20 +103,17 @@ class DieOn:
                 return message
             return await receive()
 
-        die = False
-        if phase_of(scope["method"], scope["path"], body) == self.phase:
-            self.seen += 1
-            die = self.seen == self.n
+        doomed = self.drill.hit(phase_of(scope["method"], scope["path"], body))
 
         async def send_or_die(msg: Any) -> None:
-            if die and msg["type"] == "http.response.start":
-                os.kill(os.getpid(), signal.SIGKILL)
+            if doomed and msg["type"] == "http.response.start":
+                die()
             await send(msg)
 
         await self.app(scope, replay, send_or_die)
 
 
-def armed() -> tuple[str, int] | None:
+def armed() -> Drill | None:
     """The drill this process's environment asks for (None: off, the default)."""
     value = os.environ.get(DIE_ON_ENV)
-    return parse(value) if value else None
+    return Drill(*parse(value)) if value else None

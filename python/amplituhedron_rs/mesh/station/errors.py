@@ -29,10 +29,6 @@ class BadBody(StationError):
     """The body is not what the endpoint takes (size, dtype, row count)."""
 
 
-class Unauthorized(StationError):
-    """A request without the right bearer token."""
-
-
 class Forbidden(StationError):
     """Authenticated or not, something this station never allows (a tenant on an open
     station)."""
@@ -69,7 +65,6 @@ class Full(StationError):
 #: Most specific class first is not needed: :func:`status_of` walks the MRO.
 STATUS: dict[type[Exception], int] = {
     BadBody: 400,
-    Unauthorized: 401,
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
@@ -96,12 +91,10 @@ def status_of(exc: Exception) -> int:
 
 def error_response(exc: Exception) -> JSONResponse:
     """The answer to a refused request: FastAPI's ``{"detail": …}`` shape (with
-    ``Retry-After`` on back-pressure, and ``WWW-Authenticate`` on a missing token)."""
+    ``Retry-After`` on back-pressure; the edge answers a missing token itself)."""
     headers = {}
     if isinstance(exc, Full):
         headers["Retry-After"] = str(exc.retry_after)
-    if isinstance(exc, Unauthorized):
-        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse({"detail": str(exc)}, status_code=status_of(exc), headers=headers)
 
 

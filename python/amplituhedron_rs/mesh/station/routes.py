@@ -1,7 +1,8 @@
 """The station's HTTP endpoints (SPEC §5, §14): thin FastAPI routes over :class:`.state.Station`.
 
 Every endpoint but ``GET /healthz`` needs ``Authorization: Bearer <mesh token>`` (checked for
-the whole app by :class:`~.app.AuthMiddleware`, so /docs, /openapi.json and /metrics too).
+the whole app by :class:`~amplituhedron_rs.edge.asgi.BearerAuth`, so /docs, /openapi.json and
+/metrics too).
 
 - ``GET /healthz``, ``GET /metrics`` (Prometheus, added by the app), ``GET /openapi.json``
 - ``GET /amplituhedron/stats``, ``POST /amplituhedron/configure``
@@ -66,7 +67,8 @@ OCTET_BODY: dict[str, Any] = {
 _T = TypeVar("_T")
 
 
-def current_station(request: Request) -> Station:
+async def current_station(request: Request) -> Station:
+    # async: FastAPI would run a plain function in a worker thread, a hand-off per request.
     station: Station = request.app.state.station
     return station
 
@@ -119,6 +121,7 @@ async def healthz(station: StationDep) -> Health:
         sessions=len(station.sessions),  # a dict's len: safe from the event loop
         entry=station.is_entry,
         exit=station.is_exit,
+        stream_port=station.stream_port,
     )
 
 

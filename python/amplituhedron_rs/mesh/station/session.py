@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from amplituhedron_rs import _core
+from amplituhedron_rs.edge.limits import DEFAULT_JSON_BYTES, EdgeLimits
 from amplituhedron_rs.mesh.station.errors import BadBody, Busy, Cancelled, Conflict, NotFound
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.options import (
@@ -52,7 +53,15 @@ class StationSettings:
     session_idle_s: float = 30.0
     #: Octet bodies (forward, decode); JSON bodies get ``max_json_bytes``.
     max_body_bytes: int = 16 * 1024 * 1024
-    max_json_bytes: int = 1024 * 1024
+    max_json_bytes: int = DEFAULT_JSON_BYTES
+    #: Open connections (idle ones are closed first past it; see amplituhedron_rs.edge),
+    #: on the HTTP port and on the step stream each.
+    max_connections: int = EdgeLimits.max_connections
+    #: The step stream's TCP port (0: any free port; None: steps over HTTP only). Its
+    #: bound port is announced in /healthz.
+    stream_port: int | None = 0
+    #: The host the station listens on (the step stream listens there too).
+    stream_host: str = "127.0.0.1"
     #: Rows one forward may carry (None: the session's ``max_chunk``).
     max_forward_rows: int | None = None
     #: Rows of ``logits=all`` one forward may ask for (each row is vocab × 4 bytes).

@@ -123,6 +123,8 @@ class Station:
         # updated from worker threads, so under a lock (`+=` is not atomic across threads).
         self.inflight = 0
         self._inflight_lock = threading.Lock()
+        #: The step stream's bound port, once it listens (None: steps over HTTP only).
+        self.stream_port: int | None = None
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:

@@ -1,0 +1,256 @@
+"""The step stream (framed batched steps on persistent TCP, mesh/protocol.py) over raw
+sockets to real station processes: the edge rules of the HTTP surface hold (the token on
+every frame, checked before a byte of the body is read; lengths refused before they are read;
+a connection cap), a refused step changes nothing and leaves the connection usable, and the
+mesh emits the single-process tokens over the stream, over HTTP only, and with a prompt cut
+into pipelined pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from amplituhedron_rs import Model
+from amplituhedron_rs.mesh import protocol as wire
+from amplituhedron_rs.mesh.coordinator import Coordinator
+from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+from amplituhedron_rs.mesh.pipeline import cut, merge
+
+pytestmark = [pytest.mark.model, pytest.mark.mesh]
+
+PROMPT = [12615, 36411, 418, 582, 3822, 5027, 20590, 418, 314, 253, 1345, 28, 16, 901]
+MAX_CONNECTIONS = 4
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[LocalMesh]:
+    m = LocalMesh(2, station_args=["--max-connections", str(MAX_CONNECTIONS)])
+    m.start()
+    yield m
+    m.close()
+
+
+def spec_of(m: LocalMesh) -> MeshSpec:
+    assert m.spec is not None
+    return m.spec
+
+
+def stream_port(url: str) -> int:
+    port = httpx.get(f"{url}/healthz").json()["stream_port"]
+    assert isinstance(port, int) and port > 0
+    return port
+
+
+def connect(url: str) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", stream_port(url)), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def answer(s: socket.socket) -> tuple[int, Any, bytes]:
+    """One answer frame: status, JSON header, payload."""
+    data = b""
+    while len(data) < wire.STREAM_PREFIX.size:
+        chunk = s.recv(65536)
+        assert chunk, "the station closed the connection without an answer"
+        data += chunk
+    magic, status, n_head, n_payload = wire.STREAM_PREFIX.unpack_from(data)
+    assert magic == wire.STREAM_MAGIC
+    end = wire.STREAM_PREFIX.size + n_head + n_payload
+    while len(data) < end:
+        chunk = s.recv(65536)
+        assert chunk
+        data += chunk
+    head = data[wire.STREAM_PREFIX.size : wire.STREAM_PREFIX.size + n_head]
+    return status, json.loads(head), data[wire.STREAM_PREFIX.size + n_head : end]
+
+
+def closed(s: socket.socket) -> bool:
+    s.settimeout(10)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def step(token: str, entries: list[dict[str, Any]], payload: bytes = b"") -> bytes:
+    head = json.dumps({"entries": entries}).encode()
+    return wire.stream_request(token.encode(), head, payload)
+
+
+def open_session(url: str, token: str) -> str:
+    r = httpx.post(
+        f"{url}/sessions",
+        json={"prompt_tokens": PROMPT},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert r.status_code == 201, r.text
+    sid: str = r.json()["session_id"]
+    return sid
+
+
+def test_the_step_stream_refuses_the_attacks(mesh: LocalMesh) -> None:
+    spec = spec_of(mesh)
+    entry, token = spec.stations[0], spec.token
+    assert token is not None
+    sid = open_session(entry.url, token)
+    whole = {"session_id": sid, "start": 0, "tokens": PROMPT, "kind": "prefill"}
+    whole |= {"last": True}
+    # No token, a wrong one, one longer than any token: 401 and the connection closes. The
+    # prefix declares a 1 MiB payload that never comes: the refusal does not wait for it.
+    big = 1 << 20
+    for given in (b"", b"wrong", b"x" * (wire.MAX_TOKEN_BYTES + 1)):
+        with connect(entry.url) as s:
+            s.sendall(wire.STREAM_PREFIX.pack(wire.STREAM_MAGIC, len(given), 10, big) + given)
+            status, body, _ = answer(s)
+            assert status == 401 and "token" in body["detail"]
+            assert closed(s)
+    # Lengths past the limits: 413 before a byte of the body is read.
+    for n_head, n_payload in ((2 << 20, 0), (100, 17 << 20)):
+        with connect(entry.url) as s:
+            prefix = wire.STREAM_PREFIX.pack(wire.STREAM_MAGIC, len(token), n_head, n_payload)
+            s.sendall(prefix + token.encode())
+            status, body, _ = answer(s)
+            assert status == 413 and "limit" in body["detail"]
+            assert closed(s)
+    # Not a frame (an HTTP request to the stream port): 400 and closed.
+    with connect(entry.url) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body, _ = answer(s)
+        assert status == 400 and "frame" in body["detail"]
+        assert closed(s)
+    # Refused steps keep the connection (each frame was read whole) and change nothing.
+    with connect(entry.url) as s:
+        s.sendall(wire.stream_request(token.encode(), b"{not json"))
+        status, body, _ = answer(s)
+        assert status == 400 and "header" in body["detail"]
+        s.sendall(step(token, [{**whole, "session_id": "A" * 32}]))
+        assert answer(s)[0] == 404
+        s.sendall(step(token, [{**whole, "tokens": [*PROMPT[:-1], 7000]}]))
+        status, body, _ = answer(s)
+        assert status == 409 and "prompt" in body["detail"]
+        s.sendall(step(token, [{**whole, "tokens": [1] * 257, "last": False}]))
+        status, body, _ = answer(s)
+        assert status == 413 and "rows per entry" in body["detail"]
+        s.sendall(step(token, [whole], payload=b"\0" * 8))
+        status, body, _ = answer(s)
+        assert status == 400 and "payload" in body["detail"]
+        # Then the same connection runs the step: the session held none of the above.
+        s.sendall(step(token, [whole]))
+        status, body, rows = answer(s)
+        assert status == 200, body
+        assert body["entries"][0]["clock"] == len(PROMPT)
+        assert len(rows) == len(PROMPT) * 576 * 4  # the entry station's hidden rows
+    metrics = httpx.get(f"{entry.url}/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert 'endpoint="stream:/batch/step",status="401"' in metrics.text
+    httpx.delete(f"{entry.url}/sessions/{sid}", headers={"Authorization": f"Bearer {token}"})
+
+
+def test_idle_stream_connections_make_room_under_the_cap(mesh: LocalMesh) -> None:
+    """At the cap the oldest idle connection is closed for a new one."""
+    entry, token = spec_of(mesh).stations[0], spec_of(mesh).token
+    assert token is not None
+    held = [connect(entry.url) for _ in range(MAX_CONNECTIONS)]
+    try:
+        newest = connect(entry.url)
+        assert closed(held[0])
+        newest.sendall(wire.stream_request(token.encode(), b"{}"))
+        assert answer(newest)[0] == 400  # served (an empty step is refused, not the socket)
+        newest.close()
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_the_mesh_emits_the_single_process_tokens_over_every_transport(
+    mesh: LocalMesh, model: Model
+) -> None:
+    """Stream and HTTP-only steps, a prompt cut into pipelined pieces of 3 rows, greedy and
+    seeded: every run emits what one process emits."""
+    spec = spec_of(mesh)
+    seeded: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "seed": 11}
+    want = model.generate(PROMPT, 10, use_cache=False, stop_at_eos=False).output_ids
+    want_seeded = model.generate(
+        PROMPT, 10, use_cache=False, stop_at_eos=False, **seeded
+    ).output_ids
+
+    async def go(transport: Any, chunk: int) -> tuple[list[int], list[int], int]:
+        async with Coordinator(spec, chunk=chunk, transport=transport) as c:
+            c.time_hops()
+            g = await c.generate(PROMPT, 10, use_cache=False)
+            s = await c.generate(PROMPT, 10, use_cache=False, **seeded)
+            prefill = c.hop_times().get("prefill step")
+            return g.output_ids, s.output_ids, 0 if prefill is None else prefill.hops
+
+    for transport, chunk in (("stream", 64), ("http", 64), ("stream", 3)):
+        greedy, sampled, prefill_hops = asyncio.run(go(transport, chunk))
+        assert greedy == want and sampled == want_seeded, (transport, chunk)
+        # Pieces: one request per piece per station (5 pieces of ≤ 3 rows, 2 stations).
+        assert prefill_hops == 2 * (1 if chunk == 64 else 5) * 2
+
+
+def test_a_station_without_a_stream_takes_steps_over_http(model: Model) -> None:
+    with LocalMesh(1, station_args=["--no-stream"]) as spec:
+        assert httpx.get(f"{spec.stations[0].url}/healthz").json()["stream_port"] is None
+
+        async def go() -> list[int]:
+            async with Coordinator(spec) as c:
+                return (await c.generate(PROMPT, 6, use_cache=False)).output_ids
+
+        want = model.generate(PROMPT, 6, use_cache=False, stop_at_eos=False).output_ids
+        assert asyncio.run(go()) == want
+
+
+def test_pieces_cover_each_prompt_entry_once_and_end_it_once() -> None:
+    def spec(**kw: Any) -> wire.BatchEntrySpec:
+        return wire.BatchEntrySpec.model_validate({"session_id": "s" * 16, **kw})
+
+    prompt = spec(start=4, tokens=list(range(10)), kind="prefill", last=True, emit=True)
+    middle = spec(start=0, tokens=[1, 2], kind="prefill", capture=True)
+    decode = spec(start=30, tokens=[5, 6], kind="decode")
+    steps = cut([prompt, middle, decode], 4)
+    assert [s.entries for s in steps] == [[0, 1, 2], [0], [0]]
+    pieces = [p for s in steps for k, p in s.parts if k == 0]
+    assert [(p.start, p.tokens) for p in pieces] == [
+        (4, [0, 1, 2, 3]),
+        (8, [4, 5, 6, 7]),
+        (12, [8, 9]),
+    ]
+    assert [(p.last, p.emit) for p in pieces] == [(False, False), (False, False), (True, True)]
+    assert cut([middle, decode], 4) == cut([middle, decode], 2)[:1]  # nothing to cut
+
+    def reply(*results: dict[str, Any]) -> wire.BatchStepReply:
+        return wire.BatchStepReply.model_validate({"entries": list(results)})
+
+    lp = {"token": 1, "logprob": -0.5, "top": []}
+    merged = merge(
+        3,
+        steps,
+        [
+            reply(
+                {"clock": 8, "rows": 4, "captured": 10, "prompt_logprobs": [lp]},
+                {"clock": 2, "rows": 2},
+                {"clock": 32, "rows": 2, "emitted": [6, 9]},
+            ),
+            reply({"clock": 12, "rows": 4, "prompt_logprobs": [lp, lp]}),
+            reply({"clock": 14, "rows": 2, "emitted": [77], "captured": 5}),
+        ],
+    )
+    first = merged.entries[0]
+    assert (first.clock, first.rows, first.emitted, first.captured) == (14, 10, [77], 15)
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == 3
+    assert merged.entries[2].emitted == [6, 9] and merged.entries[1].clock == 2
+
+
+def test_a_frame_prefix_is_little_endian_and_fixed_size() -> None:
+    frame = wire.stream_request(b"tok", b"{}", b"\1\2")
+    assert frame[:4] == wire.STREAM_MAGIC
+    assert struct.unpack_from("<HII", frame, 4) == (3, 2, 2)
+    assert frame[wire.STREAM_PREFIX.size :] == b"tok{}\1\2"
