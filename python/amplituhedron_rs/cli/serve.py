@@ -190,7 +190,7 @@ def run(a: argparse.Namespace) -> int:
             mesh_token=token_of(a),
             max_model_len=a.max_model_len,
             chat_template=a.chat_template,
-                        shared_cache_keys=a.shared_cache_keys,
+            shared_cache_keys=a.shared_cache_keys,
             allow_special_tokens_in_content=a.allow_special_tokens_in_content,
             open_metrics=a.open_metrics,
             max_body_bytes=a.max_body_bytes,
