@@ -43,6 +43,8 @@ pub use weights::{LayerView, LlamaWeights, TensorInfo};
 #[cfg(test)]
 mod gemma_tests;
 #[cfg(test)]
+mod rope_tests;
+#[cfg(test)]
 pub(crate) mod testing;
 #[cfg(test)]
 mod tests;

@@ -93,6 +93,8 @@ pub struct LlamaWeights {
     output_norm: TensorEntry,
     /// `None` when the LM head is tied to `token_embd` (SmolLM2).
     output: Option<TensorEntry>,
+    /// Llama 3.1/3.2 RoPE frequency divisors (`rope_freqs.weight`, `head_dim / 2` of them).
+    rope_freqs: Option<TensorEntry>,
     layers: Vec<LayerTensors>,
     /// The LM head's interleaved copy, made on first use ([`LlamaWeights::lm_head`]): a
     /// station whose range ends before the last layer never pays for it. `None` inside when
@@ -211,6 +213,7 @@ impl LlamaWeights {
         } else {
             None
         };
+        let rope_freqs = optional_vector("rope_freqs.weight", c.head_dim() / 2)?;
         let recipe = c.recipe();
         let q_dim = c.q_dim();
         // Norms only some recipes have: required by those, not read by the others.
@@ -279,6 +282,7 @@ impl LlamaWeights {
             token_embd,
             output_norm,
             output,
+            rope_freqs,
             layers,
             head_copy: OnceLock::new(),
             precision,
@@ -291,6 +295,13 @@ impl LlamaWeights {
         }
         weights.embedding()?;
         weights.matrix(weights.head_entry())?;
+        if let Some(f) = weights.rope_factors() {
+            if let Some(bad) = f.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+                return Err(ModelError::Weights(format!(
+                    "rope_freqs.weight holds {bad}: RoPE frequency divisors must be positive"
+                )));
+            }
+        }
         Ok(weights)
     }
 
@@ -388,6 +399,12 @@ impl LlamaWeights {
         let mut out = vec![0u8; e.len];
         interleave_entry(&self.storage, e, &mut out);
         Some(out)
+    }
+
+    /// The per-pair divisors of the RoPE frequencies (`rope_freqs.weight`, which llama.cpp's
+    /// converter writes for Llama 3.1/3.2's `llama3` frequency scaling), if the file has them.
+    pub fn rope_factors(&self) -> Option<&[f32]> {
+        self.rope_freqs.as_ref().map(|e| self.f32_slice(e))
     }
 
     /// The final RMSNorm weight.
