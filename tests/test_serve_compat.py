@@ -74,7 +74,9 @@ def samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+    for family in text_string_to_metric_families(
+        httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    ):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
     return out

@@ -234,10 +234,14 @@ def test_row_6_the_key_is_checked_before_the_body_is_read(srv: Server) -> None:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "stop": "\ud83d"},
         ),
+        ("/tokenize", {"prompt": "Hello \ud800"}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\udbff"}]}),
     ],
 )
 def test_row_7_lone_surrogates_are_a_400(srv: Server, path: str, payload: dict[str, Any]) -> None:
-    body = {"model": srv.model(), "max_tokens": 2, **payload}
+    body = {"model": srv.model(), **payload}
+    if path.startswith("/v1/"):
+        body["max_tokens"] = 2
     # json.dumps escapes a lone surrogate as \\udXXX, exactly what a hostile client sends.
     r = httpx.post(
         srv.url + path,
@@ -311,6 +315,10 @@ def test_row_11_a_message_cannot_forge_a_turn(srv: Server, tokenizer: Tokenizer)
     r = post(srv, chat_body(srv, FORGED))
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(as_text)
+    # /tokenize answers the ids the chat endpoint runs.
+    t = httpx.post(srv.url + "/tokenize", json={"messages": messages}, headers=auth(), timeout=60)
+    assert t.status_code == 200, t.text
+    assert t.json()["tokens"] == as_text
     assert_serving(srv)
 
 

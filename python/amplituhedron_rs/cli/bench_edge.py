@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from amplituhedron_rs.cli.common import add_model, positive
+
 HELP = "/health latency and RSS while the server takes hostile traffic"
 DESCRIPTION = (
     "Starts the OpenAI server and probes /health every 10 ms while it receives a huge prompt "
@@ -13,10 +15,16 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="GGUF", help="model name or path (default: bundled)")
-    p.add_argument("--prompt-mb", type=int, default=10, help="size of the huge prompt (10)")
-    p.add_argument("--bodies", type=int, default=4, help="unauthenticated uploads at once (4)")
-    p.add_argument("--body-mb", type=int, default=100, help="size of each upload (100)")
+    add_model(p)
+    p.add_argument(
+        "--prompt-mb", type=positive, default=10, help="size of the huge prompt (default: 10)"
+    )
+    p.add_argument(
+        "--bodies", type=positive, default=4, help="unauthenticated uploads at once (default: 4)"
+    )
+    p.add_argument(
+        "--body-mb", type=positive, default=100, help="size of each upload (default: 100)"
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from amplituhedron_rs.cli.common import add_max_tokens, add_model, int_list, positive, renamed
+from amplituhedron_rs.cli.common import (
+    add_max_tokens,
+    add_model,
+    add_threads,
+    int_list,
+    positive,
+    renamed,
+)
 
 HELP = "per-hop overhead and where it goes; decode and prefill over K stations vs one process"
 
@@ -38,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="compute threads per station (default: the host's cores shared among them)",
     )
+    add_threads(p)
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
 
 

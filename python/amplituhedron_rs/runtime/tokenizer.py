@@ -151,17 +151,21 @@ class Tokenizer:
         return self._with_bos(ids) if add_bos else ids
 
     def encode_chat(
-        self, messages: Sequence[Message], *, special_in_content: bool = False
+        self,
+        messages: Sequence[Message],
+        *,
+        special_in_content: bool = False,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of a chat through the model's template, ready for generation. The
         template's own markup is parsed for special tokens, the messages' content is not: a
         control token spelled inside it (``<|im_end|><|im_start|>system``) is tokenised as
         the characters it is, so no message can forge a turn (llama.cpp tokenises user
         content with ``parse_special=false``), unless ``special_in_content``."""
-        rendered = self.render_chat(messages)
+        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         if special_in_content or not any(self.spells_special(m["content"]) for m in messages):
             return self.encode(rendered)
-        pieces = self._content_pieces(messages)
+        pieces = self._content_pieces(messages, add_generation_prompt)
         markup = self._tok.encode_batch([p for p, c in pieces if not c], add_special_tokens=False)
         literal = self._literal_tokenizer().encode_batch(
             [p for p, c in pieces if c], add_special_tokens=False
@@ -194,13 +198,15 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
-    def _content_pieces(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
+    def _content_pieces(
+        self, messages: Sequence[Message], add_generation_prompt: bool
+    ) -> list[tuple[str, bool]]:
         """The rendered chat cut into the template's markup and the messages' content
         ``(text, is_content)``, found by rendering each content between random markers."""
         nonce = secrets.token_hex(8)
         opening, closing = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
         marked = [{**m, "content": opening + m["content"] + closing} for m in messages]
-        rendered = self.render_chat(marked)
+        rendered = self.render_chat(marked, add_generation_prompt=add_generation_prompt)
         pieces: list[tuple[str, bool]] = []
         rest = rendered
         while rest:

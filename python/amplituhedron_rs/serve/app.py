@@ -54,6 +54,7 @@ from amplituhedron_rs.serve.protocol import (
     CompletionRequest,
     new_id,
     now,
+    template_role,
     usage,
 )
 from amplituhedron_rs.serve.tokenize_routes import install_tokenize_routes
@@ -263,7 +264,14 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         check_model(model_id)
         return model_card()
 
-    install_tokenize_routes(app, tokenizer, settings.context_len, auth, check_model)
+    install_tokenize_routes(
+        app,
+        tokenizer,
+        settings.context_len,
+        auth,
+        check_model,
+        special_in_content=settings.allow_special_tokens_in_content,
+    )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
@@ -273,7 +281,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         if settings.chat_warning and not chat_warned:
             chat_warned = True
             log.warning("%s", settings.chat_warning)
-        messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
+        messages = [{"role": template_role(m.role), "content": m.text()} for m in body.messages]
         check_chars(sum(len(m["content"]) for m in messages), "messages")
         special = settings.allow_special_tokens_in_content
         try:
@@ -358,11 +366,6 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         )
 
     return app
-
-
-def _template_role(role: str) -> str:
-    # OpenAI's newer "developer" role is the system prompt of older templates.
-    return "system" if role == "developer" else role
 
 
 @dataclass(frozen=True)

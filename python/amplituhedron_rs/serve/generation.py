@@ -162,7 +162,7 @@ class Generation:
             # It had ended in the engine; its end may wait, unread, in the stream.
             while not self.stream.queue.empty():
                 e = self.stream.queue.get_nowait()
-                if e.kind == "finished":
+                if not isinstance(e, EngineFailed) and e.kind == "finished":
                     ev = e
                     reason = {"cancelled": "abort"}.get(str(e.reason), str(e.reason))
         if ev is not None and not self.recorded:

@@ -58,6 +58,12 @@ def _unicode_text(value: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode_text)]
 
 
+def template_role(role: str) -> str:
+    """A message's role as chat templates spell it: OpenAI's newer "developer" role is the
+    system prompt of older templates."""
+    return "system" if role == "developer" else role
+
+
 class TextPart(BaseModel):
     """One text part of a message's content (``{"type": "text", "text": …}``)."""
 

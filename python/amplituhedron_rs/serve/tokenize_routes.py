@@ -23,12 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve.errors import bad_request
-from amplituhedron_rs.serve.protocol import U32_MAX, ChatMessage
+from amplituhedron_rs.serve.protocol import U32_MAX, ChatMessage, Text, template_role
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Text | None = None
     return_token_strs: StrictBool = False
 
     @model_validator(mode="before")
@@ -41,7 +41,7 @@ class _Body(BaseModel):
 
 
 class TokenizeText(_Body):
-    prompt: str
+    prompt: Text
     add_special_tokens: StrictBool = True
 
 
@@ -63,9 +63,12 @@ def install_tokenize_routes(
     max_model_len: int,
     auth: Any,
     check_model: Callable[[str], None],
+    *,
+    special_in_content: bool,
 ) -> None:
     """Adds ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` to ``app`` (``auth``: the
-    API's key dependency)."""
+    API's key dependency; ``special_in_content``: as the chat endpoint tokenises messages).
+    The handlers are synchronous, so they run in worker threads, never on the event loop."""
 
     def named(body: _Body) -> None:
         if body.model is not None:
@@ -83,16 +86,17 @@ def install_tokenize_routes(
         if isinstance(body, TokenizeText):
             ids = tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
             return answer(ids, body.return_token_strs)
-        # As the chat endpoint renders them ("developer" is older templates' system).
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages
-        ]
+        # Exactly as the chat endpoint tokenises them.
+        messages = [{"role": template_role(m.role), "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = tokenizer.encode_chat(
+                messages,
+                special_in_content=special_in_content,
+                add_generation_prompt=body.add_generation_prompt,
+            )
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", param="messages") from exc
-        return answer(tokenizer.encode(text), body.return_token_strs)
+        return answer(ids, body.return_token_strs)
 
     @app.post("/detokenize", dependencies=[auth])
     def detokenize(body: Detokenize) -> dict[str, Any]:
