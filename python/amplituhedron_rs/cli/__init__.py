@@ -97,12 +97,13 @@ def _check_model(a: argparse.Namespace, model: str | None) -> None:
         except SyntheticError as exc:
             a._parser.error(str(exc))
         return
+    from amplituhedron_rs.cli.common import MODEL_NAMES
     from amplituhedron_rs.runtime.gguf_file import KNOWN_MODELS
 
     if model not in KNOWN_MODELS:
         a._parser.error(
             f"unknown model {model!r}: give a GGUF file or a known name "
-            f"({', '.join(KNOWN_MODELS)}; `amplituhedron models` lists them)"
+            f"({MODEL_NAMES}; `amplituhedron models` lists them)"
         )
 
 
