@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod engine;
 pub mod eviction;
+pub mod grammar;
 pub mod keys;
 pub mod memo;
 pub mod model;

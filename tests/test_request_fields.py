@@ -51,6 +51,8 @@ F = Honoured | Refused | Ignored
 
 SERVE = "test_serve.py::"
 COMPAT = "test_serve_compat.py::"
+STRUCTURED = "test_serve_structured.py::"
+GUIDED = STRUCTURED + "test_vllm_and_llama_cpp_fields_are_honoured"
 MSG = [{"role": "user", "content": "Say hi."}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -96,14 +98,15 @@ COMMON: dict[str, F] = {
     "request_id": Ignored("req-1"),
     "return_tokens_as_token_ids": Refused(True, neutral=False),
     "return_token_ids": Refused(True, neutral=False),
-    "guided_json": Refused(SCHEMA),
-    "guided_regex": Refused("[0-9]+"),
-    "guided_choice": Refused(["yes", "no"]),
-    "guided_grammar": Refused('root ::= "yes"'),
+    "guided_json": Honoured(GUIDED, SCHEMA),
+    "guided_regex": Honoured(GUIDED, "[0-9]+"),
+    "guided_choice": Honoured(GUIDED, ["yes", "no"]),
+    "guided_grammar": Honoured(GUIDED, 'root ::= "yes"'),
+    # Only llguidance's names are accepted (another backend's output could differ).
     "guided_decoding_backend": Refused("xgrammar"),
     "guided_whitespace_pattern": Refused(" "),
     "structural_tag": Refused('{"type": "structural_tag"}'),
-    "structured_outputs": Refused({"json": SCHEMA}),
+    "structured_outputs": Honoured(GUIDED, {"json": SCHEMA}),
     # llama.cpp server's
     "n_predict": Refused(8),
     "typical_p": Refused(0.5, neutral=1.0),
@@ -128,8 +131,8 @@ COMMON: dict[str, F] = {
     "n_probs": Refused(3, neutral=0),
     "n_indent": Refused(4, neutral=0),
     "samplers": Refused(["top_k", "temperature"]),
-    "grammar": Refused('root ::= "yes"', neutral=""),
-    "json_schema": Refused(SCHEMA),
+    "grammar": Honoured(GUIDED, 'root ::= "yes"'),
+    "json_schema": Honoured(GUIDED, SCHEMA),
     "n_keep": Ignored(16),
     "cache_prompt": Ignored(True),
     "id_slot": Ignored(0),
@@ -142,7 +145,7 @@ COMMON: dict[str, F] = {
     "timings_per_token": Ignored(True),
     "image_data": Refused([{"data": "AA==", "id": 1}], neutral=[]),
     "reasoning_format": Refused("deepseek", neutral="none"),
-    "parse_tool_calls": Refused(True, neutral=False),
+    "parse_tool_calls": Refused(False, neutral=True),
     # ours
     "draft": Honoured(SERVE + "test_a_request_that_speculates_gets_the_plain_greedy_reply", "off"),
 }
@@ -162,10 +165,16 @@ CHAT: dict[str, F] = {
     "modalities": Refused(["text", "audio"], neutral=["text"]),
     "function_call": Refused("auto", neutral="none"),
     "functions": Refused([{"name": "f"}], neutral=[]),
-    "tools": Refused(TOOLS, neutral=[]),
-    "tool_choice": Refused("required", neutral="none"),
-    "parallel_tool_calls": Ignored(True),
-    "response_format": Refused({"type": "json_object"}, neutral={"type": "text"}),
+    "tools": Honoured(STRUCTURED + "test_required_and_named_tool_choice_are_enforced", TOOLS),
+    "tool_choice": Honoured(
+        STRUCTURED + "test_required_and_named_tool_choice_are_enforced", "none"
+    ),
+    "parallel_tool_calls": Honoured(
+        STRUCTURED + "test_required_and_named_tool_choice_are_enforced", True
+    ),
+    "response_format": Honoured(
+        STRUCTURED + "test_every_response_format_reply_validates", {"type": "json_object"}
+    ),
     "reasoning_effort": Refused("low"),
     "verbosity": Refused("low"),
     "web_search_options": Refused({}),
@@ -198,7 +207,10 @@ COMPLETIONS: dict[str, F] = {
     # vLLM's completions extensions
     "add_special_tokens": Refused(False),
     "prompt_embeds": Refused("AAAA"),
-    "response_format": Refused({"type": "json_object"}, neutral={"type": "text"}),
+    "response_format": Honoured(
+        STRUCTURED + "test_gemma_completions_follow_response_format", {"type": "json_object"}
+    ),
+    "tool_choice": Refused("required", neutral="none"),
 }
 
 

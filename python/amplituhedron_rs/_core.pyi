@@ -8,7 +8,7 @@ they stay easy to find. Constructor defaults shown as ``...`` are the core's own
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, final
+from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, TypedDict, final
 
 import numpy as np
 from numpy.typing import NDArray
@@ -390,10 +390,20 @@ _Forwarded: TypeAlias = tuple[NDArray[np.float32], NDArray[np.float32] | None]
 
 def supported_architectures() -> list[str]: ...
 def supported_tensor_types() -> list[str]: ...
+def tensor_digests(
+    path: str | os.PathLike[str], tensors: Sequence[tuple[str, int, Sequence[int], int]]
+) -> list[bytes]: ...
+
+class _WeightsMemory(TypedDict):
+    held: int
+    copied: int
+    mapped: int | None
+    resident: int
 
 @final
 class ModelWeights:
-    """Memory-mapped GGUF weights of a model of a supported architecture, validated at load."""
+    """Memory-mapped GGUF weights of a model of a supported architecture, validated at load:
+    every layer, or with ``layers=(lo, hi)`` only that range's tensors (a station's)."""
 
     def __new__(
         cls,
@@ -402,7 +412,13 @@ class ModelWeights:
         tensors: Sequence[tuple[str, int, Sequence[int], int]],
         precision: Literal["refined", "fast"] = "refined",
         kv_dtype: Literal["f16", "f32"] = ...,
+        *,
+        layers: tuple[int, int] | None = None,
+        digests: Sequence[bytes] | None = None,
     ) -> ModelWeights: ...
+    @property
+    def layers_held(self) -> tuple[int, int]: ...
+    def memory(self) -> _WeightsMemory: ...
     @property
     def fingerprint(self) -> int: ...
     @property
@@ -471,10 +487,53 @@ class Sampler:
         top_p: float = ...,
         seed: int = ...,
     ) -> Sampler: ...
-    def sample(self, logits: NDArray[np.float32], index: int) -> int: ...
+    def sample(
+        self, logits: NDArray[np.float32], index: int, grammar: GrammarState | None = None
+    ) -> int: ...
     def verify(
-        self, rows: NDArray[np.float32], drafts: Sequence[int], first_index: int
+        self,
+        rows: NDArray[np.float32],
+        drafts: Sequence[int],
+        first_index: int,
+        grammar: GrammarState | None = None,
     ) -> list[int]: ...
+
+# --- constrained decoding ----------------------------------------------------------------
+
+MAX_GRAMMAR_BYTES: int
+
+@final
+class GrammarVocabulary:
+    """A model's tokens as bytes (special ones ``0xFF`` + name) and its end tokens."""
+
+    def __new__(cls, tokens: Sequence[bytes], eos: Sequence[int]) -> GrammarVocabulary: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def eos(self) -> list[int]: ...
+
+@final
+class Grammar:
+    """A grammar compiled against a vocabulary (json_schema, json_object, regex or lark)."""
+
+    def __new__(cls, vocabulary: GrammarVocabulary, kind: str, text: str) -> Grammar: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def text(self) -> str: ...
+    def start(self) -> GrammarState: ...
+
+@final
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    @property
+    def consumed(self) -> int: ...
+    @property
+    def done(self) -> bool: ...
+    def allowed(self) -> list[int]: ...
+    def advance(self, token: int) -> None: ...
+    def align(self, consumed: int, next: int) -> None: ...
 
 @final
 class BatchForward:
@@ -628,6 +687,8 @@ class EngineAdmission:
     def logprobs(self) -> int | None: ...
     @property
     def prompt_logprobs(self) -> int | None: ...
+    @property
+    def grammar(self) -> tuple[str, str] | None: ...
 
 @final
 class EngineEntry:
@@ -693,6 +754,7 @@ class Engine:
         want_logits: bool = False,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> int: ...
     @staticmethod
     def external(*, max_running: int, max_queue: int, step_tokens: int) -> Engine: ...
@@ -701,6 +763,7 @@ class Engine:
         self,
         results: Sequence[tuple[int, int, int | None, str | None]],
         logprobs: Sequence[_LogprobsTuple | None] | None = None,
+        done: Sequence[bool] | None = None,
     ) -> list[EngineEvent]: ...
     def plan_batch(self) -> list[EngineEntry]: ...
     def complete(
@@ -709,6 +772,8 @@ class Engine:
         error: str | None = None,
         logprobs: Sequence[Sequence[_LogprobsTuple]] | None = None,
         prompt_logprobs: Sequence[Sequence[_LogprobsTuple]] | None = None,
+        done: Sequence[bool] | None = None,
+        errors: Sequence[str | None] | None = None,
     ) -> list[EngineEvent]: ...
     def take_released(self) -> list[int]: ...
     def cancel(self, seq: int) -> EngineEvent | None: ...

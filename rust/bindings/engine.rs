@@ -19,6 +19,7 @@ use crate::model::{
 };
 
 use super::exceptions::InputError;
+use super::grammar::PyGrammar;
 use super::model::PyPipeline;
 
 /// One thing a step reported: a token (`kind == "token"`), a computed prompt's
@@ -177,6 +178,8 @@ fn to_py(py: Python<'_>, ev: Event) -> PyResult<PyEvent> {
 }
 
 /// A new sequence an external executor must prepare (see `Engine.plan_admissions`).
+/// `grammar`: its grammar as `(kind, text)` when constrained (the executor builds its state
+/// where it samples).
 #[pyclass(
     name = "EngineAdmission",
     module = "amplituhedron_rs._core",
@@ -196,6 +199,7 @@ pub struct PyAdmission {
     sample_first: bool,
     logprobs: Option<usize>,
     prompt_logprobs: Option<usize>,
+    grammar: Option<(&'static str, String)>,
 }
 
 impl From<&Admission> for PyAdmission {
@@ -213,6 +217,10 @@ impl From<&Admission> for PyAdmission {
             sample_first: a.sample_first,
             logprobs: a.logprobs,
             prompt_logprobs: a.prompt_logprobs,
+            grammar: a
+                .grammar
+                .as_ref()
+                .map(|g| (g.spec().kind.as_str(), g.spec().text.clone())),
         }
     }
 }
@@ -388,26 +396,33 @@ impl PyEngine {
 
     /// External mode: the result of preparing planned admissions, one per admission:
     /// `(seq, cached_tokens, first_token or None, error message or None)`; `logprobs`, when
-    /// given, holds per admission the first token's `(token, logprob, top)` or None.
-    #[pyo3(signature = (results, logprobs=None))]
+    /// given, holds per admission the first token's `(token, logprob, top)` or None; `done`,
+    /// when given, per admission whether the sequence's grammar is complete after its first
+    /// token.
+    #[pyo3(signature = (results, logprobs=None, done=None))]
     fn admitted(
         &self,
         py: Python<'_>,
         results: Vec<(u64, usize, Option<u32>, Option<String>)>,
         logprobs: Option<Vec<Option<LogprobsTuple>>>,
+        done: Option<Vec<bool>>,
     ) -> PyResult<Vec<PyEvent>> {
         self.external_only()?;
-        if logprobs.as_ref().is_some_and(|l| l.len() != results.len()) {
+        if logprobs.as_ref().is_some_and(|l| l.len() != results.len())
+            || done.as_ref().is_some_and(|d| d.len() != results.len())
+        {
             return Err(InputError::new_err(
-                "logprobs must hold one entry per admission result",
+                "logprobs and done must hold one entry per admission result",
             ));
         }
         let mut firsts = logprobs.unwrap_or_default().into_iter();
+        let mut dones = done.unwrap_or_default().into_iter();
         let mut planned = lock(&self.planned_admissions);
         let mut admissions = Vec::with_capacity(results.len());
         let mut outcomes = Vec::with_capacity(results.len());
         for (seq, cached_tokens, first_token, error) in results {
             let first_logprobs = firsts.next().flatten().map(from_tuple);
+            let done = dones.next().unwrap_or(false);
             let Some(i) = planned.iter().position(|a| a.seq == seq) else {
                 return Err(InputError::new_err(format!(
                     "sequence {seq} has no planned admission"
@@ -421,6 +436,7 @@ impl PyEngine {
                     first_token,
                     first_logits: None,
                     first_logprobs,
+                    done,
                 }),
             });
         }
@@ -445,9 +461,12 @@ impl PyEngine {
 
     /// External mode: the outcome of the planned step — per entry, the emitted tokens; with
     /// `logprobs` per entry each emitted token's `(token, logprob, top)`, with
-    /// `prompt_logprobs` per entry those of the prompt tokens its rows predict — or `error`
+    /// `prompt_logprobs` per entry those of the prompt tokens its rows predict, with `done`
+    /// per entry whether its grammar is complete (the sequence then finishes), with
+    /// `errors` per entry an error that ends that sequence alone (None: none) — or `error`
     /// when the step failed (every sequence of the step then finishes with it).
-    #[pyo3(signature = (emitted, error=None, logprobs=None, prompt_logprobs=None))]
+    #[pyo3(signature = (emitted, error=None, logprobs=None, prompt_logprobs=None, done=None, errors=None))]
+    #[allow(clippy::too_many_arguments)]
     fn complete(
         &self,
         py: Python<'_>,
@@ -455,6 +474,8 @@ impl PyEngine {
         error: Option<String>,
         logprobs: Option<Vec<Vec<LogprobsTuple>>>,
         prompt_logprobs: Option<Vec<Vec<LogprobsTuple>>>,
+        done: Option<Vec<bool>>,
+        errors: Option<Vec<Option<String>>>,
     ) -> PyResult<Vec<PyEvent>> {
         self.external_only()?;
         for (name, lists) in [
@@ -467,6 +488,15 @@ impl PyEngine {
                 )));
             }
         }
+        if done.as_ref().is_some_and(|d| d.len() != emitted.len())
+            || errors.as_ref().is_some_and(|e| e.len() != emitted.len())
+        {
+            return Err(InputError::new_err(
+                "done and errors must hold one value per entry of the step",
+            ));
+        }
+        let mut dones = done.unwrap_or_default().into_iter();
+        let mut entry_errors = errors.unwrap_or_default().into_iter();
         let batch = std::mem::take(&mut *lock(&self.planned_batch));
         let mut per_entry = logprobs.unwrap_or_default().into_iter();
         let mut prompt_per_entry = prompt_logprobs.unwrap_or_default().into_iter();
@@ -487,6 +517,8 @@ impl PyEngine {
                     logits: None,
                     logprobs: next(&mut per_entry),
                     prompt_logprobs: next(&mut prompt_per_entry),
+                    done: dones.next().unwrap_or(false),
+                    error: entry_errors.next().flatten(),
                 })
                 .collect()),
         };
@@ -500,8 +532,10 @@ impl PyEngine {
     }
 
     /// Queues a request; returns its sequence id. Raises InputError for a bad request and
-    /// QueueFullError when the queue is full (nothing is queued either way).
-    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None, prompt_logprobs=None))]
+    /// QueueFullError when the queue is full (nothing is queued either way). With
+    /// `grammar`, every token is sampled under its mask and the sequence finishes once it is
+    /// complete.
+    #[pyo3(signature = (prompt, max_new_tokens, *, greedy=SamplingParams::default().greedy, temperature=SamplingParams::default().temperature, top_k=SamplingParams::default().top_k, top_p=SamplingParams::default().top_p, seed=SamplingParams::default().seed, stop_ids=Vec::new(), salt=None, use_cache=true, draft_max=None, want_logits=false, logprobs=None, prompt_logprobs=None, grammar=None))]
     #[allow(clippy::too_many_arguments)]
     fn submit(
         &self,
@@ -519,6 +553,7 @@ impl PyEngine {
         want_logits: bool,
         logprobs: Option<usize>,
         prompt_logprobs: Option<usize>,
+        grammar: Option<PyRef<'_, PyGrammar>>,
     ) -> PyResult<u64> {
         let req = Request {
             prompt,
@@ -540,6 +575,7 @@ impl PyEngine {
             want_logits,
             logprobs,
             prompt_logprobs,
+            grammar: grammar.map(|g| g.inner.clone()),
         };
         self.engine().submit(req).map_err(PyErr::from)
     }

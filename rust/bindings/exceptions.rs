@@ -27,6 +27,7 @@ use pyo3::types::{PyDict, PyType};
 use crate::attention::AttnError;
 use crate::engine::EngineError;
 use crate::eviction::UnknownPolicyError;
+use crate::grammar::GrammarError;
 use crate::memo::MemoError;
 use crate::model::{ModelError as CoreModelError, SamplingError};
 use crate::oracle::OracleError;
@@ -145,9 +146,10 @@ impl From<CoreModelError> for PyErr {
         let message = e.to_string();
         match e {
             CoreModelError::Input(_) | CoreModelError::Sampling(_) => InputError::new_err(message),
-            CoreModelError::Config(_) | CoreModelError::Weights(_) | CoreModelError::Io(_) => {
-                ModelError::new_err(message)
-            }
+            CoreModelError::Config(_)
+            | CoreModelError::Weights(_)
+            | CoreModelError::Io(_)
+            | CoreModelError::Memory(_) => ModelError::new_err(message),
             CoreModelError::Ring(_) => RingError::new_err(message),
             CoreModelError::Volume(_) => CacheError::new_err(message),
         }
@@ -212,6 +214,7 @@ input_errors!(
     OracleError,
     AttnError,
     UnknownPolicyError,
+    GrammarError,
 );
 
 /// A cache lock poisoned by a panic in another thread.

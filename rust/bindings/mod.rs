@@ -7,11 +7,13 @@ use pyo3::prelude::*;
 mod defaults;
 mod engine;
 mod exceptions;
+mod grammar;
 mod model;
 mod oracle;
 mod quant;
 mod ring;
 mod volume;
+mod weights;
 
 /// The native module `amplituhedron_rs._core`.
 #[pymodule]
@@ -22,8 +24,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     volume::register(m)?;
     oracle::register(m)?;
     ring::register(m)?;
+    weights::register(m)?;
     model::register(m)?;
     engine::register(m)?;
+    grammar::register(m)?;
     quant::register(m)?;
     Ok(())
 }

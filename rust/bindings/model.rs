@@ -10,17 +10,18 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::model::{
-    Architecture, ChunkInput, LayerRange, LlamaWeights, LogitsWanted, ModelConfig,
-    NativeLlamaPipeline, Precision, RangeSession, ReplayOutcome, Sampler, SamplingParams, Segment,
-    SessionConfig, SlidingWindow, StepBuffers, TensorInfo,
+    Architecture, ChunkInput, LayerRange, LogitsWanted, NativeLlamaPipeline, RangeSession,
+    ReplayOutcome, Sampler, SamplingParams, Segment, SessionConfig, StepBuffers,
 };
 use crate::quant::GgmlType;
 use crate::ring::{KvDtype, SpanType};
 use crate::volume::CacheConfig;
 
 use super::exceptions::InputError;
+use super::grammar::PyGrammarState;
 use super::ring::PySpanType;
 use super::volume::{cache_config, stats_dict};
+use super::weights::PyModelWeights;
 
 /// `(hidden rows, logits rows or None)` returned by a forward call.
 type Forwarded<'py> = (Bound<'py, PyArray2<f32>>, Option<Bound<'py, PyArray2<f32>>>);
@@ -43,144 +44,6 @@ fn rows_array<'py>(
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let rows = data.len() / width;
     PyArray1::from_vec(py, data).reshape([rows, width])
-}
-
-/// Memory-mapped GGUF weights of a model of a supported architecture.
-#[pyclass(name = "ModelWeights", module = "amplituhedron_rs._core", frozen)]
-pub struct PyModelWeights {
-    inner: Arc<LlamaWeights>,
-}
-
-#[pymethods]
-impl PyModelWeights {
-    /// Maps `path` and validates `tensors` (name, ggml type id, dims, absolute offset).
-    #[new]
-    #[pyo3(signature = (path, config, tensors, precision="refined", kv_dtype=KvDtype::default().name()))]
-    fn new(
-        py: Python<'_>,
-        path: PathBuf,
-        config: &Bound<'_, PyDict>,
-        tensors: Vec<(String, u32, Vec<u64>, u64)>,
-        precision: &str,
-        kv_dtype: &str,
-    ) -> PyResult<Self> {
-        let precision = Precision::from_name(precision).ok_or_else(|| {
-            InputError::new_err(format!(
-                "precision must be 'refined' or 'fast', got {precision:?}"
-            ))
-        })?;
-        let kv_dtype = parse_kv_dtype(kv_dtype)?;
-        fn get<'py, T: for<'a> FromPyObject<'a, 'py>>(
-            d: &Bound<'py, PyDict>,
-            key: &str,
-        ) -> PyResult<T> {
-            d.get_item(key)?
-                .ok_or_else(|| InputError::new_err(format!("config is missing {key:?}")))?
-                .extract::<T>()
-                .map_err(|_| InputError::new_err(format!("config[{key:?}] has the wrong type")))
-        }
-        let sliding = match config.get_item("sliding_window")? {
-            Some(window) if !window.is_none() => Some(SlidingWindow {
-                window: window.extract().map_err(|_| {
-                    InputError::new_err("config[\"sliding_window\"] must be an int")
-                })?,
-                rope_base: get(config, "rope_base_local")?,
-                local: get(config, "local_layers")?,
-            }),
-            _ => None,
-        };
-        let arch: String = get(config, "arch")?;
-        let config = ModelConfig {
-            arch: Architecture::from_name(&arch).map_err(PyErr::from)?,
-            n_layers: get(config, "n_layers")?,
-            hidden: get(config, "hidden")?,
-            ffn: get(config, "ffn")?,
-            n_heads: get(config, "n_heads")?,
-            n_kv_heads: get(config, "n_kv_heads")?,
-            key_length: get(config, "head_dim")?,
-            vocab: get(config, "vocab")?,
-            rope_base: get(config, "rope_base")?,
-            rms_eps: get(config, "rms_eps")?,
-            context_len: get(config, "context_len")?,
-            attn_scale: get(config, "attn_scale")?,
-            sliding,
-        };
-        let table: Vec<TensorInfo> = tensors
-            .into_iter()
-            .map(|(name, ggml_type, dims, offset)| TensorInfo {
-                name,
-                ggml_type,
-                dims,
-                offset,
-            })
-            .collect();
-        let weights = py
-            .detach(|| LlamaWeights::from_file(&path, config, &table, precision, kv_dtype))
-            .map_err(PyErr::from)?;
-        Ok(PyModelWeights {
-            inner: Arc::new(weights),
-        })
-    }
-
-    /// Content hash of weights + config: the model fingerprint of every volume key.
-    #[getter]
-    fn fingerprint(&self) -> u64 {
-        self.inner.fingerprint()
-    }
-
-    /// Activation precision: "refined" (16-bit codes in two byte planes) or "fast" (8-bit).
-    #[getter]
-    fn precision(&self) -> &'static str {
-        self.inner.precision().name()
-    }
-
-    /// How sessions store K and V: "f16" (default) or "f32".
-    #[getter]
-    fn kv_dtype(&self) -> &'static str {
-        self.inner.kv_dtype().name()
-    }
-
-    /// Bytes a ring spends per stored K or V value.
-    #[getter]
-    fn kv_value_bytes(&self) -> usize {
-        self.inner.kv_dtype().bytes()
-    }
-
-    /// Number of transformer blocks.
-    #[getter]
-    fn n_layers(&self) -> usize {
-        self.inner.config().n_layers
-    }
-
-    /// Residual-stream width.
-    #[getter]
-    fn hidden(&self) -> usize {
-        self.inner.config().hidden
-    }
-
-    /// Vocabulary size.
-    #[getter]
-    fn vocab(&self) -> usize {
-        self.inner.config().vocab
-    }
-
-    /// KV heads.
-    #[getter]
-    fn n_kv_heads(&self) -> usize {
-        self.inner.config().n_kv_heads
-    }
-
-    /// Width of one head.
-    #[getter]
-    fn head_dim(&self) -> usize {
-        self.inner.config().head_dim()
-    }
-
-    /// Trained context length.
-    #[getter]
-    fn context_len(&self) -> usize {
-        self.inner.config().context_len
-    }
 }
 
 /// One session's live state (ring buffer + work buffers) for a layer range.
@@ -352,8 +215,16 @@ impl PySampler {
     }
 
     /// Picks the token for position `index` (prompt length + tokens before it) from float32
-    /// logits. A pure function of the logits, the parameters, the seed and `index`.
-    fn sample(&mut self, logits: PyReadonlyArray1<'_, f32>, index: u64) -> PyResult<u32> {
+    /// logits. A pure function of the logits, the parameters, the seed and `index`. With
+    /// `grammar`, only the tokens its state allows are candidates (the same rule on the
+    /// masked row), and the state consumes the token (see its `done`).
+    #[pyo3(signature = (logits, index, grammar=None))]
+    fn sample(
+        &mut self,
+        logits: PyReadonlyArray1<'_, f32>,
+        index: u64,
+        mut grammar: Option<PyRefMut<'_, PyGrammarState>>,
+    ) -> PyResult<u32> {
         let owned;
         let values = match logits.as_slice() {
             Ok(s) => s,
@@ -362,7 +233,8 @@ impl PySampler {
                 &owned
             }
         };
-        self.inner.sample(values, index).map_err(PyErr::from)
+        let state = grammar.as_deref_mut().map(|g| &mut g.inner);
+        Ok(crate::grammar::sample(&mut self.inner, state, values, index)?.0)
     }
 
     /// Speculative verification: `rows` (`len(drafts) + 1` rows of logits, row `j` scoring
@@ -370,18 +242,31 @@ impl PySampler {
     /// drafts, then the model's own token (the correction, or the bonus after the last
     /// draft). Greedy accepts exactly the argmax; sampled uses the exact rule for a
     /// deterministic draft. Position-keyed, like `sample`.
+    ///
+    /// With `grammar`, each row is sampled under the state's mask and consumed by it, so a
+    /// draft the grammar rejects is never accepted; fewer tokens are emitted when the
+    /// grammar is complete first (its `done`).
+    #[pyo3(signature = (rows, drafts, first_index, grammar=None))]
     fn verify(
         &mut self,
         rows: PyReadonlyArray2<'_, f32>,
         drafts: Vec<u32>,
         first_index: u64,
+        mut grammar: Option<PyRefMut<'_, PyGrammarState>>,
     ) -> PyResult<Vec<u32>> {
         let vocab = rows.shape()[1];
         let values = rows.as_array().iter().copied().collect::<Vec<f32>>();
         let mut out = Vec::with_capacity(drafts.len() + 1);
-        self.inner
-            .verify(&values, vocab, &drafts, first_index, &mut out)
-            .map_err(PyErr::from)?;
+        let state = grammar.as_deref_mut().map(|g| &mut g.inner);
+        crate::grammar::verify(
+            &mut self.inner,
+            state,
+            &values,
+            vocab,
+            &drafts,
+            first_index,
+            &mut out,
+        )?;
         Ok(out)
     }
 }
@@ -771,7 +656,6 @@ fn supported_tensor_types() -> Vec<String> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_tensor_types, m)?)?;
-    m.add_class::<PyModelWeights>()?;
     m.add_class::<PyRangeSession>()?;
     m.add_class::<PySampler>()?;
     m.add_class::<PyBatchForward>()?;

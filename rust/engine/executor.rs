@@ -2,6 +2,7 @@
 
 use super::request::SeqId;
 use super::EngineError;
+use crate::grammar::Grammar;
 use crate::model::{SamplingParams, TokenLogprobs};
 
 /// A new sequence to prepare: the executor consults the volume cache (exact, then longest
@@ -29,6 +30,9 @@ pub struct Admission {
     /// then replays nothing (the cache keeps no logits rows of a prompt's inner positions)
     /// and computes every prompt row's logits.
     pub prompt_logprobs: Option<usize>,
+    /// The grammar its tokens are sampled under (the executor keeps its state where it
+    /// samples, the cached first token included).
+    pub grammar: Option<Grammar>,
 }
 
 /// What admission found.
@@ -42,6 +46,8 @@ pub struct Admitted {
     pub first_logits: Option<Vec<f32>>,
     /// Its log-probabilities, when asked for.
     pub first_logprobs: Option<TokenLogprobs>,
+    /// The sequence's grammar is complete after the first token.
+    pub done: bool,
 }
 
 /// What a batch entry's rows are.
@@ -86,6 +92,11 @@ pub struct EntryOutcome {
     /// For a prefill chunk of a sequence that asked for prompt log-probabilities: those of
     /// the prompt tokens its rows predict (each row's next token, when it is in the prompt).
     pub prompt_logprobs: Vec<TokenLogprobs>,
+    /// The sequence's grammar is complete after the emitted tokens: it finishes there.
+    pub done: bool,
+    /// This entry failed alone (its grammar could not go on): the sequence finishes with
+    /// this error after the emitted tokens, the rest of the batch goes on.
+    pub error: Option<String>,
 }
 
 /// Runs what the engine plans. A failed `run` fails every sequence of that batch.

@@ -8,6 +8,7 @@ use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, 
 use super::request::SeqId;
 use super::EngineError;
 use crate::attention::SharedPrefix;
+use crate::grammar::{self, GrammarState};
 use crate::model::{
     token_logprobs, ChunkInput, LayerRange, LogitsWanted, ModelError, NativeLlamaPipeline,
     ReplayOutcome, Sampler, Segment, SequenceKv, SessionConfig, StepBuffers, TokenLogprobs,
@@ -23,6 +24,8 @@ struct LocalSeq {
     want_logits: bool,
     logprobs: Option<usize>,
     prompt_logprobs: Option<usize>,
+    /// The state of its grammar, when constrained: advanced by every token sampled here.
+    grammar: Option<GrammarState>,
 }
 
 /// The log-probabilities of `tokens`, one logits row each (`rows`, concatenated), with
@@ -141,6 +144,16 @@ impl LocalExecutor {
         }
         let mut sampler =
             Sampler::new(a.sampling.clone()).map_err(|e| EngineError::Input(e.to_string()))?;
+        let mut grammar = match &a.grammar {
+            Some(g) if g.vocabulary().size() > vocab => {
+                return Err(EngineError::Input(format!(
+                    "the grammar's vocabulary has {} tokens, the model {vocab}",
+                    g.vocabulary().size()
+                )))
+            }
+            Some(g) => Some(g.start()),
+            None => None,
+        };
         let mut kv = self.take_kv()?;
         let mut admitted = Admitted::default();
         let replay = {
@@ -159,11 +172,21 @@ impl LocalExecutor {
             }) => {
                 admitted.cached_tokens = a.prompt.len();
                 if a.sample_first {
+                    // Masked like a fresh row when constrained.
                     let index = a.prompt.len() as u64;
-                    let token = sampler.sample(&logits, index).map_err(|e| {
-                        EngineError::Executor(format!("sampling a cached token: {e}"))
-                    })?;
+                    let sampled = grammar::sample(&mut sampler, grammar.as_mut(), &logits, index);
+                    let (token, done) = match sampled {
+                        Ok(t) => t,
+                        Err(e) => {
+                            kv.reset();
+                            self.pool.push(kv);
+                            return Err(EngineError::Executor(format!(
+                                "sampling a cached token: {e}"
+                            )));
+                        }
+                    };
                     admitted.first_token = Some(token);
+                    admitted.done = done;
                     if let Some(n) = a.logprobs {
                         let mut lp = logprobs_of(&logits, logits.len(), &[token], n)?;
                         admitted.first_logprobs = lp.pop();
@@ -194,6 +217,7 @@ impl LocalExecutor {
                 want_logits: a.want_logits,
                 logprobs: a.logprobs,
                 prompt_logprobs: a.prompt_logprobs,
+                grammar,
             },
         );
         Ok(admitted)
@@ -364,11 +388,20 @@ impl Executor for LocalExecutor {
                         let s = self.seqs.get_mut(&e.seq).expect("checked above");
                         let index = (e.start + e.tokens.len()) as u64;
                         let row = &logits[last_row..];
-                        let token = s
-                            .sampler
-                            .sample(row, index)
-                            .map_err(|err| EngineError::Executor(err.to_string()))?;
-                        out.emitted.push(token);
+                        let sampled = match s.grammar.as_mut() {
+                            // Nothing emitted yet: the state starts from no token.
+                            Some(g) => g.align(0, 0).map(|()| Some(g)),
+                            None => Ok(None),
+                        }
+                        .and_then(|g| grammar::sample(&mut s.sampler, g, row, index));
+                        match sampled {
+                            Ok((token, done)) => {
+                                out.emitted.push(token);
+                                out.done = done;
+                            }
+                            Err(err) if s.grammar.is_some() => out.error = Some(err.0),
+                            Err(err) => return Err(EngineError::Executor(err.0)),
+                        }
                         if let Some(n) = s.logprobs {
                             out.logprobs = logprobs_of(row, vocab, &out.emitted, n)?;
                         }
@@ -377,15 +410,30 @@ impl Executor for LocalExecutor {
                 }
                 EntryKind::Decode => {
                     let s = self.seqs.get_mut(&e.seq).expect("checked above");
-                    s.sampler
-                        .verify(
+                    let prompt_len = s.prompt.len();
+                    let verified = match s.grammar.as_mut() {
+                        // The state follows the tokens before the entry's drafts.
+                        Some(g) => g
+                            .align(e.start + 1 - prompt_len.min(e.start + 1), e.tokens[0])
+                            .map(|()| Some(g)),
+                        None => Ok(None),
+                    }
+                    .and_then(|g| {
+                        grammar::verify(
+                            &mut s.sampler,
+                            g,
                             &logits,
                             vocab,
                             &e.tokens[1..],
                             (e.start + 1) as u64,
                             &mut out.emitted,
                         )
-                        .map_err(|err| EngineError::Executor(err.to_string()))?;
+                    });
+                    match verified {
+                        Ok(done) => out.done = done,
+                        Err(err) if s.grammar.is_some() => out.error = Some(err.0),
+                        Err(err) => return Err(EngineError::Executor(err.0)),
+                    }
                     if let Some(n) = s.logprobs {
                         out.logprobs = logprobs_of(&logits, vocab, &out.emitted, n)?;
                     }

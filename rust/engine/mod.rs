@@ -19,6 +19,8 @@
 //! same request run alone, whatever else shares its steps, because every kernel is
 //! batch-invariant and every sequence attends only over its own ring.
 
+#[cfg(test)]
+mod constraint_tests;
 mod draft;
 mod executor;
 mod local;

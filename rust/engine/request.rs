@@ -1,6 +1,7 @@
 //! What a caller submits and what the engine reports back.
 
 use super::draft::DraftConfig;
+use crate::grammar::Grammar;
 use crate::model::{SamplingParams, TokenLogprobs};
 
 /// A sequence's id, unique within one engine.
@@ -33,6 +34,9 @@ pub struct Request {
     /// [`Event::Prompt`]. The whole prompt is then computed: its logits rows are not in the
     /// volume cache, so it is not replayed (what it captures is unchanged).
     pub prompt_logprobs: Option<usize>,
+    /// Constrained decoding: every token is sampled under this grammar's mask, and the
+    /// sequence finishes ([`FinishReason::Stop`]) once the grammar is complete.
+    pub grammar: Option<Grammar>,
 }
 
 impl Request {
@@ -49,6 +53,7 @@ impl Request {
             want_logits: false,
             logprobs: None,
             prompt_logprobs: None,
+            grammar: None,
         }
     }
 }
@@ -56,7 +61,7 @@ impl Request {
 /// Why a sequence finished.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FinishReason {
-    /// A stop id was generated.
+    /// A stop id was generated, or the request's grammar is complete.
     Stop,
     /// `max_new_tokens` were generated.
     Length,

@@ -8,6 +8,7 @@ use super::draft::{DraftController, StepCost};
 use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 use super::request::{Event, FinishReason, Request, SeqId, SeqStats};
 use super::EngineError;
+use crate::grammar::GrammarState;
 use crate::model::{TokenLogprobs, MAX_TOP_LOGPROBS};
 
 /// Bounds of the engine.
@@ -92,6 +93,10 @@ struct Sequence {
     in_flight_drafts: usize,
     /// Prompt log-probabilities computed so far (when the request asked for them).
     prompt_logprobs: Vec<TokenLogprobs>,
+    /// A constrained, speculating sequence: its grammar advanced by every emitted token, to
+    /// cut drafts at their first token the grammar rejects (the executor, which samples,
+    /// holds the state that masks).
+    drafts_grammar: Option<GrammarState>,
 }
 
 impl Sequence {
@@ -197,7 +202,12 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let drafts_grammar = match (&req.grammar, &req.draft) {
+            (Some(g), Some(_)) => Some(g.start()),
+            _ => None,
+        };
         let seq = Sequence {
+            drafts_grammar,
             tokens: req.prompt.clone(),
             drafter: req.draft.as_ref().map(DraftController::new),
             stats: SeqStats {
@@ -279,6 +289,7 @@ impl Engine {
                 want_logits: seq.req.want_logits,
                 logprobs: seq.req.logprobs,
                 prompt_logprobs: seq.req.prompt_logprobs,
+                grammar: seq.req.grammar.clone(),
             });
         }
         out
@@ -314,7 +325,7 @@ impl Engine {
                             seq.phase = Phase::Decode;
                             let logits = adm.first_logits.map(|l| vec![l]);
                             let logprobs = adm.first_logprobs.into_iter().collect();
-                            events.extend(self.emit(a.seq, &[token], logits, logprobs));
+                            events.extend(self.emit(a.seq, &[token], logits, logprobs, adm.done));
                         }
                         _ if adm.cached_tokens == n && seq.req.max_new_tokens == 0 => {
                             seq.stats.cache_hit = true;
@@ -363,6 +374,11 @@ impl Engine {
                     Some(&self.step_cost),
                     &mut self.draft_buf,
                 );
+                if let Some(g) = seq.drafts_grammar.as_mut() {
+                    // Rows past a token the grammar rejects could never be accepted.
+                    let keep = g.accepted_prefix(&self.draft_buf);
+                    self.draft_buf.truncate(keep);
+                }
                 tokens.extend_from_slice(&self.draft_buf);
             }
             seq.in_flight_drafts = tokens.len() - 1;
@@ -473,7 +489,13 @@ impl Engine {
                     } else if last {
                         seq.phase = Phase::Decode;
                         let logits = split_rows(out.logits, out.emitted.len());
-                        events.extend(self.emit(entry.seq, &out.emitted, logits, out.logprobs));
+                        events.extend(self.emit(
+                            entry.seq,
+                            &out.emitted,
+                            logits,
+                            out.logprobs,
+                            out.done,
+                        ));
                     }
                 }
                 EntryKind::Decode => {
@@ -488,7 +510,19 @@ impl Engine {
                         }
                     }
                     let logits = split_rows(out.logits, out.emitted.len());
-                    events.extend(self.emit(entry.seq, &out.emitted, logits, out.logprobs));
+                    events.extend(self.emit(
+                        entry.seq,
+                        &out.emitted,
+                        logits,
+                        out.logprobs,
+                        out.done,
+                    ));
+                }
+            }
+            if let Some(error) = out.error {
+                // This entry alone failed: its sequence ends after what it emitted.
+                if self.seqs.contains_key(&entry.seq) {
+                    events.push(self.finish(entry.seq, FinishReason::Error(error)));
                 }
             }
         }
@@ -506,13 +540,15 @@ impl Engine {
             .collect()
     }
 
-    /// Appends emitted tokens, stopping at a stop id or the length limit.
+    /// Appends emitted tokens, stopping at a stop id or the length limit, or after the last
+    /// one when `done` (the sequence's grammar is complete).
     fn emit(
         &mut self,
         id: SeqId,
         tokens: &[u32],
         logits: Option<Vec<Vec<f32>>>,
         logprobs: Vec<TokenLogprobs>,
+        done: bool,
     ) -> Vec<Event> {
         let mut events = Vec::new();
         let mut logits = logits.map(Vec::into_iter);
@@ -525,9 +561,15 @@ impl Engine {
                     "the executor emitted no token for a decode step".into(),
                 ));
             }
-            for &token in tokens {
+            for (i, &token) in tokens.iter().enumerate() {
                 let index = seq.emitted();
                 seq.tokens.push(token);
+                if let Some(g) = seq.drafts_grammar.as_mut() {
+                    if g.advance(token).is_err() {
+                        // Out of step with the executor's state: no more drafts, no harm.
+                        seq.drafts_grammar = None;
+                    }
+                }
                 seq.first_token.get_or_insert_with(Instant::now);
                 events.push(Event::Token {
                     seq: id,
@@ -541,9 +583,19 @@ impl Engine {
                     break;
                 }
                 if seq.emitted() >= seq.req.max_new_tokens {
-                    reason = Some(FinishReason::Length);
+                    // The token that completes the grammar completes the output, even at the
+                    // length limit.
+                    let complete = done && i + 1 == tokens.len();
+                    reason = Some(if complete {
+                        FinishReason::Stop
+                    } else {
+                        FinishReason::Length
+                    });
                     break;
                 }
+            }
+            if reason.is_none() && done {
+                reason = Some(FinishReason::Stop);
             }
         }
         if let Some(r) = reason {

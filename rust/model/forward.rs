@@ -104,6 +104,12 @@ impl LayerRange {
                 "layer range {layer_lo}..{layer_hi} is not a non-empty part of 0..{n}"
             )));
         }
+        if !weights.holds(layer_lo, layer_hi) {
+            let (lo, hi) = weights.layers_held();
+            return Err(ModelError::Input(format!(
+                "these weights hold layers {lo}..{hi}, not all of {layer_lo}..{layer_hi}"
+            )));
+        }
         if layer_hi == n {
             // The exit range makes the head's copy now, not in its first request.
             weights.lm_head()?;

@@ -38,7 +38,9 @@ pub use sampling::{
     argmax, token_logprobs, Sampler, SamplingError, SamplingParams, TokenLogprobs, MAX_TOP_LOGPROBS,
 };
 pub use session::RangeSession;
-pub use weights::{LayerView, LlamaWeights, TensorInfo};
+pub use weights::{
+    tensor_digests, Digest, LayerView, LlamaWeights, LoadOptions, TensorInfo, WeightsMemory,
+};
 
 #[cfg(test)]
 mod gemma_tests;
@@ -206,6 +208,8 @@ pub enum ModelError {
     Volume(String),
     /// Bad sampling parameters.
     Sampling(String),
+    /// The part of the model asked for does not fit in the memory available.
+    Memory(String),
 }
 
 impl fmt::Display for ModelError {
@@ -218,6 +222,7 @@ impl fmt::Display for ModelError {
             ModelError::Ring(m) => write!(f, "KV ring: {m}"),
             ModelError::Volume(m) => write!(f, "volume cache: {m}"),
             ModelError::Sampling(m) => write!(f, "sampling: {m}"),
+            ModelError::Memory(m) => write!(f, "not enough memory: {m}"),
         }
     }
 }

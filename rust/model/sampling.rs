@@ -136,6 +136,8 @@ pub struct Sampler {
     /// Reused candidate buffer (no allocation per token after the first).
     candidates: Vec<(u32, f32)>,
     weights: Vec<f64>,
+    /// A masked copy of the row being sampled ([`Sampler::sample_masked`]).
+    masked: Vec<f32>,
 }
 
 impl Sampler {
@@ -146,6 +148,7 @@ impl Sampler {
             params,
             candidates: Vec::new(),
             weights: Vec::new(),
+            masked: Vec::new(),
         })
     }
 
@@ -157,12 +160,50 @@ impl Sampler {
     /// Picks the token for position `index` from raw logits. Non-finite logits are an error.
     pub fn sample(&mut self, logits: &[f32], index: u64) -> Result<u32, SamplingError> {
         check_logits(logits)?;
+        Ok(self.sample_checked(logits, index))
+    }
+
+    /// Picks the token for position `index` among the `allowed` ones: exactly what
+    /// [`Sampler::sample`] picks from the row in which every other token's logit is −∞
+    /// (weight 0), the one sampling rule with a constraint's mask (SPEC §16). `allowed` is a
+    /// bit set, bit `i % 32` of word `i / 32` for token `i`; tokens past it are not allowed.
+    /// An error when the raw logits are not finite or no token of the row is allowed.
+    pub fn sample_masked(
+        &mut self,
+        logits: &[f32],
+        allowed: &[u32],
+        index: u64,
+    ) -> Result<u32, SamplingError> {
+        check_logits(logits)?;
+        let mut masked = std::mem::take(&mut self.masked);
+        masked.clear();
+        masked.resize(logits.len(), f32::NEG_INFINITY);
+        let mut any = false;
+        for (w, &bits) in allowed.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let i = w * 32 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if i < logits.len() {
+                    masked[i] = logits[i];
+                    any = true;
+                }
+            }
+        }
+        let token = any.then(|| self.sample_checked(&masked, index));
+        self.masked = masked;
+        token.ok_or_else(|| SamplingError("the constraint allows no token of the row".into()))
+    }
+
+    /// [`Sampler::sample`] on a row already checked: finite values, or −∞ for excluded
+    /// tokens with at least one finite value.
+    fn sample_checked(&mut self, logits: &[f32], index: u64) -> u32 {
         if self.params.greedy {
-            return Ok(argmax(logits));
+            return argmax(logits);
         }
         let kept_total = self.distribution(logits);
         let target = draw(self.params.seed, index, Stream::Sample) * kept_total;
-        Ok(self.pick(target))
+        self.pick(target)
     }
 
     /// Speculative verification of `drafts`, proposed for positions `first_index..`, against
@@ -293,8 +334,10 @@ impl Sampler {
             }
             target -= w;
         }
-        // Rounding left `target` at the very top: the last candidate.
-        self.candidates[self.candidates.len() - 1].0
+        // Rounding left `target` at the very top: the last candidate that has a weight (one
+        // of weight 0, an excluded or underflowed token, is never picked).
+        let last = self.weights.iter().rposition(|&w| w > 0.0).unwrap_or(0);
+        self.candidates[last].0
     }
 }
 

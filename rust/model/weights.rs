@@ -7,8 +7,19 @@
 //! what the kernels run on (no f32 copy of any matrix). The layers' matrices of the 32-element
 //! formats are copied once, at load, into the interleaved layout (the same bytes grouped by
 //! 16 rows, so the SIMD kernels skip per-call transposes; the products are bit-identical);
-//! with AVX-512 so is the LM head, on first use. The mapping's pages of copied bytes are
-//! dropped.
+//! with AVX-512 so is the LM head, on first use. Copied tensors are read from the file with
+//! `pread`, never through the mapping, so their bytes are resident once (in the copy).
+//!
+//! A station holds only its layer range ([`LoadOptions::layers`]): it validates the whole
+//! table (cheap: no byte of a tensor is read), but copies or touches only its own layers'
+//! tensors, plus the token embedding at the entry and the final norm and LM head at the exit,
+//! so K stations together hold about one model, not K. Before anything is loaded, a range
+//! that does not fit in `MemAvailable` is refused. The fingerprint still covers the whole
+//! model ([`digest`]).
+
+mod digest;
+mod memory;
+mod table;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -16,9 +27,14 @@ use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
+use rayon::prelude::*;
+
+pub use digest::{tensor_digests, Digest};
+pub use memory::WeightsMemory;
+use table::{interleavable, owned_by, resolve, validate_entry, LayerTensors, TensorEntry};
 
 use super::{ModelConfig, ModelError, Precision};
-use crate::quant::{unsupported_type_message, GgmlType, QMatrix};
+use crate::quant::{GgmlType, QMatrix};
 use crate::ring::KvDtype;
 
 /// One entry of the tensor table.
@@ -34,59 +50,82 @@ pub struct TensorInfo {
     pub offset: u64,
 }
 
+/// What part of a model file to materialise, and what is already known about the rest.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Layers `[lo, hi)` to hold (`None`: all). The entry range (`lo = 0`) also holds the
+    /// token embedding, the exit range (`hi = n_layers`) the final norm and the LM head.
+    pub layers: Option<(usize, usize)>,
+    /// The digest of every tensor, in table order ([`tensor_digests`], made once for the
+    /// file): the weights then hash only the tensors their range owns, and refuse to load if
+    /// one differs. Without them, every other tensor is read (not mapped) to be hashed.
+    pub digests: Option<Vec<Digest>>,
+}
+
 /// Where the weight bytes live: a read-only file mapping, or memory (tests, synthetic models).
 enum Storage {
-    Mapped(Mmap),
+    Mapped { map: Mmap, file: File },
     Owned(Vec<u8>),
 }
 
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
-            Storage::Mapped(m) => m,
+            Storage::Mapped { map, .. } => map,
             Storage::Owned(v) => v,
+        }
+    }
+
+    fn slice(&self, e: &TensorEntry) -> &[u8] {
+        &self.bytes()[e.start..e.start + e.len]
+    }
+
+    /// `e`'s digest without touching the mapping (read with `pread` from the file).
+    fn digest_read(&self, e: &TensorEntry) -> Result<Digest, ModelError> {
+        match self {
+            Storage::Mapped { file, .. } => digest::digest_read(file, e.start, e.len)
+                .map_err(|err| ModelError::Io(format!("cannot read the model file: {err}"))),
+            Storage::Owned(_) => Ok(digest::digest_bytes(self.slice(e))),
+        }
+    }
+
+    /// `e`'s bytes without touching the mapping: read with `pread` into `buf` (a tensor that
+    /// is copied never enters this process's resident set through the mapping; a page
+    /// touched there would stay, with up to 15 neighbours the kernel maps around it).
+    fn read<'a>(&'a self, e: &TensorEntry, buf: &'a mut Vec<u8>) -> Result<&'a [u8], ModelError> {
+        match self {
+            Storage::Mapped { file, .. } => {
+                buf.resize(e.len, 0);
+                digest::read_exact_at(file, buf, e.start as u64)
+                    .map_err(|err| ModelError::Io(format!("cannot read the model file: {err}")))?;
+                Ok(buf)
+            }
+            Storage::Owned(_) => Ok(self.slice(e)),
         }
     }
 }
 
-/// A validated tensor: its type, shape and byte range in the storage.
-#[derive(Clone, Debug)]
-struct TensorEntry {
-    dtype: GgmlType,
-    rows: usize,
-    cols: usize,
-    start: usize,
-    len: usize,
-    /// Start of the interleaved copy in `LlamaWeights::interleaved`, if the matrix has one.
-    interleaved: Option<usize>,
-}
-
-/// Byte ranges of the tensors of one transformer block.
-#[derive(Clone, Debug)]
-pub struct LayerTensors {
-    attn_norm: TensorEntry,
-    wq: TensorEntry,
-    wk: TensorEntry,
-    wv: TensorEntry,
-    wo: TensorEntry,
-    ffn_norm: TensorEntry,
-    w_gate: TensorEntry,
-    w_up: TensorEntry,
-    w_down: TensorEntry,
-    bq: Option<TensorEntry>,
-    bk: Option<TensorEntry>,
-    bv: Option<TensorEntry>,
-    q_norm: Option<TensorEntry>,
-    k_norm: Option<TensorEntry>,
-    post_attn_norm: Option<TensorEntry>,
-    post_ffn_norm: Option<TensorEntry>,
+/// How a range holds one tensor of the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    /// Not at all: another range's (or unused). Never touched.
+    Not,
+    /// Copied into the interleaved layout (at this offset of the copy); the mapping's pages
+    /// are dropped.
+    Copied(usize),
+    /// Read in place from the mapping, touched at load so it is resident before the first
+    /// request (norms, biases, matrices without an interleaved layout, the LM head).
+    InPlace,
+    /// The token embedding at the entry: rows are gathered per token, so its pages fault in
+    /// as tokens arrive instead of all at load.
+    Gathered,
 }
 
 /// All weights of a decoder (any supported architecture) plus its content fingerprint.
 pub struct LlamaWeights {
     config: ModelConfig,
     storage: Arc<Storage>,
-    /// The matrices of 32-element formats re-laid out for the SIMD kernels
+    /// The held matrices of 32-element formats re-laid out for the SIMD kernels
     /// ([`crate::quant::interleave_rows`]): 16 rows of a block load without transposes.
     interleaved: Vec<u8>,
     token_embd: TensorEntry,
@@ -96,6 +135,11 @@ pub struct LlamaWeights {
     /// Llama 3.1/3.2 RoPE frequency divisors (`rope_freqs.weight`, `head_dim / 2` of them).
     rope_freqs: Option<TensorEntry>,
     layers: Vec<LayerTensors>,
+    /// The layers held: `[layer_lo, layer_hi)` (all of them in one process).
+    layer_lo: usize,
+    layer_hi: usize,
+    /// Bytes of the tensors held (what the memory check counted).
+    held: usize,
     /// The LM head's interleaved copy, made on first use ([`LlamaWeights::lm_head`]): a
     /// station whose range ends before the last layer never pays for it. `None` inside when
     /// the head stays in row layout.
@@ -128,7 +172,8 @@ pub struct LayerView<'a> {
 }
 
 impl LlamaWeights {
-    /// Maps `path` read-only and validates the tensor table against `config`.
+    /// Maps `path` read-only, validates the tensor table against `config`, and materialises
+    /// every layer (one process running the whole model).
     pub fn from_file(
         path: &Path,
         config: ModelConfig,
@@ -136,13 +181,34 @@ impl LlamaWeights {
         precision: Precision,
         kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
+        Self::from_file_with(
+            path,
+            config,
+            table,
+            precision,
+            kv_dtype,
+            LoadOptions::default(),
+        )
+    }
+
+    /// As [`Self::from_file`], materialising only what `options` asks for (a station's
+    /// layer range): the rest of the file is validated, never touched.
+    pub fn from_file_with(
+        path: &Path,
+        config: ModelConfig,
+        table: &[TensorInfo],
+        precision: Precision,
+        kv_dtype: KvDtype,
+        options: LoadOptions,
+    ) -> Result<Self, ModelError> {
         let file = File::open(path)
             .map_err(|e| ModelError::Io(format!("cannot open {}: {e}", path.display())))?;
         // SAFETY: the mapping is read-only and private to this process; a model file being
         // truncated underneath a running server is outside what any inference engine guards.
         let map = unsafe { Mmap::map(&file) }
             .map_err(|e| ModelError::Io(format!("cannot map {}: {e}", path.display())))?;
-        Self::from_storage(Storage::Mapped(map), config, table, precision, kv_dtype)
+        let storage = Storage::Mapped { map, file };
+        Self::from_storage(storage, config, table, precision, kv_dtype, options)
     }
 
     /// Builds weights from bytes in memory (synthetic models in tests, or a copied file).
@@ -153,7 +219,27 @@ impl LlamaWeights {
         precision: Precision,
         kv_dtype: KvDtype,
     ) -> Result<Self, ModelError> {
-        Self::from_storage(Storage::Owned(bytes), config, table, precision, kv_dtype)
+        Self::from_bytes_with(
+            bytes,
+            config,
+            table,
+            precision,
+            kv_dtype,
+            LoadOptions::default(),
+        )
+    }
+
+    /// As [`Self::from_bytes`], holding only what `options` asks for.
+    pub fn from_bytes_with(
+        bytes: Vec<u8>,
+        config: ModelConfig,
+        table: &[TensorInfo],
+        precision: Precision,
+        kv_dtype: KvDtype,
+        options: LoadOptions,
+    ) -> Result<Self, ModelError> {
+        let storage = Storage::Owned(bytes);
+        Self::from_storage(storage, config, table, precision, kv_dtype, options)
     }
 
     fn from_storage(
@@ -162,12 +248,32 @@ impl LlamaWeights {
         table: &[TensorInfo],
         precision: Precision,
         kv_dtype: KvDtype,
+        options: LoadOptions,
     ) -> Result<Self, ModelError> {
         config.validate()?;
+        let n_layers = config.n_layers;
+        let (lo, hi) = options.layers.unwrap_or((0, n_layers));
+        if lo >= hi || hi > n_layers {
+            return Err(ModelError::Input(format!(
+                "layer range {lo}..{hi} is not a non-empty part of 0..{n_layers}"
+            )));
+        }
+        if let Some(d) = &options.digests {
+            if d.len() != table.len() {
+                return Err(ModelError::Input(format!(
+                    "{} digests for a table of {} tensors",
+                    d.len(),
+                    table.len()
+                )));
+            }
+        }
         let total = storage.bytes().len();
         let mut by_name: HashMap<&str, TensorEntry> = HashMap::new();
-        for info in table {
-            let entry = validate_entry(info, total)?;
+        for (index, info) in table.iter().enumerate() {
+            let entry = TensorEntry {
+                index,
+                ..validate_entry(info, total)?
+            };
             if by_name.insert(info.name.as_str(), entry).is_some() {
                 return Err(ModelError::Weights(format!(
                     "tensor {} listed twice",
@@ -175,106 +281,127 @@ impl LlamaWeights {
                 )));
             }
         }
-        let c = &config;
-        let (hidden, kv, ffn) = (c.hidden, c.kv_dim(), c.ffn);
-        let take = |name: &str, rows: usize, cols: usize| -> Result<TensorEntry, ModelError> {
-            let e = by_name
-                .get(name)
-                .ok_or_else(|| ModelError::Weights(format!("missing tensor {name}")))?;
-            if e.rows != rows || e.cols != cols {
-                return Err(ModelError::Weights(format!(
-                    "tensor {name} is {}x{}, expected {rows}x{cols}",
-                    e.rows, e.cols
-                )));
-            }
-            Ok(e.clone())
-        };
-        let vector = |name: &str, n: usize| -> Result<TensorEntry, ModelError> {
-            let e = take(name, 1, n)?;
-            if e.dtype != GgmlType::F32 {
-                return Err(ModelError::Weights(format!(
-                    "{name} must be F32, is {:?}",
-                    e.dtype
-                )));
-            }
-            Ok(e)
-        };
-        let optional_vector = |name: &str, n: usize| -> Result<Option<TensorEntry>, ModelError> {
-            if by_name.contains_key(name) {
-                vector(name, n).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-        let token_embd = take("token_embd.weight", c.vocab, hidden)?;
-        let output_norm = vector("output_norm.weight", hidden)?;
-        let output = if by_name.contains_key("output.weight") {
-            Some(take("output.weight", c.vocab, hidden)?)
-        } else {
-            None
-        };
-        let rope_freqs = optional_vector("rope_freqs.weight", c.head_dim() / 2)?;
-        let recipe = c.recipe();
-        let q_dim = c.q_dim();
-        // Norms only some recipes have: required by those, not read by the others.
-        let required =
-            |name: &str, n: usize, needed: bool| -> Result<Option<TensorEntry>, ModelError> {
-                if needed {
-                    vector(name, n).map(Some)
-                } else {
-                    Ok(None)
+        let (token_embd, output_norm, output, mut layers) = resolve(&config, &by_name)?;
+        let rope_freqs = match by_name.get("rope_freqs.weight") {
+            None => None,
+            Some(e) => {
+                let n = config.head_dim() / 2;
+                if e.rows != 1 || e.cols != n {
+                    return Err(ModelError::Weights(format!(
+                        "tensor rope_freqs.weight is {}x{}, expected 1x{n}",
+                        e.rows, e.cols
+                    )));
                 }
-            };
-        // Biases: required by a recipe with them, optional elsewhere (some Llama files).
-        let bias = |name: &str, n: usize| -> Result<Option<TensorEntry>, ModelError> {
-            if recipe.qkv_bias {
-                vector(name, n).map(Some)
-            } else {
-                optional_vector(name, n)
+                if e.dtype != GgmlType::F32 {
+                    return Err(ModelError::Weights(format!(
+                        "rope_freqs.weight must be F32, is {:?}",
+                        e.dtype
+                    )));
+                }
+                Some(e.clone())
             }
         };
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for i in 0..c.n_layers {
-            let n = |t: &str| format!("blk.{i}.{t}");
-            let hd = c.head_dim();
-            layers.push(LayerTensors {
-                attn_norm: vector(&n("attn_norm.weight"), hidden)?,
-                wq: take(&n("attn_q.weight"), q_dim, hidden)?,
-                wk: take(&n("attn_k.weight"), kv, hidden)?,
-                wv: take(&n("attn_v.weight"), kv, hidden)?,
-                wo: take(&n("attn_output.weight"), hidden, q_dim)?,
-                ffn_norm: vector(&n("ffn_norm.weight"), hidden)?,
-                w_gate: take(&n("ffn_gate.weight"), ffn, hidden)?,
-                w_up: take(&n("ffn_up.weight"), ffn, hidden)?,
-                w_down: take(&n("ffn_down.weight"), hidden, ffn)?,
-                bq: bias(&n("attn_q.bias"), q_dim)?,
-                bk: bias(&n("attn_k.bias"), kv)?,
-                bv: bias(&n("attn_v.bias"), kv)?,
-                q_norm: required(&n("attn_q_norm.weight"), hd, recipe.qk_norm)?,
-                k_norm: required(&n("attn_k_norm.weight"), hd, recipe.qk_norm)?,
-                post_attn_norm: required(
-                    &n("post_attention_norm.weight"),
-                    hidden,
-                    recipe.post_norms,
-                )?,
-                post_ffn_norm: required(&n("post_ffw_norm.weight"), hidden, recipe.post_norms)?,
-            });
+
+        // What this range holds, and how (see `Hold`).
+        let simd = crate::quant::Kernel::detect() != crate::quant::Kernel::Scalar;
+        let mut holds = vec![Hold::Not; table.len()];
+        let mut copied_bytes = 0;
+        for l in &mut layers[lo..hi] {
+            for e in l.entries_mut() {
+                holds[e.index] = if simd && interleavable(e) {
+                    e.interleaved = Some(copied_bytes);
+                    copied_bytes += e.len;
+                    Hold::Copied(copied_bytes - e.len)
+                } else {
+                    Hold::InPlace
+                };
+            }
         }
-        let fingerprint = fingerprint(&config, precision, kv_dtype, table, storage.bytes());
-        let interleaved = interleave_matrices(
-            &storage,
-            layers.iter_mut().flat_map(|l| {
-                [
-                    &mut l.wq,
-                    &mut l.wk,
-                    &mut l.wv,
-                    &mut l.wo,
-                    &mut l.w_gate,
-                    &mut l.w_up,
-                    &mut l.w_down,
-                ]
-            }),
-        );
+        if lo == 0 {
+            holds[token_embd.index] = Hold::Gathered;
+        }
+        // Every layer rotates with the RoPE divisors: every range holds them.
+        if let Some(f) = &rope_freqs {
+            holds[f.index] = Hold::InPlace;
+        }
+        if hi == n_layers {
+            holds[output_norm.index] = Hold::InPlace;
+            let head = output.as_ref().unwrap_or(&token_embd);
+            // A head that `lm_head` will copy is read then, not touched now.
+            holds[head.index] = if head_is_copied(head) {
+                Hold::Gathered
+            } else {
+                Hold::InPlace
+            };
+        }
+        let entries: Vec<&TensorEntry> = table.iter().map(|t| &by_name[t.name.as_str()]).collect();
+        let held: usize = entries
+            .iter()
+            .filter(|e| holds[e.index] != Hold::Not)
+            .map(|e| e.len)
+            .sum();
+        if let Storage::Mapped { .. } = storage {
+            memory::check_fits(held, lo, hi, n_layers)?;
+        }
+
+        // Digests: the tensors this range owns are hashed here (and checked against the
+        // given digests); the others' come from the given digests, or are read with `pread`.
+        let owns: Vec<bool> = table
+            .iter()
+            .map(|t| owned_by(&t.name, lo, hi, n_layers))
+            .collect();
+        let known = options.digests.as_deref();
+        let mut digests: Vec<Option<Digest>> = (0..table.len())
+            .map(|i| known.filter(|_| !owns[i]).map(|d| d[i]))
+            .collect();
+        let unknown: Vec<usize> = (0..table.len())
+            .filter(|&i| digests[i].is_none() && !owns[i])
+            .collect();
+        let read: Vec<(usize, Digest)> = unknown
+            .par_iter()
+            .map(|&i| storage.digest_read(entries[i]).map(|d| (i, d)))
+            .collect::<Result<_, _>>()?;
+        for (i, d) in read {
+            digests[i] = Some(d);
+        }
+        let mut interleaved = vec![0u8; copied_bytes];
+        let mut scratch = Vec::new();
+        for (i, e) in entries.iter().enumerate() {
+            let own = owns[i];
+            let digest = match holds[i] {
+                Hold::Copied(at) => {
+                    let bytes = storage.read(e, &mut scratch)?;
+                    interleave(e, bytes, &mut interleaved[at..at + e.len]);
+                    own.then(|| digest::digest_bytes(bytes))
+                }
+                Hold::InPlace if own => Some(digest::digest_bytes(storage.slice(e))),
+                Hold::InPlace => {
+                    memory::touch(storage.slice(e));
+                    None
+                }
+                // Gathered rows fault in as tokens arrive (and a copied head is read when
+                // it is copied): hashing must not fault them all in.
+                Hold::Gathered | Hold::Not if own => Some(storage.digest_read(e)?),
+                Hold::Gathered | Hold::Not => None,
+            };
+            if let Some(d) = digest {
+                if let Some(expected) = known.map(|k| k[i]) {
+                    if expected != d {
+                        return Err(ModelError::Weights(format!(
+                            "tensor {}: its bytes do not match the digest recorded for this \
+                             file (the file changed since it was indexed)",
+                            table[i].name
+                        )));
+                    }
+                }
+                digests[i] = Some(d);
+            }
+        }
+        let digests: Vec<Digest> = digests
+            .into_iter()
+            .map(|d| d.expect("every tensor has a digest"))
+            .collect();
+        let fingerprint = digest::fingerprint(&config, precision, kv_dtype, table, &digests);
         let weights = LlamaWeights {
             config,
             storage: Arc::new(storage),
@@ -284,23 +411,31 @@ impl LlamaWeights {
             output,
             rope_freqs,
             layers,
+            layer_lo: lo,
+            layer_hi: hi,
+            held,
             head_copy: OnceLock::new(),
             precision,
             kv_dtype,
             fingerprint,
         };
-        // Construct every matrix view once so a malformed tensor fails here, not mid-forward.
-        for i in 0..weights.config.n_layers {
-            weights.layer(i)?;
-        }
-        weights.embedding()?;
-        weights.matrix(weights.head_entry())?;
         if let Some(f) = weights.rope_factors() {
             if let Some(bad) = f.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
                 return Err(ModelError::Weights(format!(
                     "rope_freqs.weight holds {bad}: RoPE frequency divisors must be positive"
                 )));
             }
+        }
+        // Construct every held matrix view once so a malformed tensor fails here, not
+        // mid-forward.
+        for i in lo..hi {
+            weights.layer(i)?;
+        }
+        if weights.is_entry() {
+            weights.embedding()?;
+        }
+        if weights.is_exit() {
+            weights.matrix(weights.head_entry())?;
         }
         Ok(weights)
     }
@@ -320,12 +455,56 @@ impl LlamaWeights {
         self.kv_dtype
     }
 
-    /// Content hash of the model (config, precision, KV storage, every tensor's name, type,
-    /// shape and
-    /// bytes):
-    /// the `model_fingerprint` of every volume key, so new weights never hit old volumes.
+    /// Content hash of the whole model (config, precision, KV storage, every tensor's name,
+    /// type, shape and bytes), the same whichever layers these weights hold: the
+    /// `model_fingerprint` of every volume key, so new weights never hit old volumes.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// The layers held, `[lo, hi)`.
+    pub fn layers_held(&self) -> (usize, usize) {
+        (self.layer_lo, self.layer_hi)
+    }
+
+    /// Whether these weights hold every layer of `[lo, hi)` (and, for the entry or exit
+    /// range, the embedding or the head).
+    pub fn holds(&self, lo: usize, hi: usize) -> bool {
+        self.layer_lo <= lo && hi <= self.layer_hi
+    }
+
+    fn is_entry(&self) -> bool {
+        self.layer_lo == 0
+    }
+
+    fn is_exit(&self) -> bool {
+        self.layer_hi == self.config.n_layers
+    }
+
+    fn not_held(&self, what: &str) -> ModelError {
+        ModelError::Input(format!(
+            "{what} is not held by these weights (they hold layers {}:{} of {})",
+            self.layer_lo, self.layer_hi, self.config.n_layers
+        ))
+    }
+
+    /// What these weights hold and keep resident (the mapping's resident pages are read
+    /// from `/proc/self/smaps`).
+    pub fn memory(&self) -> WeightsMemory {
+        let head = self
+            .head_copy
+            .get()
+            .and_then(|c| c.as_ref())
+            .map_or(0, Vec::len);
+        let mapped = match &*self.storage {
+            Storage::Mapped { map, .. } => memory::mapping_resident(map.as_ptr() as usize),
+            Storage::Owned(_) => None,
+        };
+        WeightsMemory {
+            held: self.held,
+            copied: self.interleaved.len() + head,
+            mapped,
+        }
     }
 
     fn matrix(&self, e: &TensorEntry) -> Result<QMatrix<'_>, ModelError> {
@@ -358,6 +537,9 @@ impl LlamaWeights {
 
     /// The token embedding table (`vocab × hidden`).
     pub fn embedding(&self) -> Result<QMatrix<'_>, ModelError> {
+        if !self.is_entry() {
+            return Err(self.not_held("the token embedding"));
+        }
         self.matrix(&self.token_embd)
     }
 
@@ -372,6 +554,9 @@ impl LlamaWeights {
     /// (the exit range calls it when it is built); a tied embedding keeps gathering its rows
     /// from the file.
     pub fn lm_head(&self) -> Result<QMatrix<'_>, ModelError> {
+        if !self.is_exit() {
+            return Err(self.not_held("the LM head"));
+        }
         let e = self.head_entry();
         match self.head_copy.get_or_init(|| self.interleaved_head(e)) {
             Some(bytes) => QMatrix::new_interleaved(e.dtype, e.rows, e.cols, bytes)
@@ -390,14 +575,17 @@ impl LlamaWeights {
         self.output.as_ref().unwrap_or(&self.token_embd)
     }
 
-    /// The head's interleaved copy, if this kernel gains from one (see [`Self::lm_head`]).
+    /// The head's interleaved copy, if this kernel gains from one (see [`Self::lm_head`]),
+    /// read from the file (not through the mapping). A read that fails leaves the head in
+    /// row layout, read in place.
     fn interleaved_head(&self, e: &TensorEntry) -> Option<Vec<u8>> {
-        let sixteen_lanes = crate::quant::Kernel::detect().lanes() == 16;
-        if !sixteen_lanes || !interleavable(e) {
+        if !head_is_copied(e) {
             return None;
         }
+        let mut buf = Vec::new();
+        let bytes = self.storage.read(e, &mut buf).ok()?;
         let mut out = vec![0u8; e.len];
-        interleave_entry(&self.storage, e, &mut out);
+        interleave(e, bytes, &mut out);
         Some(out)
     }
 
@@ -407,7 +595,7 @@ impl LlamaWeights {
         self.rope_freqs.as_ref().map(|e| self.f32_slice(e))
     }
 
-    /// The final RMSNorm weight.
+    /// The final RMSNorm weight (held by the exit range: [`Self::holds`]).
     pub fn output_norm(&self) -> &[f32] {
         self.f32_slice(&self.output_norm)
     }
@@ -418,6 +606,9 @@ impl LlamaWeights {
             .layers
             .get(i)
             .ok_or_else(|| ModelError::Weights(format!("no layer {i}")))?;
+        if !self.holds(i, i + 1) {
+            return Err(self.not_held(&format!("layer {i}")));
+        }
         let opt = |e: &Option<TensorEntry>| e.as_ref().map(|e| self.f32_slice(e));
         Ok(LayerView {
             attn_norm: self.f32_slice(&l.attn_norm),
@@ -440,140 +631,16 @@ impl LlamaWeights {
     }
 }
 
-/// Whether a matrix has an interleaved layout worth making (a 32-element format, one whole
-/// row group or more).
-fn interleavable(e: &TensorEntry) -> bool {
-    QMatrix::interleavable(e.dtype) && e.rows >= 16
-}
-
-/// Writes `e`'s bytes from `storage` into `out` in the interleaved layout, then drops the
-/// mapping's pages under them ([`release_pages`]).
-fn interleave_entry(storage: &Storage, e: &TensorEntry, out: &mut [u8]) {
-    let bytes = &storage.bytes()[e.start..e.start + e.len];
+/// Writes `e`'s bytes into `out` in the interleaved layout.
+fn interleave(e: &TensorEntry, bytes: &[u8], out: &mut [u8]) {
     let ok = crate::quant::interleave_rows_into(e.dtype, e.rows, e.cols, bytes, out);
     assert!(ok, "a validated matrix of an interleavable type");
-    release_pages(storage, e);
 }
 
-/// Copies every matrix of a 32-element format (16 rows or more) into one buffer in the
-/// interleaved layout, recording where in `TensorEntry::interleaved`. Only where a SIMD kernel
-/// runs: the scalar kernel would have to undo the layout row by row.
-fn interleave_matrices<'e>(
-    storage: &Storage,
-    entries: impl Iterator<Item = &'e mut TensorEntry>,
-) -> Vec<u8> {
-    let mut chosen: Vec<&mut TensorEntry> = entries.filter(|e| interleavable(e)).collect();
-    if chosen.is_empty() || crate::quant::Kernel::detect() == crate::quant::Kernel::Scalar {
-        return Vec::new();
-    }
-    let mut total = 0;
-    for e in &mut chosen {
-        e.interleaved = Some(total);
-        total += e.len;
-    }
-    let mut out = vec![0u8; total];
-    for e in chosen {
-        let to = e.interleaved.expect("set above");
-        interleave_entry(storage, e, &mut out[to..to + e.len]);
-    }
-    out
-}
-
-/// Drops this process's pages of the file mapping under `e`, a matrix the kernels now read
-/// from an interleaved copy: keeping them mapped would count its bytes twice in the resident
-/// set. The pages stay in the page cache; a later read (an embedding row of a tied head, a
-/// norm sharing a page) faults its page back in from the file.
-fn release_pages(storage: &Storage, e: &TensorEntry) {
-    let Storage::Mapped(map) = storage else {
-        return;
-    };
-    // SAFETY: the mapping is private and read-only, so `MADV_DONTNEED` only drops our view of
-    // clean file pages; nothing borrowed from it changes (a later read faults the same bytes
-    // back in).
-    #[cfg(unix)]
-    let _ =
-        unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, e.start, e.len) };
-    #[cfg(not(unix))]
-    let _ = (map, e);
-}
-
-fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEntry, ModelError> {
-    let bad = |what: String| ModelError::Weights(format!("tensor {}: {what}", info.name));
-    let dtype = GgmlType::from_id(info.ggml_type).map_err(|_| {
-        ModelError::Weights(unsupported_type_message(info.ggml_type, Some(&info.name)))
-    })?;
-    let (cols, rows) = match info.dims.as_slice() {
-        [n] => (*n as usize, 1usize),
-        [c, r] => (*c as usize, *r as usize),
-        other => return Err(bad(format!("unsupported rank {}", other.len()))),
-    };
-    if cols == 0 || rows == 0 || cols % dtype.block_size() != 0 {
-        return Err(bad(format!(
-            "{cols} columns do not fit {:?} blocks of {}",
-            dtype,
-            dtype.block_size()
-        )));
-    }
-    let len = rows
-        .checked_mul(cols / dtype.block_size())
-        .and_then(|blocks| blocks.checked_mul(dtype.block_bytes()))
-        .ok_or_else(|| bad("size overflows".into()))?;
-    let start = usize::try_from(info.offset).map_err(|_| bad("offset overflows".into()))?;
-    if start.checked_add(len).is_none_or(|end| end > total) {
-        return Err(bad(format!(
-            "bytes {start}..{} lie outside the {total}-byte file",
-            start + len
-        )));
-    }
-    if dtype == GgmlType::F32 && start % 4 != 0 {
-        return Err(bad(format!(
-            "F32 data at offset {start} is not 4-byte aligned"
-        )));
-    }
-    Ok(TensorEntry {
-        dtype,
-        rows,
-        cols,
-        start,
-        len,
-        interleaved: None,
-    })
-}
-
-/// BLAKE3 over the canonical config and every tensor (sorted by name), truncated to u64.
-fn fingerprint(
-    config: &ModelConfig,
-    precision: Precision,
-    kv_dtype: KvDtype,
-    table: &[TensorInfo],
-    bytes: &[u8],
-) -> u64 {
-    let mut sorted: Vec<&TensorInfo> = table.iter().collect();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    let mut h = blake3::Hasher::new();
-    h.update(b"amplituhedron-rs model fingerprint v1\0");
-    h.update(config.canonical().as_bytes());
-    // The precision changes every KV value, so volumes of one must never serve the other.
-    h.update(precision.name().as_bytes());
-    // And so does any change of a precision's canonical arithmetic: volumes a build with
-    // other kernels saved to a cache directory must miss. (2: refined 32-element blocks use
-    // 16-bit activation codes.)
-    h.update(b"\0arithmetic=2");
-    // So does the KV storage type (through every later position's attention).
-    h.update(b"\0kv=");
-    h.update(kv_dtype.name().as_bytes());
-    for t in sorted {
-        h.update(t.name.as_bytes());
-        h.update(&[0]);
-        h.update(&t.ggml_type.to_le_bytes());
-        for d in &t.dims {
-            h.update(&d.to_le_bytes());
-        }
-        // Validated in `validate_entry` before the fingerprint is taken.
-        let e = validate_entry(t, bytes.len()).expect("validated tensor");
-        h.update_rayon(&bytes[e.start..e.start + e.len]);
-    }
-    crate::keys::digest_prefix_u64(h.finalize().as_bytes())
+/// Whether the LM head `e` is copied interleaved ([`LlamaWeights::lm_head`]): with 16-lane
+/// kernels, for a 32-element format.
+fn head_is_copied(e: &TensorEntry) -> bool {
+    crate::quant::Kernel::detect().lanes() == 16 && interleavable(e)
 }
 
 #[cfg(test)]

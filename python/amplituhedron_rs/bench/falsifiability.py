@@ -43,6 +43,7 @@ from rich.console import Console
 from amplituhedron_rs._core import DEFAULTS, InputError, prefix_hash
 from amplituhedron_rs.bench.config import BenchConfig
 from amplituhedron_rs.bench.eviction import compare_policies, model_tails
+from amplituhedron_rs.bench.memory import measure_memory, memory_table
 from amplituhedron_rs.bench.progress import LiveProgress
 from amplituhedron_rs.bench.prompts import QUESTION, Prompts, build_prompts
 from amplituhedron_rs.bench.verdicts import (
@@ -305,6 +306,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> dict[str, Any]:
                     return await measure_mesh(c, prompts, cfg, live), c.fingerprint
 
             mesh, mesh_fingerprint = asyncio.run(drive())
+            mesh["memory"] = measure_memory(spec, cfg.model)
         finally:
             if local is not None:
                 local.close()
@@ -351,6 +353,7 @@ def run_bench(cfg: BenchConfig, console: Console) -> dict[str, Any]:
             "kind": "local" if cfg.mesh is None else "remote",
             "stations": [asdict(s) for s in spec.stations],
             "configured": mesh["configured"],
+            "memory": mesh["memory"],
         },
         "prompt": {
             "system_tokens": cfg.prompt_tokens,
@@ -401,6 +404,7 @@ def run_and_write(
     out = Console()
     for table in present.summary_tables(report):
         out.print(table)
+    out.print(memory_table(report["mesh"]["memory"]))
     out.print(f"wall time {report['wall_s']:.1f} s")
     if json_path:
         present.write_json(json_path, report)

@@ -16,6 +16,13 @@ of K station processes (the engine's mesh executor, one request per station per 
 mesh and single process are measured side by side. ``--json`` writes every figure,
 ``--plot`` throughput against concurrency.
 
+``--structured`` adds our server under a JSON-schema workload: the same requests with
+``response_format`` set to :data:`STRUCTURED_SCHEMA` (its one string field has a minimum
+length no reply reaches, so every reply runs to ``--max-tokens`` like the unconstrained ones
+and the two do the same number of steps). It runs on the same server, interleaved with the
+unconstrained levels, and its row's "ours ×" is unconstrained over constrained throughput,
+the median of per-round ratios: what masking costs (engine tok/s shows it without HTTP).
+
 For our server each level also reports its engine's load, read from ``/metrics`` before and
 after: how busy the engine was (the fraction of the wall time a batched step was in
 flight), its mean rows per step, and the output tokens per second of its steps alone. The
@@ -49,6 +56,16 @@ from amplituhedron_rs.bench.servers import Server, port_of, served_model, system
 from amplituhedron_rs.bench.textsource import reference_text
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
+
+#: The ``--structured`` workload's schema: JSON, with a string no reply finishes.
+STRUCTURED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "minLength": 100000}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+#: The name its rows carry in the report.
+STRUCTURED_NAME = "amplituhedron json_schema"
 
 QUESTIONS = [
     "what is the main idea of the text",
@@ -193,9 +210,14 @@ def question(tag: str, client: int, request: int) -> str:
 
 
 async def one_request(
-    http: aiohttp.ClientSession, server: Server, system: str, question: str, max_tokens: int
+    http: aiohttp.ClientSession,
+    server: Server,
+    system: str,
+    question: str,
+    max_tokens: int,
+    structured: bool = False,
 ) -> RequestRecord:
-    body = {
+    body: dict[str, Any] = {
         "model": server.model,
         "messages": [
             {"role": "system", "content": system},
@@ -205,6 +227,11 @@ async def one_request(
         "temperature": 0,
         "stream": True,
     }
+    if structured:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": STRUCTURED_SCHEMA, "strict": True},
+        }
     started = time.perf_counter()
     first: float | None = None
     last = started
@@ -244,10 +271,17 @@ async def one_request(
 
 
 async def run_level(
-    server: Server, system: str, clients: int, requests: int, max_tokens: int, tag: str
+    server: Server,
+    system: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    tag: str,
+    structured: bool = False,
 ) -> LevelResult:
     """``clients`` streaming clients, each sending ``requests`` requests in turn; ``tag``
-    names this part of the run in every question (see :func:`question`)."""
+    names this part of the run in every question (see :func:`question`); ``structured``:
+    each under :data:`STRUCTURED_SCHEMA`."""
     timeout = aiohttp.ClientTimeout(total=1800)
     # A fresh connection per request, for every system alike: llama-server closes a
     # streamed response's connection, and a reused pooled one then fails to send.
@@ -257,7 +291,8 @@ async def run_level(
         async def client(k: int) -> list[RequestRecord]:
             out = []
             for j in range(requests):
-                out.append(await one_request(http, server, system, question(tag, k, j), max_tokens))
+                q = question(tag, k, j)
+                out.append(await one_request(http, server, system, q, max_tokens, structured))
             return out
 
         totals_before = await engine_totals(server)
@@ -357,14 +392,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             res = SystemResult(name)
             results.append(res)
             live.append((res, srv))
+            if name == "amplituhedron" and getattr(a, "structured", False):
+                # The same server under the JSON-schema workload (a row of its own).
+                asyncio.run(run_level(srv, system, 1, 1, 8, WARM_UP, structured=True))
+                constrained = SystemResult(STRUCTURED_NAME)
+                results.append(constrained)
+                live.append((constrained, srv))
         per_level: dict[str, dict[int, list[LevelResult]]] = {
             res.name: {c: [] for c in levels} for res, _ in live
         }
         for r in range(rounds):
             for res, srv in live:
                 for c in levels:
+                    structured = res.name == STRUCTURED_NAME
+                    tag = level_tag(r, c) + ("j" if structured else "")
                     level = asyncio.run(
-                        run_level(srv, system, c, a.requests, a.max_tokens, level_tag(r, c))
+                        run_level(srv, system, c, a.requests, a.max_tokens, tag, structured)
                     )
                     per_level[res.name][c].append(level)
                     print(
@@ -376,8 +419,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         file=sys.stderr,
                     )
     finally:
-        for _, srv in live:
-            srv.__exit__()
+        for res, srv in live:
+            if res.name != STRUCTURED_NAME:  # the same server as ours: closed once
+                srv.__exit__()
     ours = per_level.get("amplituhedron", {}) if live else {}
     for res, _ in live:
         mine = per_level[res.name]
@@ -401,6 +445,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "concurrency": levels,
             "precision": a.precision,
             "kv_dtype": a.kv_dtype,
+            "structured_schema": STRUCTURED_SCHEMA if getattr(a, "structured", False) else None,
         },
         "systems": [asdict(r) for r in results],
     }
@@ -469,6 +514,21 @@ def main(a: argparse.Namespace) -> int:
                 f"{lv['ttft_p99_ms']:.1f} | {lv['itl_p50_ms']:.1f} / {lv['itl_p99_ms']:.1f} | "
                 f"{lv['errors']} | {percent(lv['engine_busy'])} | {figure(lv['rows_per_step'])} | "
                 f"{figure(lv['engine_tokens_per_s'])} |"
+            )
+    constrained = next((s for s in report["systems"] if s["name"] == STRUCTURED_NAME), None)
+    if constrained is not None:
+        print("\nJSON schema over unconstrained, same server, same run (per-round medians):")
+        for lv, free in zip(constrained["levels"], ours["levels"], strict=True):
+            over = lv["ours_over_this"]
+            engine = (
+                lv["engine_tokens_per_s"] / free["engine_tokens_per_s"]
+                if lv["engine_tokens_per_s"] and free["engine_tokens_per_s"]
+                else None
+            )
+            throughput = 1 / over if over else None
+            print(
+                f"  {lv['clients']:>2} clients: throughput × {ratio(throughput)}"
+                f" · engine tok/s × {ratio(engine)}"
             )
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -45,11 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="compute threads per station (default: the host's cores shared among them)",
     )
+    p.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="measure memory only: each mesh after a short run (RSS, baseline, weights "
+        "resident, rings per station and summed, against the file) and one process's",
+    )
     add_threads(p)
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.memory_only:
+        from amplituhedron_rs.bench import memory
+
+        return memory.main(a)
     from amplituhedron_rs.bench import mesh
 
     return mesh.main(a)

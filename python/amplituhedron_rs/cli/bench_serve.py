@@ -47,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="also serve through a local mesh of K stations, side by side (0: no mesh)",
     )
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run our server under a JSON-schema response_format (masking's cost)",
+    )
     p.add_argument("--llama-server", metavar="PATH", help="llama.cpp's llama-server binary")
     p.add_argument("--llama-parallel", type=int, default=8, metavar="NP", help="its -np")
     p.add_argument(

@@ -22,8 +22,10 @@ from amplituhedron_rs.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from amplituhedron_rs import _core
     from amplituhedron_rs.runtime import Generation, Model, SamplingParams
     from amplituhedron_rs.runtime.gguf_file import ModelFile
+    from amplituhedron_rs.runtime.structured import Constraint
     from amplituhedron_rs.runtime.tokenizer import Tokenizer
 
 HELP = "generate text (single process, or over a mesh)"
@@ -56,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the same prompt N times (the 2nd+ replays the volume)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per run")
+    constrain = p.add_mutually_exclusive_group()
+    constrain.add_argument(
+        "--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema"
+    )
+    constrain.add_argument("--regex", metavar="PATTERN", help="the output matches this regex")
+    constrain.add_argument(
+        "--grammar", metavar="FILE", help="the output follows this Lark (or GBNF) grammar"
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--mesh", metavar="FILE_OR_URL", help="drive a running mesh")
     where.add_argument(
@@ -105,6 +115,21 @@ def _context(model_file: ModelFile) -> int:
     return int(model_file.config["context_len"])
 
 
+def constraint_of(a: argparse.Namespace) -> Constraint | None:
+    """``--json-schema`` / ``--regex`` / ``--grammar``, read (the files) but not compiled."""
+    from pathlib import Path
+
+    from amplituhedron_rs.runtime import structured
+
+    if a.json_schema:
+        return structured.json_schema(Path(a.json_schema).read_text())
+    if a.regex:
+        return structured.regex(a.regex)
+    if a.grammar:
+        return structured.lark_or_gbnf(Path(a.grammar).read_text())
+    return None
+
+
 def run(a: argparse.Namespace) -> int:
     params = sampling(a)
     if a.mesh or a.stations:
@@ -128,8 +153,10 @@ def run(a: argparse.Namespace) -> int:
         )
     prepare_tokenizer(a, model.tokenizer, model.file)
     ids = prompt_of(a, model.tokenizer, _context(model.file))
+    constraint = constraint_of(a)
+    grammar = None if constraint is None else constraint.compile(model.tokenizer)
     for _ in range(max(1, a.repeat)):
-        g = _generate_once(model, ids, a, params)
+        g = _generate_once(model, ids, a, params, grammar)
         if a.json:
             print(json.dumps(g.to_json()))
         else:
@@ -150,7 +177,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _generate_once(
-    model: Model, ids: list[int], a: argparse.Namespace, params: SamplingParams
+    model: Model,
+    ids: list[int],
+    a: argparse.Namespace,
+    params: SamplingParams,
+    grammar: _core.Grammar | None = None,
 ) -> Generation:
     """One generation with a prefill progress bar (long prompts) and streamed text."""
     from rich.console import Console
@@ -180,6 +211,7 @@ def _generate_once(
             use_cache=not a.no_cache,
             draft=None if a.draft == "off" else a.draft,
             draft_max=a.draft_max,
+            grammar=grammar,
             stream=stream,
             on_prefill=on_prefill,
         )
@@ -210,6 +242,8 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
         tok = Tokenizer(model_file)
     prepare_tokenizer(a, tok, model_file)
     ids = prompt_of(a, tok, _context(model_file))
+    constraint = constraint_of(a)
+    grammar = None if constraint is None else constraint.compile(tok)
     local: LocalMesh | None = None
     try:
         if a.stations:
@@ -238,6 +272,7 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
                         on_token=on_token,
                         draft=None if a.draft == "off" else a.draft,
                         draft_max=a.draft_max,
+                        grammar=grammar,
                     )
                     if a.json:
                         d = g.to_json()

@@ -57,6 +57,7 @@ def run(a: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from amplituhedron_rs.bench.memory import measure_memory, memory_table
     from amplituhedron_rs.mesh.launcher import LocalMesh
     from amplituhedron_rs.mesh.ray import RayMesh
 
@@ -93,6 +94,7 @@ def run(a: argparse.Namespace) -> int:
     spec.write(a.mesh_file)
     for s in spec.stations:
         err.print(f"  station {s.url}  layers {s.layer_lo}:{s.layer_hi}")
+    err.print(memory_table(measure_memory(spec, a.model)))
     auth = "no token (--insecure)" if spec.token is None else "mesh token inside, mode 0600"
     err.print(f"mesh file: {a.mesh_file} ({auth}) — stop with Ctrl-C")
     stop = threading.Event()

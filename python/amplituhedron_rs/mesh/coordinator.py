@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh.client import Transport
@@ -144,6 +145,7 @@ class Coordinator:
         draft: str | None = None,
         draft_max: int = 8,
         tenant: str | None = None,
+        grammar: _core.Grammar | None = None,
     ) -> MeshGeneration:
         """Generates ``max_new_tokens`` after ``prompt`` across the mesh.
 
@@ -154,7 +156,9 @@ class Coordinator:
         ``use_cache=False`` skips replay and capture for this call only.
         ``draft="prompt-lookup"`` speculates (greedy output unchanged). ``tenant`` partitions
         the volume cache (the server passes one per API key and ``cache_salt``); it travels in
-        a header and the stations derive the salt from it and the mesh token.
+        a header and the stations derive the salt from it and the mesh token. ``grammar``
+        (compiled against the model's vocabulary) constrains the output token by token: the
+        exit station samples under its mask, and generation stops once it is complete.
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -175,6 +179,7 @@ class Coordinator:
             use_cache=use_cache,
             draft_max=draft_max if draft else None,
             on_token=on_token,
+            grammar=grammar,
         )
         done = time.perf_counter()
         st = run.stats

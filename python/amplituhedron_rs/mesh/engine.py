@@ -174,10 +174,12 @@ class MeshEngine:
         use_cache: bool = True,
         draft_max: int | None = None,
         on_token: Callable[[int], None] | None = None,
+        grammar: _core.Grammar | None = None,
     ) -> MeshRun:
         """Generates through the mesh; a bad request raises InputError before anything
         runs, a mesh failure MeshError. Cancelling the caller cancels the request. ``salt``
-        is the tenant (sent as the tenant header; the stations key the cache salt by it)."""
+        is the tenant (sent as the tenant header; the stations key the cache salt by it).
+        ``grammar`` constrains the output (the exit station samples under its mask)."""
         seq = self.engine.submit(
             list(prompt),
             max_new_tokens,
@@ -186,6 +188,7 @@ class MeshEngine:
             salt=salt,
             use_cache=use_cache,
             draft_max=draft_max,
+            grammar=grammar,
         )
         queue: asyncio.Queue[_core.EngineEvent] = asyncio.Queue()
         self._queues[seq] = queue

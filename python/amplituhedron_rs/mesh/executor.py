@@ -81,6 +81,8 @@ class _Admitted:
 
     result: tuple[int, int, int | None, str | None]
     logprobs: wire.TokenLogprobsWire | None = None
+    #: The sequence's grammar is complete after the first token.
+    done: bool = False
 
 
 class MeshExecutor:
@@ -164,7 +166,11 @@ class MeshExecutor:
         if admissions:
             results = await asyncio.gather(*(self._admit_or_fail(a) for a in admissions))
             firsts = [None if r.logprobs is None else r.logprobs.as_tuple() for r in results]
-            events.extend(self.engine.admitted([r.result for r in results], logprobs=firsts))
+            events.extend(
+                self.engine.admitted(
+                    [r.result for r in results], logprobs=firsts, done=[r.done for r in results]
+                )
+            )
         batch = self.engine.plan_batch()
         if batch:
             try:
@@ -182,7 +188,16 @@ class MeshExecutor:
                 logprobs = [[lp.as_tuple() for lp in r.logprobs or []] for r in entries]
                 scored = [[lp.as_tuple() for lp in r.prompt_logprobs or []] for r in entries]
                 emitted = self._emitted(batch, entries)
-                events.extend(self.engine.complete(emitted, None, logprobs, scored))
+                events.extend(
+                    self.engine.complete(
+                        emitted,
+                        None,
+                        logprobs,
+                        scored,
+                        done=[r.done for r in entries],
+                        errors=[r.error for r in entries],
+                    )
+                )
         await self._release(self.engine.take_released())
         return events
 
@@ -249,7 +264,14 @@ class MeshExecutor:
             return _Admitted((a.seq, 0, None, f"admission failed: {type(exc).__name__}: {exc}"))
 
     async def _admit(self, a: _core.EngineAdmission) -> _Admitted:
-        opening = wire.OpenSessionRequest(prompt_tokens=list(a.prompt), sampling=sampling_of(a))
+        grammar = (
+            None
+            if a.grammar is None
+            else wire.GrammarSpec.model_validate({"kind": a.grammar[0], "text": a.grammar[1]})
+        )
+        opening = wire.OpenSessionRequest(
+            prompt_tokens=list(a.prompt), sampling=sampling_of(a), grammar=grammar
+        )
         state = SeqState(
             tokens=list(a.prompt),
             prompt_len=len(a.prompt),
@@ -315,7 +337,7 @@ class MeshExecutor:
             self.link, sids, stations=chain.stations, logprobs=a.logprobs
         )
         state.tokens.append(first.token)
-        return _Admitted((a.seq, len(a.prompt), first.token, None), first.logprobs)
+        return _Admitted((a.seq, len(a.prompt), first.token, None), first.logprobs, first.done)
 
     # --- steps -----------------------------------------------------------------------------
     async def _run(self, batch: Sequence[_core.EngineEntry]) -> list[wire.BatchEntryResult]:

@@ -224,6 +224,17 @@ def wait_healthy(
             time.sleep(0.1)
 
 
+def station_memory(spec: MeshSpec, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """Each station's memory report (its ``/healthz``), with its URL and range, in mesh
+    order; sum them with :func:`~.station.memory.mesh_memory`."""
+    out = []
+    for s in spec.stations:
+        health = get_json(f"{s.url}/healthz", timeout=timeout)
+        memory = health.get("memory") or {}
+        out.append({"url": s.url, "layer_lo": s.layer_lo, "layer_hi": s.layer_hi} | memory)
+    return out
+
+
 class LocalMesh:
     """K station processes on loopback (``replicas`` of each of K layer ranges: K×N in all),
     started together and stopped together. They require ``token``, or a fresh random one

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from amplituhedron_rs._core import MAX_TOP_LOGPROBS, TokenLogprobs
+from amplituhedron_rs._core import MAX_GRAMMAR_BYTES, MAX_TOP_LOGPROBS, TokenLogprobs
 from amplituhedron_rs.runtime.sampling import TOP_K_MAX, SamplingParams
 
 U64_MAX = 2**64 - 1
@@ -93,13 +93,23 @@ class SamplingSpec(_Strict):
         return SamplingParams(**self.model_dump())
 
 
+class GrammarSpec(_Strict):
+    """A sequence's constraint (SPEC §16), as the core compiles it: the exit station builds
+    the session's grammar state from it and samples under its mask."""
+
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
+    text: str = Field(max_length=MAX_GRAMMAR_BYTES)
+
+
 class OpenSessionRequest(_Strict):
     """The station draws the session id; the tenant (cache salt) comes from the
-    authenticated caller's ``X-Amplituhedron-Tenant`` header, never from the body."""
+    authenticated caller's ``X-Amplituhedron-Tenant`` header, never from the body.
+    ``grammar`` (exit station only; bounded) constrains the session's sampled tokens."""
 
     prompt_tokens: list[TokenId] = Field(min_length=1, max_length=1 << 20)
     n_sys: int = Field(default=0, ge=0, le=1 << 20)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    grammar: GrammarSpec | None = None
 
 
 class RollbackRequest(_Strict):
@@ -114,6 +124,20 @@ class FaultRequest(_Strict):
 # --- responses -----------------------------------------------------------------------------
 
 
+class StationMemory(BaseModel):
+    """What a station holds in memory, in bytes (see :mod:`.station.memory`). None: not
+    measurable on this platform."""
+
+    rss: int | None
+    baseline: int | None
+    weights_resident: int
+    weights_copied: int
+    weights_mapped: int | None
+    weights_held: int
+    rings: int
+    available: int | None
+
+
 class Health(BaseModel):
     status: str
     layer_lo: int
@@ -125,6 +149,7 @@ class Health(BaseModel):
     sessions: int
     entry: bool
     exit: bool
+    memory: StationMemory | None = None
     #: The TCP port of the station's step stream on its host (None: it serves steps over
     #: HTTP only). See the step stream below.
     stream_port: int | None = None
@@ -176,6 +201,8 @@ class Sampled(BaseModel):
     token: int
     #: Its log-probabilities, when asked for (``?logprobs=N``).
     logprobs: TokenLogprobsWire | None = None
+    #: The session's grammar is complete after it.
+    done: bool = False
 
 
 class RolledBack(BaseModel):
@@ -247,6 +274,11 @@ class BatchEntryResult(BaseModel):
     logprobs: list[TokenLogprobsWire] | None = None
     #: Exit station, when asked: the prompt tokens' log-probabilities, in order.
     prompt_logprobs: list[TokenLogprobsWire] | None = None
+    #: Exit station: the session's grammar is complete after the emitted tokens.
+    done: bool = False
+    #: Exit station: this entry's grammar could not go on (its sequence ends with this
+    #: error after the emitted tokens; the other entries are unaffected).
+    error: str | None = None
 
 
 class StepTiming(BaseModel):

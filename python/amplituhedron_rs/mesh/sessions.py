@@ -190,15 +190,19 @@ async def open_sessions(
     the current one)."""
     chain = link.stations if stations is None else tuple(stations)
     body = opening.model_dump(mode="json")
+    # A grammar is for the exit station alone (it samples); the others open without it.
+    bodies = [
+        body if s.layer_hi == link.mesh.n_layers else {**body, "grammar": None} for s in chain
+    ]
     headers = {wire.TENANT: wire.tenant_header(tenant)} if tenant is not None else {}
     deadline = time.monotonic() + link.open_deadline
     attempt = 0
     while True:
         calls = [
             asyncio.ensure_future(
-                link.call("session open", s, "POST", "/sessions", json=body, headers=headers)
+                link.call("session open", s, "POST", "/sessions", json=b, headers=headers)
             )
-            for s in chain
+            for s, b in zip(chain, bodies, strict=True)
         ]
         try:
             await asyncio.wait(calls)

@@ -143,10 +143,6 @@ def known_models() -> list[KnownModel]:
     return out
 
 
-#: Model names of synthetic checkpoints: ``synthetic:PRESET[:QUANT][:layers=N][:seed=S]``.
-SYNTHETIC_PREFIX = "synthetic:"
-
-
 _INSTRUCT_NAME = re.compile(r"instruct|chat|(?:^|[-_ .])it(?:$|[-_ .])", re.IGNORECASE)
 
 
@@ -176,6 +172,10 @@ def chat_warning(model_file: ModelFile, model: str | Path | None = None) -> str 
         "repeat or continue the prompt. Use plain completions with it, or an "
         "instruction-tuned checkpoint (for Gemma 3, a '-it' file)."
     )
+
+
+#: Model names of synthetic checkpoints: ``synthetic:PRESET[:QUANT][:layers=N][:seed=S]``.
+SYNTHETIC_PREFIX = "synthetic:"
 
 
 def model_id(model: str | Path | None) -> str:

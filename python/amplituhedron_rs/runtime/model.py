@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError, ModelError
+from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.gguf_file import ModelFile, read_model_file
 from amplituhedron_rs.runtime.options import (
     DEFAULT_KV_DTYPE,
@@ -197,6 +198,9 @@ class Model:
         draft_max: int = 8,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        json_schema: dict[str, Any] | bool | str | None = None,
+        regex: str | None = None,
+        grammar: str | _core.Grammar | None = None,
         stream: Callable[[str], None] | None = None,
         on_prefill: Callable[[int, int], None] | None = None,
     ) -> Generation:
@@ -211,7 +215,13 @@ class Model:
         each output token's log-probability (the softmax of the raw logits: no temperature
         or truncation) and its N (≤ 20) likeliest alternatives; ``prompt_logprobs=N`` the
         same for every prompt token after the first, given the tokens before it (scoring
-        text: the whole prompt is computed, not replayed). ``stream`` receives
+        text: the whole prompt is computed, not replayed). ``json_schema`` (a dict or its
+        JSON text), ``regex`` (Rust syntax, matched whole) or ``grammar`` (llguidance's Lark
+        syntax; :func:`~amplituhedron_rs.runtime.gbnf.gbnf_to_lark` converts llama.cpp's GBNF;
+        or a ``_core.Grammar`` already compiled for this model) constrain the output token by
+        token (at most one of them): only tokens the grammar
+        allows are sampled, EOS only where it accepts, and generation stops
+        (``stop_reason="stop"``) once the grammar is complete. ``stream`` receives
         text pieces as they are generated; ``on_prefill(done, total)`` reports prefill
         progress. Bad arguments raise :class:`InputError` (a ``ValueError``) before anything
         runs; a failure of the model run raises :class:`ModelError`.
@@ -229,6 +239,7 @@ class Model:
         if draft not in (None, "prompt-lookup"):
             raise InputError(f"draft must be None or 'prompt-lookup', got {draft!r}")
         sampling = SamplingParams(temperature, top_k, top_p, seed).core_kwargs()
+        compiled = self._grammar(json_schema, regex, grammar)
         decoder = StreamDecoder(self.tokenizer) if stream is not None else None
         if stop_ids is None:
             stop_ids = [self.eos_id] if (stop_at_eos and self.eos_id is not None) else []
@@ -241,6 +252,7 @@ class Model:
             draft_max=draft_max if draft else None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=compiled,
         )
         out: list[int] = []
         token_logprobs: list[_core.TokenLogprobs] = []
@@ -291,6 +303,20 @@ class Model:
             logprobs=None if logprobs is None else token_logprobs,
             prompt_logprobs=scored,
         )
+
+    def _grammar(
+        self,
+        json_schema: dict[str, Any] | bool | str | None,
+        regex: str | None,
+        grammar: str | _core.Grammar | None,
+    ) -> _core.Grammar | None:
+        """The compiled constraint of ``generate``'s arguments (at most one)."""
+        if isinstance(grammar, _core.Grammar):
+            if json_schema is not None or regex is not None:
+                raise InputError("give at most one of json_schema, regex and grammar")
+            return grammar
+        constraint = structured.one_of(json_schema_=json_schema, regex_=regex, grammar=grammar)
+        return None if constraint is None else constraint.compile(self.tokenizer)
 
     # --- cache ---------------------------------------------------------------------------
     def cache_stats(self) -> dict[str, int]:

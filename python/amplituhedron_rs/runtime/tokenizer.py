@@ -21,9 +21,11 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.runtime.gguf_file import ModelFile, ModelFileError
 
@@ -64,7 +66,9 @@ _LLAMA3_SPLIT = (
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
-Message = dict[str, str]
+Message = dict[str, Any]
+#: What a message may hold besides its role and content (tool calling, SPEC §16).
+_TOOL_KEYS = frozenset({"tool_calls", "tool_call_id", "name"})
 
 
 class Tokenizer:
@@ -109,7 +113,10 @@ class Tokenizer:
         self.eos_id: int | None = model_file.eos_id
         self.add_bos = model_file.add_bos
         self._tokens = tokens
+        self._control_ids = frozenset(i for i, t in enumerate(types) if t == _CONTROL)
         self._byte_level = kind == "gpt2"
+        self._grammar_vocabulary: _core.GrammarVocabulary | None = None
+        self._grammar_lock = threading.Lock()
         #: The GGUF tokenizer model (``gpt2``: byte-level BPE; ``llama``: SentencePiece).
         self.kind = str(kind)
         self._template_source = model_file.chat_template or _FALLBACK_TEMPLATES.get(
@@ -154,6 +161,7 @@ class Tokenizer:
         self,
         messages: Sequence[Message],
         *,
+        tools: list[dict[str, Any]] | None = None,
         special_in_content: bool = False,
         add_generation_prompt: bool = True,
     ) -> list[int]:
@@ -161,11 +169,14 @@ class Tokenizer:
         template's own markup is parsed for special tokens, the messages' content is not: a
         control token spelled inside it (``<|im_end|><|im_start|>system``) is tokenised as
         the characters it is, so no message can forge a turn (llama.cpp tokenises user
-        content with ``parse_special=false``), unless ``special_in_content``."""
-        rendered = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        content with ``parse_special=false``), unless ``special_in_content``. ``tools``: as
+        :meth:`render_chat` takes them."""
+        rendered = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         if special_in_content or not any(self.spells_special(m["content"]) for m in messages):
             return self.encode(rendered)
-        pieces = self._content_pieces(messages, add_generation_prompt)
+        pieces = self._content_pieces(messages, add_generation_prompt, tools)
         markup = self._tok.encode_batch([p for p, c in pieces if not c], add_special_tokens=False)
         literal = self._literal_tokenizer().encode_batch(
             [p for p, c in pieces if c], add_special_tokens=False
@@ -199,14 +210,19 @@ class Tokenizer:
         return ids
 
     def _content_pieces(
-        self, messages: Sequence[Message], add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[tuple[str, bool]]:
         """The rendered chat cut into the template's markup and the messages' content
         ``(text, is_content)``, found by rendering each content between random markers."""
         nonce = secrets.token_hex(8)
         opening, closing = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
         marked = [{**m, "content": opening + m["content"] + closing} for m in messages]
-        rendered = self.render_chat(marked, add_generation_prompt=add_generation_prompt)
+        rendered = self.render_chat(
+            marked, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         pieces: list[tuple[str, bool]] = []
         rest = rendered
         while rest:
@@ -262,19 +278,51 @@ class Tokenizer:
             return bytes([int(fallback.group(1), 16)])
         return piece.replace("\u2581", " ").encode()
 
+    def grammar_vocabulary(self) -> _core.GrammarVocabulary:
+        """The vocabulary grammars are compiled against (SPEC §16): each token's bytes, a
+        control token's as ``0xFF`` + its name (no text matches it), ending at EOS. Built on
+        first use (it indexes every token: ~0.2 s for 49k tokens, ~2 s for 262k), then kept."""
+        with self._grammar_lock:
+            if self._grammar_vocabulary is None:
+                if self.eos_id is None:
+                    raise InputError("this model has no end-of-sequence token: no grammars")
+                words = [
+                    b"\xff" + self._tokens[i].encode()
+                    if i in self._control_ids
+                    else self.token_bytes(i)
+                    for i in range(self.vocab_size)
+                ]
+                self._grammar_vocabulary = _core.GrammarVocabulary(words, [self.eos_id])
+            return self._grammar_vocabulary
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools itself (its source uses ``tools``)."""
+        return bool(self._template_source) and "tools" in (self._template_source or "")
+
     def render_chat(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The model's own chat template applied to ``messages``."""
+        """The model's own chat template applied to ``messages`` (``role`` and ``content``,
+        plus tool calling's ``tool_calls`` / ``tool_call_id`` / ``name``), and ``tools`` for a
+        template that renders them (:attr:`supports_tools`)."""
         if not messages:
             raise InputError("a chat needs at least one message")
         for m in messages:
-            if set(m) != {"role", "content"}:
-                raise InputError(f"a message has exactly 'role' and 'content', got {sorted(m)}")
+            if not {"role", "content"} <= set(m) or set(m) - {"role", "content"} - _TOOL_KEYS:
+                raise InputError(
+                    f"a message has 'role' and 'content' (and tool calling's keys), got {sorted(m)}"
+                )
         template = self._compiled_template()
+        extra = {} if tools is None else {"tools": tools}
         rendered: str = template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
+            **extra,
             bos_token=self._tokens[self.bos_id] if self.bos_id is not None else "",
             eos_token=self._tokens[self.eos_id] if self.eos_id is not None else "",
         )

@@ -1,7 +1,7 @@
-"""From a GGUF header to the core's objects: the one tensor-table builder, the model index
-that lets K station processes skip re-parsing the header, and the one constructor of
-pipelines (a layer range + its volume cache) and sessions, used by the runtime and the
-stations alike."""
+"""From a GGUF header to the core's objects: the one tensor-table builder, the loader of the
+whole model or of one station's layer range, the model index that lets K station processes
+skip re-parsing the header (and re-hashing the file), and the one constructor of pipelines (a
+layer range + its volume cache) and sessions, used by the runtime and the stations alike."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from amplituhedron_rs import _core
+from amplituhedron_rs.runtime.digests import (
+    DIGEST_MISMATCH,
+    TensorTable,
+    forget_digests,
+    model_digests,
+)
 from amplituhedron_rs.runtime.gguf_file import ModelFile
 from amplituhedron_rs.runtime.options import (
     DEFAULT_KV_DTYPE,
@@ -20,7 +26,7 @@ from amplituhedron_rs.runtime.options import (
     SessionOptions,
 )
 
-TensorTable = list[tuple[str, int, list[int], int]]
+LayerSpan = tuple[int, int]
 
 
 def tensor_table(model_file: ModelFile) -> TensorTable:
@@ -32,37 +38,82 @@ def load_weights(
     model_file: ModelFile,
     precision: Precision = "refined",
     kv_dtype: KvDtype = DEFAULT_KV_DTYPE,
+    *,
+    layers: LayerSpan | None = None,
 ) -> _core.ModelWeights:
-    """Memory-maps the file's weights (validated by the core)."""
-    return _core.ModelWeights(
-        str(model_file.path),
-        dict(model_file.config),
-        tensor_table(model_file),
-        precision,
-        kv_dtype,
-    )
+    """Memory-maps the file's weights (validated by the core): every layer, or with
+    ``layers=(lo, hi)`` only that range's (a station's; see :func:`load_range`)."""
+    table = tensor_table(model_file)
+    if layers is None:
+        return _core.ModelWeights(
+            str(model_file.path), dict(model_file.config), table, precision, kv_dtype
+        )
+    return load_range(model_file.path, dict(model_file.config), table, layers, precision, kv_dtype)
+
+
+def load_range(
+    path: str | Path,
+    config: dict[str, Any],
+    table: TensorTable,
+    layers: LayerSpan,
+    precision: Precision = "refined",
+    kv_dtype: KvDtype = DEFAULT_KV_DTYPE,
+    digests: list[bytes] | None = None,
+) -> _core.ModelWeights:
+    """The weights of one layer range: only its tensors are copied or touched (plus the
+    embedding at the entry, the final norm and head at the exit), after the core checked
+    they fit in ``MemAvailable``. The other tensors' digests (the fingerprint covers the whole
+    model) are ``digests`` (the mesh launcher's), else the cached ones of
+    :func:`~.digests.model_digests`; a cached set that disagrees with the file is dropped and
+    hashed again."""
+    cached = digests is None
+    given = model_digests(path, table) if digests is None else digests
+
+    def load(d: list[bytes]) -> _core.ModelWeights:
+        return _core.ModelWeights(
+            str(path), config, table, precision, kv_dtype, layers=layers, digests=d
+        )
+
+    try:
+        return load(given)
+    except _core.ModelError as exc:
+        if not cached or DIGEST_MISMATCH not in str(exc):
+            raise
+    forget_digests(path, table)
+    return load(model_digests(path, table))
 
 
 def write_model_index(model_file: ModelFile, dest: Path) -> Path:
-    """What :func:`load_indexed_weights` needs (path, config, tensor table), as JSON."""
+    """What :func:`load_indexed_weights` needs (path, config, tensor table, and every
+    tensor's digest, hashed once here for all the stations), as JSON."""
+    table = tensor_table(model_file)
     index = {
         "path": str(model_file.path),
         "config": model_file.config,
-        "tensors": tensor_table(model_file),
+        "tensors": table,
+        "digests": [d.hex() for d in model_digests(model_file.path, table)],
     }
     dest.write_text(json.dumps(index))
     return dest
 
 
 def load_indexed_weights(
-    index: Path, precision: Precision = "refined", kv_dtype: KvDtype = DEFAULT_KV_DTYPE
+    index: Path,
+    precision: Precision = "refined",
+    kv_dtype: KvDtype = DEFAULT_KV_DTYPE,
+    *,
+    layers: LayerSpan | None = None,
 ) -> _core.ModelWeights:
-    """Weights from a model index written by :func:`write_model_index`."""
+    """Weights from a model index written by :func:`write_model_index` (all layers, or one
+    range's)."""
     data: dict[str, Any] = json.loads(index.read_text())
     tensors = [
         (str(n), int(t), [int(d) for d in dims], int(o)) for n, t, dims, o in data["tensors"]
     ]
-    return _core.ModelWeights(data["path"], data["config"], tensors, precision, kv_dtype)
+    if layers is None:
+        return _core.ModelWeights(data["path"], data["config"], tensors, precision, kv_dtype)
+    digests = [bytes.fromhex(d) for d in data["digests"]]
+    return load_range(data["path"], data["config"], tensors, layers, precision, kv_dtype, digests)
 
 
 def volume_dir(

@@ -57,7 +57,9 @@ from amplituhedron_rs.serve.protocol import (
     template_role,
     usage,
 )
+from amplituhedron_rs.serve.structured import GrammarCache, Requested
 from amplituhedron_rs.serve.tokenize_routes import install_tokenize_routes
+from amplituhedron_rs.serve.tools import ToolPlan, ToolStream, stream_deltas, template_messages
 
 log = logging.getLogger("amplituhedron.serve")
 
@@ -112,6 +114,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
     )
     errors.install(app)
     metrics = ServeMetrics(front, settings.model_name)
+    grammars = GrammarCache(tokenizer)
     chat_warned = False
     keys = [k.encode() for k in settings.api_keys]
     # Outermost last: the key is checked before the body is read, then the body is
@@ -173,6 +176,8 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         *,
         echo: str | None = None,
         prompt_logprobs: int | None = None,
+        grammar: _core.Grammar | None = None,
+        tools: ToolPlan | None = None,
     ) -> Prepared:
         check_model(body.model)
         if not prompt:
@@ -209,12 +214,24 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 draft_max=settings.draft_max if draft else None,
                 logprobs=body.logprobs_count(),
                 prompt_logprobs=prompt_logprobs,
+                grammar=grammar,
             ),
             body.stop_list(),
             body.stream,
             bool(body.stream_options and body.stream_options.include_usage),
             echo,
+            tools,
         )
+
+    async def compiled(requested: Requested | None) -> _core.Grammar | None:
+        """The request's constraint, compiled off the event loop (a 400 naming its field when
+        llguidance rejects it)."""
+        if requested is None:
+            return None
+        try:
+            return await grammars.compile_async(requested.constraint)
+        except ValueError as exc:  # InputError, and a schema's invalid Unicode
+            raise bad_request(f"{requested.field}: {exc}", param=requested.field) from exc
 
     def submit(preps: list[Prepared]) -> list[RequestStream]:
         """Queues every prompt of a request, or none (a full queue refuses them all)."""
@@ -281,16 +298,32 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         if settings.chat_warning and not chat_warned:
             chat_warned = True
             log.warning("%s", settings.chat_warning)
-        messages = [{"role": template_role(m.role), "content": m.text()} for m in body.messages]
+        plan = ToolPlan.of(
+            body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.supports_tools
+        )
+        messages, tools = template_messages(
+            [{**m.for_template(), "role": template_role(m.role)} for m in body.messages], plan
+        )
         check_chars(sum(len(m["content"]) for m in messages), "messages")
+        requested = body.requested()
+        forced = plan.constraint() if plan is not None else None
+        if forced is not None:
+            if requested is not None:
+                raise bad_request(
+                    f"{requested.field}: a reply forced to call tools (tool_choice) cannot "
+                    "also follow it",
+                    param=requested.field,
+                )
+            requested = Requested(forced, "tool_choice")
         special = settings.allow_special_tokens_in_content
         try:
             prompt = await asyncio.to_thread(
-                tokenizer.encode_chat, messages, special_in_content=special
+                tokenizer.encode_chat, messages, tools=tools, special_in_content=special
             )
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", param="messages") from exc
-        prepared = prepare(body, prompt, body.token_limit(), who)
+        grammar = await compiled(requested)
+        prepared = prepare(body, prompt, body.token_limit(), who, grammar=grammar, tools=plan)
         return await respond([prepared], request, chat=True)
 
     @app.post("/v1/completions")
@@ -324,6 +357,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             who,
             echo=echo,
             prompt_logprobs=body.prompt_logprobs_count(),
+            grammar=await compiled(body.requested()),
         )
 
     async def respond(preps: list[Prepared], request: Request, *, chat: bool) -> Any:
@@ -350,6 +384,14 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             choice: dict[str, Any] = {"index": g.index, "finish_reason": g.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                parsed = p.tools.parse(text) if p.tools is not None else None
+                if parsed is not None:
+                    choice["message"] = {
+                        "role": "assistant",
+                        "content": parsed[0],
+                        "tool_calls": parsed[1],
+                    }
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = (p.echo or "") + text
             choice["logprobs"] = g.reply_logprobs(chat=chat)
@@ -382,6 +424,7 @@ class _ChunkShape:
         finish: str | None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "finish_reason": finish}
         if self.chat:
@@ -390,6 +433,8 @@ class _ChunkShape:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
+            if tool_calls is not None:
+                d["tool_calls"] = tool_calls
             choice["delta"] = d
             choice["logprobs"] = logprobs
             obj = "chat.completion.chunk"
@@ -424,7 +469,8 @@ async def _sse(
 ) -> AsyncIterator[bytes]:
     """Server-sent events: each sequence's deltas as they come, tagged with its choice's
     index, and each choice's end; the client leaving cancels every sequence (Starlette
-    cancels this generator, and `finally` hands the cancel to the engine)."""
+    cancels this generator, and `finally` hands the cancel to the engine). With tools, text
+    that may be a call is held until the reply ends (:class:`~.tools.ToolStream`)."""
     queue: asyncio.Queue[tuple[Generation, Delta | APIError | None]] = asyncio.Queue()
 
     async def pump(g: Generation) -> None:
@@ -442,6 +488,7 @@ async def _sse(
                 yield _event(shape.chunk(g.index, "", None, first=True))
         tasks = [asyncio.ensure_future(pump(g)) for g in gens]
         sent = {g.index: 0 for g in gens}  # characters of reply text so far (text offsets)
+        held = {g.index: ToolStream(g.tools) for g in gens if g.tools is not None}
         left = len(gens)
         while left:
             g, item = await queue.get()
@@ -451,16 +498,29 @@ async def _sse(
                     {"error": {"message": item.message, "type": item.type, "code": item.code}}
                 )
                 return
+            hold = held.get(g.index)
             if item is None:
                 left -= 1
-                final = shape.chunk(g.index, None if shape.chat else "", g.finish_reason)
+                finish = g.finish_reason
+                if hold is not None:
+                    text, calls = hold.finish()
+                    if text:
+                        yield _event(shape.chunk(g.index, text, None))
+                    if calls is not None:
+                        deltas = stream_deltas(calls)
+                        yield _event(shape.chunk(g.index, None, None, tool_calls=deltas))
+                        finish = "tool_calls"
+                final = shape.chunk(g.index, None if shape.chat else "", finish)
                 if include_usage:
                     final["usage"] = None
                 yield _event(final)
                 continue
             logprobs = g.logprobs_payload(item, chat=shape.chat, offset=sent[g.index])
-            yield _event(shape.chunk(g.index, item.text, None, logprobs=logprobs))
             sent[g.index] += len(item.text)
+            text = item.text if hold is None else hold.push(item.text)
+            if not text and hold is not None and logprobs is None:
+                continue
+            yield _event(shape.chunk(g.index, text, None, logprobs=logprobs))
         if include_usage:
             tail = shape.chunk(0, None, None)
             tail["choices"] = []

@@ -50,7 +50,6 @@ def _one(v: Any) -> bool:
 
 
 _SAMPLING = "not implemented by this server's sampler"
-_STRUCTURED = "structured outputs are not implemented yet"
 _RESPONSE = "would change the reply's shape, which this server does not implement"
 
 #: Fields refused with a 400 unless neutral (both endpoints).
@@ -88,25 +87,15 @@ REFUSED: dict[str, Refused] = {
     "documents": Refused("the chat template takes no documents", _empty),
     "chat_template": Refused("the server's template is fixed (serve --chat-template FILE)"),
     "chat_template_kwargs": Refused("the chat template takes no arguments", _empty),
-    # vLLM's structured outputs (and llama.cpp's)
-    "guided_json": Refused(_STRUCTURED),
-    "guided_regex": Refused(_STRUCTURED),
-    "guided_choice": Refused(_STRUCTURED),
-    "guided_grammar": Refused(_STRUCTURED),
-    "guided_decoding_backend": Refused(_STRUCTURED),
-    "guided_whitespace_pattern": Refused(_STRUCTURED),
-    "structural_tag": Refused(_STRUCTURED),
-    "structured_outputs": Refused(_STRUCTURED),
-    "grammar": Refused(_STRUCTURED, _empty),
-    "json_schema": Refused(_STRUCTURED),
+    # vLLM's structured outputs: the rest are declared (serve/structured.py)
+    "structural_tag": Refused("structural tags are not implemented (use tools or a grammar)"),
     # OpenAI fields this server cannot honour (on an endpoint that does not declare them)
     "echo": Refused("a chat reply never repeats the last message", _is(False)),
-    "response_format": Refused(_STRUCTURED, lambda v: v == {"type": "text"}),
     "audio": Refused("audio output is not implemented"),
     "modalities": Refused("text is the only modality", lambda v: v == ["text"]),
     "function_call": Refused("function calling is not implemented", _is("none")),
     "functions": Refused("function calling is not implemented", _empty),
-    "tool_choice": Refused("tool calling is not implemented", _is("none")),
+    "tool_choice": Refused("tools are for chat completions", _is("none")),
     "reasoning_effort": Refused("the models do not reason"),
     "verbosity": Refused("the models take no verbosity"),
     "web_search_options": Refused("web search is not implemented"),
@@ -133,7 +122,7 @@ REFUSED: dict[str, Refused] = {
     "lora": Refused("adapters are not implemented", _empty),
     "image_data": Refused("the models are text-only", _empty),
     "reasoning_format": Refused("the models do not reason", _is("none")),
-    "parse_tool_calls": Refused("tool calling is not implemented", _is(False)),
+    "parse_tool_calls": Refused("a reply to a request with tools is always parsed", _is(True)),
 }
 
 #: Fields accepted and ignored: none changes which tokens come out or what the reply holds.
@@ -145,7 +134,7 @@ IGNORED: dict[str, str] = {
     "safety_identifier": "an end-user id for the caller's own abuse tracking",
     "prompt_cache_key": "a routing hint; the prefix cache is always on (cache_salt isolates)",
     "prediction": "predicted outputs only change latency, never the tokens",
-    "parallel_tool_calls": "only matters with tools, which are refused",
+    "parallel_tool_calls": "only matters with tools (declared on chat completions)",
     "priority": "a scheduling priority; the order of service never changes tokens",
     "request_id": "a caller's id for its logs",
     "cache_prompt": "llama.cpp's: the prefix cache is always on and exact",

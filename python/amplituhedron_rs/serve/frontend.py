@@ -93,6 +93,8 @@ class GenerationParams:
     logprobs: int | None = None
     #: The same for every prompt token after the first (None: none).
     prompt_logprobs: int | None = None
+    #: The compiled constraint its tokens are sampled under (None: free).
+    grammar: _core.Grammar | None = None
 
 
 class RequestStream:
@@ -165,6 +167,7 @@ class EngineFront:
                 draft_max=p.draft_max,
                 logprobs=p.logprobs,
                 prompt_logprobs=p.prompt_logprobs,
+                grammar=p.grammar,
             )
             stream = RequestStream(seq)
             self._streams[seq] = stream

@@ -24,6 +24,7 @@ from amplituhedron_rs.serve.frontend import (
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import chat_logprobs, completion_logprobs, usage
 from amplituhedron_rs.serve.text import TextStream
+from amplituhedron_rs.serve.tools import ToolPlan
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Prepared:
     include_usage: bool
     #: The prompt's text, when the reply starts with it (completions' ``echo``).
     echo: str | None = None
+    #: The request's tools, when they play a part (chat).
+    tools: ToolPlan | None = None
 
 
 class Generation:
@@ -60,6 +63,8 @@ class Generation:
         #: Log-probabilities of the tokens whose text was sent, in order.
         self.sent_logprobs: list[_core.TokenLogprobs] = []
         self.echo = p.echo
+        #: The request's tools (chat): the reply may be calls.
+        self.tools = p.tools
         self.first_prompt_token = p.params.prompt[0]
         #: The prompt's tokens after the first, scored (echo with logprobs).
         self.prompt_scores: list[_core.TokenLogprobs] = []

@@ -1,10 +1,10 @@
 """The OpenAI wire format: request bodies (validated) and the shapes of the replies.
 
 Only what the server implements is accepted: a parameter it cannot honour (``n > 1``,
-penalties, tools…) is a 400 that names it, never silently ignored, and so is a field nobody
+penalties…) is a 400 that names it, never silently ignored, and so is a field nobody
 defines (as OpenAI's own server answers); fields that cannot change the output (``user``,
 ``metadata``…) are accepted. :mod:`.fields` holds those tables. JSON ``null`` means "not
-given" everywhere.
+given" everywhere. Structured outputs and tools: :mod:`.structured`, :mod:`.tools`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,6 +26,9 @@ from pydantic import (
 from amplituhedron_rs._core import MAX_TOP_LOGPROBS
 from amplituhedron_rs.runtime.sampling import TOP_K_MAX
 from amplituhedron_rs.serve.fields import screen
+from amplituhedron_rs.serve.structured import StructuredFields
+from amplituhedron_rs.serve.tools import ToolCall, ToolChoice, ToolDef, check_tools
+from amplituhedron_rs.serve.unicode import Text
 
 if TYPE_CHECKING:
     from amplituhedron_rs._core import TokenLogprobs
@@ -39,23 +41,7 @@ MAX_STOPS = 16
 #: Prompts in one completions request (each its own sequence, batched together).
 MAX_PROMPTS = 256
 
-Role = Literal["system", "developer", "user", "assistant"]
-
-
-def _unicode_text(value: str) -> str:
-    """Text that is valid Unicode: JSON's ``"\\ud800"`` escapes decode to lone surrogates,
-    which no UTF-8 tokenizer, header or log line can carry."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"invalid Unicode at character {exc.start} (a lone UTF-16 surrogate)"
-        ) from None
-    return value
-
-
-#: Every string a request carries: valid Unicode, refused with a 400 otherwise.
-Text = Annotated[str, AfterValidator(_unicode_text)]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 def template_role(role: str) -> str:
@@ -75,13 +61,41 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
-    content: Text | list[TextPart]
+    #: None only for an assistant message that calls tools.
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
+    #: The calls an assistant message made (sent back by the client).
+    tool_calls: list[ToolCall] | None = None
+    #: A tool message: the call it answers.
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: only an assistant message with tool_calls may omit it")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only on assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as :mod:`.tools` renders it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name and self.role == "tool":
+            out["name"] = self.name
+        return out
 
 
 class StreamOptions(BaseModel):
@@ -89,7 +103,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredFields):
     """Fields shared by both endpoints. ``temperature`` absent or 0 means greedy (the
     runtime's one greedy rule); any other value samples."""
 
@@ -152,8 +166,9 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     #: Report each generated token's log-probability (the model's own distribution) and
     #: ``top_logprobs`` alternatives.
     logprobs: StrictBool = False
@@ -163,10 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _chat_supported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only text is supported")
+        check_tools(self.tools, self.tool_choice)
         return self
 
     def token_limit(self) -> int | None:

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve.errors import bad_request
-from amplituhedron_rs.serve.protocol import U32_MAX, ChatMessage, Text, template_role
+from amplituhedron_rs.serve.protocol import U32_MAX, ChatMessage, template_role
+from amplituhedron_rs.serve.unicode import Text
 
 
 class _Body(BaseModel):

@@ -465,3 +465,59 @@ fn the_best_tokens_by_scan_equal_a_full_sort() {
         assert_eq!(got, sorted[..n.min(5000)], "n = {n}");
     }
 }
+
+#[test]
+fn masked_sampling_is_the_rule_on_the_row_without_the_excluded_tokens() {
+    // An excluded token weighs 0: the same as a logit so far below the best that its weight
+    // underflows to 0, so both rows give the same tokens, greedy or sampled, at every
+    // position, top-k and top-p included.
+    let vocab: usize = 300;
+    let logits: Vec<f32> = (0..vocab)
+        .map(|i| ((i * 37 % 101) as f32 * 0.05).sin() * 4.0)
+        .collect();
+    let allowed: Vec<u32> = (0..vocab.div_ceil(32))
+        .map(|w| 0x9249_2492u32.rotate_left(w as u32))
+        .collect();
+    let is_allowed = |i: usize| allowed[i / 32] >> (i % 32) & 1 == 1;
+    let best = max_of(&logits);
+    let floored: Vec<f32> = (0..vocab)
+        .map(|i| {
+            if is_allowed(i) {
+                logits[i]
+            } else {
+                best - 200.0
+            }
+        })
+        .collect();
+    let all_params = [
+        SamplingParams::default(),
+        params(1.0, 0, 1.0, 5),
+        params(0.7, 20, 1.0, 6),
+        params(1.3, 0, 0.8, 7),
+        params(0.9, 50, 0.9, 8),
+    ];
+    for p in all_params {
+        let mut masked = Sampler::new(p.clone()).unwrap();
+        let mut plain = Sampler::new(p.clone()).unwrap();
+        for index in 0..200 {
+            let t = masked.sample_masked(&logits, &allowed, index).unwrap();
+            assert!(is_allowed(t as usize), "{p:?}: token {t} is excluded");
+            assert_eq!(
+                t,
+                plain.sample(&floored, index).unwrap(),
+                "{p:?} at {index}"
+            );
+        }
+    }
+    // Greedy takes the best allowed token, not the best one.
+    let mut g = Sampler::new(SamplingParams::default()).unwrap();
+    assert_eq!(
+        g.sample_masked(&[1.0, 5.0, 3.0, 3.0], &[0b1101], 0)
+            .unwrap(),
+        2
+    );
+    // Nothing allowed in the row (a bit past its end does not count), or a bad raw row.
+    let err = g.sample_masked(&[1.0, 2.0], &[0b100], 0).unwrap_err();
+    assert!(err.0.contains("allows no token"), "{err}");
+    assert!(g.sample_masked(&[1.0, f32::NAN], &[0b1], 0).is_err());
+}

@@ -238,14 +238,29 @@ class BatchStepper:
                 TokenLogprobsWire.of(_core.token_logprobs(logits[j], t, e.prompt_logprobs))
                 for j, t in enumerate(after)
             ]
+        done, error = False, None
         if st.is_exit and logits is not None:
             assert live.sampler is not None
-            if e.kind == "decode":
-                emitted = list(live.sampler.verify(logits, e.tokens[1:], e.start + 1))
-                rows = logits
-            elif e.emit:
-                emitted = [int(live.sampler.sample(logits[-1], e.start + len(e.tokens)))]
-                rows = logits[-1:]
+            g = live.grammar
+            try:
+                if e.kind == "decode":
+                    if g is not None:
+                        # The grammar follows the tokens before the drafts (see align).
+                        g.align(e.start + 1 - len(live.prompt), e.tokens[0])
+                    emitted = list(live.sampler.verify(logits, e.tokens[1:], e.start + 1, g))
+                    rows = logits
+                elif e.emit:
+                    if g is not None:
+                        g.align(0, 0)
+                    index = e.start + len(e.tokens)
+                    emitted = [int(live.sampler.sample(logits[-1], index, g))]
+                    rows = logits[-1:]
+            except InputError as exc:
+                if g is None:
+                    raise
+                # A grammar that cannot go on ends its sequence, not the step.
+                error, emitted = str(exc), []
+            done = g is not None and g.done
             if e.logprobs is not None:
                 logprobs = [
                     TokenLogprobsWire.of(_core.token_logprobs(rows[j], t, e.logprobs))
@@ -267,6 +282,8 @@ class BatchStepper:
             captured=captured,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            done=done,
+            error=error,
         )
 
 

@@ -51,6 +51,7 @@ from amplituhedron_rs.mesh.protocol import (
     Sampled,
     SessionCount,
     SessionOpened,
+    StationMemory,
     TokenLogprobsWire,
     VolumeRequest,
 )
@@ -110,6 +111,9 @@ router = APIRouter()
 @router.get("/healthz")
 async def healthz(station: StationDep) -> Health:
     s = station.settings
+    # Reading /proc/self/smaps walks the page tables (and the rings' count takes a lock):
+    # off the event loop.
+    memory = await in_thread(station.memory)
     return Health(
         status="ok",
         layer_lo=s.layer_lo,
@@ -121,6 +125,7 @@ async def healthz(station: StationDep) -> Health:
         sessions=len(station.sessions),  # a dict's len: safe from the event loop
         entry=station.is_entry,
         exit=station.is_exit,
+        memory=StationMemory(**memory),
         stream_port=station.stream_port,
     )
 
@@ -269,8 +274,10 @@ def sample_next(
     """Exit station: samples the next token from the session's last logits (after an
     all-hit replay, those are the cached logits: the first token needs no model run); with
     ``logprobs=N``, its log-probability and N alternatives too."""
-    token, lp = station.sample(session_id, logprobs)
-    return Sampled(token=token, logprobs=None if lp is None else TokenLogprobsWire.of(lp))
+    token, lp, done = station.sample(session_id, logprobs)
+    return Sampled(
+        token=token, logprobs=None if lp is None else TokenLogprobsWire.of(lp), done=done
+    )
 
 
 # --- fault injection (only with --fault-injection) -----------------------------------------

@@ -77,13 +77,19 @@ class StationSettings:
     kv_dtype: KvDtype = DEFAULT_KV_DTYPE
 
     def load_weights(self) -> _core.ModelWeights:
+        """The weights of this station's layer range only (see ``runtime.weights.load_range``):
+        K stations hold about one model between them, not K."""
+        layers = (self.layer_lo, self.layer_hi)
         if self.model_index is not None:
-            return load_indexed_weights(Path(self.model_index), self.precision, self.kv_dtype)
-        return load_weights(read_model_file(self.model_path), self.precision, self.kv_dtype)
+            index = Path(self.model_index)
+            return load_indexed_weights(index, self.precision, self.kv_dtype, layers=layers)
+        model_file = read_model_file(self.model_path)
+        return load_weights(model_file, self.precision, self.kv_dtype, layers=layers)
 
 
-#: A sampled token and, when asked for, its log-probabilities.
-SampledToken = tuple[int, _core.TokenLogprobs | None]
+#: A sampled token, its log-probabilities when asked for, and whether the session's grammar
+#: is complete after it.
+SampledToken = tuple[int, _core.TokenLogprobs | None, bool]
 
 
 @dataclass
@@ -104,9 +110,11 @@ class LiveSession:
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
     clock: int = 0
-    # Exit station only: the session's sampler and the logits of its last position.
+    # Exit station only: the session's sampler and the logits of its last position, and the
+    # state of its grammar when constrained (it consumes every token sampled here).
     sampler: _core.Sampler | None = None
     last_logits: FloatArray | None = None
+    grammar: _core.GrammarState | None = None
     # What a capture freezes, all computed here: whether every forwarded prompt position
     # was the prompt's own token (sticky once false), the output row at the prompt's last
     # position, and (exit) that position's logits.
@@ -133,14 +141,23 @@ class LiveSession:
 
     def sample_next(self, sid: str, clock: int, logprobs: int | None) -> SampledToken:
         """Exit station, under the session's lock: the token at position ``clock`` sampled
-        from the last logits, and its log-probabilities (``logprobs`` alternatives) when
-        asked."""
+        from the last logits (under the grammar's mask when constrained: the grammar then
+        follows the positions before ``clock``, rolled back if a retry finds it ahead), and
+        its log-probabilities (``logprobs`` alternatives) when asked."""
         if (logits := self.last_logits) is None:
             raise Conflict(f"session {sid!r} has no logits yet")
         assert self.sampler is not None
-        token = int(self.sampler.sample(logits, clock))
+        if self.grammar is not None:
+            emitted = clock - len(self.prompt)
+            if emitted < 0 or self.grammar.consumed < emitted:
+                raise Conflict(
+                    f"session {sid!r}: its grammar has consumed {self.grammar.consumed} "
+                    f"tokens; position {clock} follows {emitted}"
+                )
+            self.grammar.align(emitted, 0)
+        token = int(self.sampler.sample(logits, clock, self.grammar))
         lp = None if logprobs is None else _core.token_logprobs(logits, token, logprobs)
-        return token, lp
+        return token, lp, self.grammar is not None and self.grammar.done
 
     def note_prompt(
         self,

@@ -20,16 +20,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import threading
 import time
 from collections.abc import Iterator
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.mesh.protocol import (
+    BATCH_ROUTE,
     CLOCK,
     HIDDEN_ROWS,
     LOGITS_ROWS,
@@ -50,6 +53,7 @@ from amplituhedron_rs.mesh.station.errors import (
     NotFound,
     TooLarge,
 )
+from amplituhedron_rs.mesh.station.memory import process_rss, station_memory
 from amplituhedron_rs.mesh.station.session import (
     HiddenRows,
     LiveSession,
@@ -63,6 +67,8 @@ from amplituhedron_rs.mesh.station.session import (
     physical_memory,
     run_pieces,
 )
+from amplituhedron_rs.runtime.gguf_file import read_model_file
+from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.runtime.weights import new_pipeline, new_session
 
 __all__ = ["HiddenRows", "LiveSession", "LogitsRows", "Octets", "Station", "StationSettings"]
@@ -75,6 +81,8 @@ class Station:
         self, settings: StationSettings, weights: _core.ModelWeights | None = None
     ) -> None:
         self.settings = settings
+        #: The process's resident set before this station loaded its weights.
+        self.baseline_rss = process_rss()
         self.weights = weights if weights is not None else settings.load_weights()
         s = settings
         if not 0 <= s.layer_lo < s.layer_hi <= self.weights.n_layers:
@@ -123,6 +131,8 @@ class Station:
         # updated from worker threads, so under a lock (`+=` is not atomic across threads).
         self.inflight = 0
         self._inflight_lock = threading.Lock()
+        self._tokenizer: Tokenizer | None = None
+        self._grammar_lock = threading.Lock()
         #: The step stream's bound port, once it listens (None: steps over HTTP only).
         self.stream_port: int | None = None
 
@@ -137,6 +147,13 @@ class Station:
         finally:
             with self._inflight_lock:
                 self.inflight -= 1
+
+    def memory(self) -> dict[str, Any]:
+        """What the station holds in memory (see :mod:`.memory`); reads /proc and takes the
+        sessions' lock, so not on the event loop."""
+        with self.sessions_lock:
+            rings = self._rings_held() * self.ring_bytes
+        return station_memory(self.weights.memory(), self.baseline_rss, rings)
 
     # --- sessions ------------------------------------------------------------------------
     def sweep_idle(self) -> int:
@@ -197,6 +214,13 @@ class Station:
             raise InputError(f"token id {bad} is outside the vocabulary of {self.vocab}")
         # Checked before a pooled ring is taken, so a refusal changes nothing.
         sampler = req.sampling.params().sampler() if self.is_exit else None
+        # Only the exit station samples, so only it follows the grammar (compiled here, in
+        # the route's worker thread; a grammar llguidance rejects is a 400).
+        grammar = (
+            _core.Grammar(self.grammar_vocabulary(), req.grammar.kind, req.grammar.text).start()
+            if self.is_exit and req.grammar is not None
+            else None
+        )
         sid = new_session_id()
         with self.sessions_lock:
             if len(self.sessions) >= self.settings.max_sessions:
@@ -214,8 +238,20 @@ class Station:
                 lock = threading.Lock()
             live = LiveSession(rs, list(req.prompt_tokens), salt, req.n_sys, lock)
             live.sampler = sampler
+            live.grammar = grammar
             self.sessions[sid] = live
         return sid, live
+
+    def grammar_vocabulary(self) -> _core.GrammarVocabulary:
+        """The model's vocabulary for grammars, read from its file on first use."""
+        with self._grammar_lock:
+            if self._tokenizer is None:
+                s = self.settings
+                path = s.model_path
+                if path is None and s.model_index is not None:
+                    path = json.loads(Path(s.model_index).read_text())["path"]
+                self._tokenizer = Tokenizer(read_model_file(path))
+        return self._tokenizer.grammar_vocabulary()
 
     def _admit_new_ring(self) -> None:
         """Room for one more ring within the memory budget (under ``sessions_lock``): pooled
@@ -419,6 +455,9 @@ class Station:
             )
         if (logits != "none" or sample) and not self.is_exit:
             raise BadBody("only the exit station returns logits or samples")
+        if sample and live.grammar is not None:
+            # Its grammar follows token ids, which only the batched step carries here.
+            raise Conflict(f"session {sid!r} is constrained: it samples in {BATCH_ROUTE}")
         if self.is_entry:
             bad = ids[ids >= self.vocab]
             if bad.size:
