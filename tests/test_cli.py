@@ -125,7 +125,7 @@ def test_a_bad_flag_prints_the_subcommands_usage(capsys: pytest.CaptureFixture[s
 
 
 def test_an_unknown_model_lists_the_known_names(capsys: pytest.CaptureFixture[str]) -> None:
-    assert ", ".join(KNOWN_MODELS) == MODEL_NAMES
+    assert ", ".join([*KNOWN_MODELS, "synthetic:PRESET[:QUANT][:layers=N]"]) == MODEL_NAMES
     for argv in (["serve", "smollm3"], ["generate", "--prompt", "x", "-m", "smollm3"]):
         with pytest.raises(SystemExit):
             parse(argv)

@@ -373,6 +373,8 @@ impl LayerRange {
         let quant_err = |e: crate::quant::QuantError| ModelError::Weights(e.to_string());
         let precision = weights.precision();
         let has_local = (self.layer_lo..self.layer_hi).any(|l| c.is_local(l));
+        // Llama 3.1/3.2 frequency divisors (`rope_freqs.weight`), on every layer as llama.cpp.
+        let rope_factors = weights.rope_factors();
         // Inputs, and RoPE angles: global layers rotate at the absolute clock (window) and
         // at the StreamingLLM cache position (fixed segment; identical until the window
         // first wraps, which is the usual case: then q_fixed is q itself); sliding layers
@@ -401,6 +403,7 @@ impl LayerRange {
                     pos,
                     hd,
                     c.rope_base,
+                    rope_factors,
                     &mut b.cos_w[r.clone()],
                     &mut b.sin_w[r.clone()],
                 );
@@ -409,6 +412,7 @@ impl LayerRange {
                     cache_pos,
                     hd,
                     c.rope_base,
+                    rope_factors,
                     &mut b.cos_f[r.clone()],
                     &mut b.sin_f[r.clone()],
                 );
@@ -417,6 +421,7 @@ impl LayerRange {
                         pos,
                         hd,
                         s.rope_base,
+                        rope_factors,
                         &mut b.cos_l[r.clone()],
                         &mut b.sin_l[r],
                     );

@@ -50,6 +50,8 @@ pub use weights::{
 #[cfg(test)]
 mod gemma_tests;
 #[cfg(test)]
+mod rope_tests;
+#[cfg(test)]
 pub(crate) mod testing;
 #[cfg(test)]
 mod tests;

@@ -48,14 +48,28 @@ fn sum_of_squares(row: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-/// RoPE angles for one position: `cos`/`sin` of `pos · base^(−2i/d)` for `i < d/2`.
+/// RoPE angles for one position: `cos`/`sin` of `pos · base^(−2i/d) / f_i` for `i < d/2`,
+/// where `f_i` are the per-pair frequency divisors of `factors` (the GGUF `rope_freqs.weight`
+/// of Llama 3.1/3.2, as llama.cpp divides its rotation frequencies by them), or 1.
 ///
-/// Computed in f64 from the integer position, so large clocks keep full precision.
-pub fn rope_angles(pos: u64, head_dim: usize, base: f64, cos: &mut [f32], sin: &mut [f32]) {
+/// Computed in f64 from the integer position, so large clocks keep full precision; the same
+/// scalar operations on every CPU, one row at a time (bit-identical across ISAs and batches).
+pub fn rope_angles(
+    pos: u64,
+    head_dim: usize,
+    base: f64,
+    factors: Option<&[f32]>,
+    cos: &mut [f32],
+    sin: &mut [f32],
+) {
     let half = head_dim / 2;
+    debug_assert!(factors.is_none_or(|f| f.len() == half));
     for i in 0..half {
         let inv_freq = base.powf(-((2 * i) as f64) / head_dim as f64);
-        let angle = pos as f64 * inv_freq;
+        let angle = match factors {
+            Some(f) => pos as f64 * inv_freq / f64::from(f[i]),
+            None => pos as f64 * inv_freq,
+        };
         cos[i] = angle.cos() as f32;
         sin[i] = angle.sin() as f32;
     }

@@ -34,7 +34,7 @@ pub use memory::WeightsMemory;
 use table::{interleavable, owned_by, resolve, validate_entry, LayerTensors, TensorEntry};
 
 use super::{ModelConfig, ModelError, Precision};
-use crate::quant::QMatrix;
+use crate::quant::{GgmlType, QMatrix};
 use crate::ring::KvDtype;
 
 /// One entry of the tensor table.
@@ -132,6 +132,8 @@ pub struct LlamaWeights {
     output_norm: TensorEntry,
     /// `None` when the LM head is tied to `token_embd` (SmolLM2).
     output: Option<TensorEntry>,
+    /// Llama 3.1/3.2 RoPE frequency divisors (`rope_freqs.weight`, `head_dim / 2` of them).
+    rope_freqs: Option<TensorEntry>,
     layers: Vec<LayerTensors>,
     /// The layers held: `[layer_lo, layer_hi)` (all of them in one process).
     layer_lo: usize,
@@ -280,6 +282,25 @@ impl LlamaWeights {
             }
         }
         let (token_embd, output_norm, output, mut layers) = resolve(&config, &by_name)?;
+        let rope_freqs = match by_name.get("rope_freqs.weight") {
+            None => None,
+            Some(e) => {
+                let n = config.head_dim() / 2;
+                if e.rows != 1 || e.cols != n {
+                    return Err(ModelError::Weights(format!(
+                        "tensor rope_freqs.weight is {}x{}, expected 1x{n}",
+                        e.rows, e.cols
+                    )));
+                }
+                if e.dtype != GgmlType::F32 {
+                    return Err(ModelError::Weights(format!(
+                        "rope_freqs.weight must be F32, is {:?}",
+                        e.dtype
+                    )));
+                }
+                Some(e.clone())
+            }
+        };
 
         // What this range holds, and how (see `Hold`).
         let simd = crate::quant::Kernel::detect() != crate::quant::Kernel::Scalar;
@@ -298,6 +319,10 @@ impl LlamaWeights {
         }
         if lo == 0 {
             holds[token_embd.index] = Hold::Gathered;
+        }
+        // Every layer rotates with the RoPE divisors: every range holds them.
+        if let Some(f) = &rope_freqs {
+            holds[f.index] = Hold::InPlace;
         }
         if hi == n_layers {
             holds[output_norm.index] = Hold::InPlace;
@@ -384,6 +409,7 @@ impl LlamaWeights {
             token_embd,
             output_norm,
             output,
+            rope_freqs,
             layers,
             layer_lo: lo,
             layer_hi: hi,
@@ -393,6 +419,13 @@ impl LlamaWeights {
             kv_dtype,
             fingerprint,
         };
+        if let Some(f) = weights.rope_factors() {
+            if let Some(bad) = f.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+                return Err(ModelError::Weights(format!(
+                    "rope_freqs.weight holds {bad}: RoPE frequency divisors must be positive"
+                )));
+            }
+        }
         // Construct every held matrix view once so a malformed tensor fails here, not
         // mid-forward.
         for i in lo..hi {
@@ -554,6 +587,12 @@ impl LlamaWeights {
         let mut out = vec![0u8; e.len];
         interleave(e, bytes, &mut out);
         Some(out)
+    }
+
+    /// The per-pair divisors of the RoPE frequencies (`rope_freqs.weight`, which llama.cpp's
+    /// converter writes for Llama 3.1/3.2's `llama3` frequency scaling), if the file has them.
+    pub fn rope_factors(&self) -> Option<&[f32]> {
+        self.rope_freqs.as_ref().map(|e| self.f32_slice(e))
     }
 
     /// The final RMSNorm weight (held by the exit range: [`Self::holds`]).

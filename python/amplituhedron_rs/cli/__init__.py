@@ -9,8 +9,9 @@ server), ``station serve`` (one station), ``mesh up`` (a local mesh of stations)
 hop), ``bench-chaos`` (failover while stations are killed), ``bench-edge`` (the server under
 hostile traffic), ``synth`` (a synthetic checkpoint of a real model's shape).
 
-A ``--model synthetic:…`` argument of any subcommand is resolved to its file (written on
-first use) before the subcommand runs, so stations, peers and benches all get a path.
+A ``synthetic:…`` model argument of any subcommand is checked with the others, then resolved
+to its file (written on first use) before the subcommand runs, so stations, peers and
+benches all get a path.
 
 Every subcommand module defines its arguments with light imports only and imports what it
 runs inside ``run``, so ``amplituhedron generate`` never loads the mesh's HTTP stacks.
@@ -86,24 +87,34 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _check_model(a: argparse.Namespace, model: str | None) -> None:
-    if model is None or os.path.isfile(model) or model.startswith("synthetic:"):
+    if model is None or os.path.isfile(model):
         return
+    if model.startswith("synthetic:"):
+        from amplituhedron_rs.runtime.synthetic import SyntheticError, parse_spec
+
+        try:
+            parse_spec(model)
+        except SyntheticError as exc:
+            a._parser.error(str(exc))
+        return
+    from amplituhedron_rs.cli.common import MODEL_NAMES
     from amplituhedron_rs.runtime.gguf_file import KNOWN_MODELS
 
     if model not in KNOWN_MODELS:
         a._parser.error(
             f"unknown model {model!r}: give a GGUF file or a known name "
-            f"({', '.join(KNOWN_MODELS)}; `amplituhedron models` lists them)"
+            f"({MODEL_NAMES}; `amplituhedron models` lists them)"
         )
 
 
 def _resolve_synthetic(a: argparse.Namespace) -> None:
-    """Replaces a ``synthetic:…`` ``--model`` by its file's path (writing it if needed)."""
-    model = getattr(a, "model", None)
-    if isinstance(model, str) and model.startswith("synthetic:"):
-        from amplituhedron_rs.runtime.synthetic import resolve
+    """Replaces a ``synthetic:…`` model argument by its file's path (writing it if needed)."""
+    for attr in ("model", "model_arg"):
+        model = getattr(a, attr, None)
+        if isinstance(model, str) and model.startswith("synthetic:"):
+            from amplituhedron_rs.runtime.synthetic import resolve
 
-        a.model = str(resolve(model))
+            setattr(a, attr, str(resolve(model)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Q4_0 (Q8_0 embeddings and head), Q8_0, or Q4_K_M (llama.cpp's mix: Q4_K, Q6_K "
         "head and some attn_v/ffn_down)",
     )
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="the random weights' seed (default: 0)"
+    )
 
 
 def run(a: argparse.Namespace) -> int:

@@ -39,9 +39,9 @@ fn rope_is_a_rotation_and_relative() {
     let dot_at = |pq: u64, pk: u64| {
         let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
         let (mut qr, mut kr) = (q.clone(), k.clone());
-        rope_angles(pq, hd, 10000.0, &mut c, &mut s);
+        rope_angles(pq, hd, 10000.0, None, &mut c, &mut s);
         rope_apply(&mut qr, hd, &c, &s);
-        rope_angles(pk, hd, 10000.0, &mut c, &mut s);
+        rope_angles(pk, hd, 10000.0, None, &mut c, &mut s);
         rope_apply(&mut kr, hd, &c, &s);
         qr.iter().zip(&kr).map(|(a, b)| a * b).sum::<f32>()
     };
@@ -50,7 +50,7 @@ fn rope_is_a_rotation_and_relative() {
     let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
     let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
     let mut qr = q.clone();
-    rope_angles(12345, hd, 10000.0, &mut c, &mut s);
+    rope_angles(12345, hd, 10000.0, None, &mut c, &mut s);
     rope_apply(&mut qr, hd, &c, &s);
     assert!((norm(&qr) - norm(&q)).abs() < 1e-4);
 }
@@ -72,7 +72,7 @@ fn rope_halves_pairs_the_two_halves() {
     let hd = 8;
     let x: Vec<f32> = (0..2 * hd).map(|i| i as f32 * 0.1 - 0.7).collect();
     let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
-    rope_angles(37, hd, 10000.0, &mut c, &mut s);
+    rope_angles(37, hd, 10000.0, None, &mut c, &mut s);
     let interleave = |v: &[f32]| -> Vec<f32> {
         v.chunks(hd)
             .flat_map(|h| (0..hd / 2).flat_map(move |i| [h[i], h[i + hd / 2]]))
@@ -168,4 +168,30 @@ fn exp_f32_is_within_2_ulp() {
 #[test]
 fn geglu_is_the_same_in_simd_lanes_and_chunks() {
     assert_same_in_simd_lanes_and_chunks(geglu_tanh, 1000.0);
+}
+
+#[test]
+fn rope_factors_divide_the_frequencies() {
+    let hd = 16;
+    let angles = |pos: u64, factors: Option<&[f32]>| {
+        let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
+        rope_angles(pos, hd, 500000.0, factors, &mut c, &mut s);
+        (c, s)
+    };
+    // Factors of 1 change nothing, bit for bit.
+    assert_eq!(angles(1234, Some(&[1.0; 8])), angles(1234, None));
+    // Dividing every frequency by 2 rotates position 2p as far as p unscaled (exactly: the
+    // halving and doubling are exact in f64).
+    assert_eq!(angles(2 * 777, Some(&[2.0; 8])), angles(777, None));
+    // Per pair: only the pairs with a factor other than 1 move.
+    let mut f = [1.0f32; 8];
+    f[5] = 8.0;
+    let (c1, s1) = angles(4242, Some(&f));
+    let (c0, s0) = angles(4242, None);
+    for i in 0..8 {
+        assert_eq!((c1[i] == c0[i] && s1[i] == s0[i]), i != 5, "pair {i}");
+    }
+    // The scaled pair at 8p is the unscaled pair at p.
+    let (c8, s8) = angles(4242 * 8, Some(&f));
+    assert_eq!((c8[5], s8[5]), (c0[5], s0[5]));
 }
