@@ -596,7 +596,7 @@ def test_bench_serve_fails_only_on_our_errors() -> None:
 
 
 def test_bench_serve_rounds_combine_into_medians_and_per_round_ratios() -> None:
-    from amplituhedron_rs.bench.serve import LevelResult, combine, median_ratio
+    from amplituhedron_rs.bench.serve_results import LevelResult, combine, median_ratio
 
     def level(tps: float, ttft: float, errors: int = 0) -> LevelResult:
         return LevelResult(
@@ -631,7 +631,7 @@ def test_bench_serve_reads_the_engine_load_from_metrics() -> None:
     """Our server's engine counters, before and after a level, give its busy fraction, rows
     per step and tokens per busy second; a peer's page without them gives nothing; rounds
     combine into medians of the rounds that have them."""
-    from amplituhedron_rs.bench.serve import LevelResult, combine, parse_engine_totals
+    from amplituhedron_rs.bench.serve_results import LevelResult, combine, parse_engine_totals
 
     def page(steps: int, prompt: int, decode: int, busy: float) -> str:
         m = 'model_name="smollm2-135m"'
@@ -684,7 +684,7 @@ def test_bench_serve_asks_no_question_twice_in_a_run() -> None:
 def test_bench_serve_percentiles_interpolate_between_ranks() -> None:
     import math
 
-    from amplituhedron_rs.bench.serve import percentile
+    from amplituhedron_rs.bench.serve_results import percentile
 
     assert percentile([30.0, 10.0, 20.0], 50) == 20.0
     assert percentile([10.0, 20.0], 50) == 15.0  # not the lower of the two

@@ -207,7 +207,7 @@ def _generate_once(
         g = model.generate(
             ids,
             a.max_tokens,
-            **params.to_json(),
+            **params.draw_kwargs(),
             use_cache=not a.no_cache,
             draft=None if a.draft == "off" else a.draft,
             draft_max=a.draft_max,
@@ -266,7 +266,7 @@ def _over_mesh(a: argparse.Namespace, params: SamplingParams) -> int:
                     g = await c.generate(
                         ids,
                         a.max_tokens,
-                        **params.to_json(),
+                        **params.draw_kwargs(),
                         use_cache=not a.no_cache,
                         stop_ids=[tok.eos_id] if tok.eos_id is not None else [],
                         on_token=on_token,

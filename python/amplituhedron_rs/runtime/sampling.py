@@ -99,3 +99,8 @@ class SamplingParams:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def draw_kwargs(self) -> dict[str, Any]:
+        """The draw's own fields (``temperature``, ``top_k``, ``top_p``, ``seed``): what
+        ``Model.generate`` and the coordinator's ``generate`` take."""
+        return {k: getattr(self, k) for k in ("temperature", "top_k", "top_p", "seed")}

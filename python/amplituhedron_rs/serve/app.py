@@ -23,11 +23,10 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +47,7 @@ from amplituhedron_rs.serve.frontend import (
     GenerationParams,
     RequestStream,
 )
-from amplituhedron_rs.serve.generation import Delta, Generation, Prepared
+from amplituhedron_rs.serve.generation import Generation, Prepared
 from amplituhedron_rs.serve.metrics import ServeMetrics
 from amplituhedron_rs.serve.protocol import (
     MAX_SEQUENCES,
@@ -57,11 +56,11 @@ from amplituhedron_rs.serve.protocol import (
     new_id,
     now,
     template_role,
-    usage,
 )
+from amplituhedron_rs.serve.replies import ChunkShape, sse, total_usage, until_done_or_disconnect
 from amplituhedron_rs.serve.structured import GrammarCache, Requested
 from amplituhedron_rs.serve.tokenize_routes import install_tokenize_routes
-from amplituhedron_rs.serve.tools import ToolPlan, ToolStream, stream_deltas, template_messages
+from amplituhedron_rs.serve.tools import ToolPlan, template_messages
 
 log = logging.getLogger("amplituhedron.serve")
 
@@ -422,13 +421,13 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             for i, (st, p) in enumerate(zip(streams, preps, strict=True))
         ]
         if first.stream:
-            shape = _ChunkShape(rid, created, settings.model_name, chat)
+            shape = ChunkShape(rid, created, settings.model_name, chat)
             return StreamingResponse(
-                _sse(gens, shape, first.include_usage),
+                sse(gens, shape, first.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        texts = await _until_done_or_disconnect(gens, request)
+        texts = await until_done_or_disconnect(gens, request)
         choices = []
         for g, p, text in zip(gens, preps, texts, strict=True):
             choice: dict[str, Any] = {"index": g.index, "finish_reason": g.finish_reason}
@@ -453,161 +452,8 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
                 "created": created,
                 "model": settings.model_name,
                 "choices": choices,
-                "usage": _total_usage(gens),
+                "usage": total_usage(gens),
             }
         )
 
     return app
-
-
-@dataclass(frozen=True)
-class _ChunkShape:
-    rid: str
-    created: int
-    model: str
-    chat: bool
-
-    def chunk(
-        self,
-        index: int,
-        delta: str | None,
-        finish: str | None,
-        first: bool = False,
-        logprobs: dict[str, Any] | None = None,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish}
-        if self.chat:
-            d: dict[str, Any] = {}
-            if first:
-                d["role"] = "assistant"
-            if delta is not None:
-                d["content"] = delta
-            if tool_calls is not None:
-                d["tool_calls"] = tool_calls
-            choice["delta"] = d
-            choice["logprobs"] = logprobs
-            obj = "chat.completion.chunk"
-        else:
-            choice["text"] = delta or ""
-            choice["logprobs"] = logprobs
-            obj = "text_completion"
-        return {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _total_usage(gens: list[Generation]) -> dict[str, Any]:
-    """A request's usage: its sequences' completions summed, each prompt counted once (by
-    its first choice), as OpenAI counts ``n`` choices."""
-    firsts = [g for g in gens if g.choice == 0]
-    return usage(
-        sum(g.prompt_tokens for g in firsts),
-        sum(g.completion_tokens for g in gens),
-        sum(g.cached_tokens for g in firsts),
-    )
-
-
-async def _sse(
-    gens: list[Generation], shape: _ChunkShape, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """Server-sent events: each sequence's deltas as they come, tagged with its choice's
-    index, and each choice's end; the client leaving cancels every sequence (Starlette
-    cancels this generator, and `finally` hands the cancel to the engine). With tools, text
-    that may be a call is held until the reply ends (:class:`~.tools.ToolStream`)."""
-    queue: asyncio.Queue[tuple[Generation, Delta | APIError | None]] = asyncio.Queue()
-
-    async def pump(g: Generation) -> None:
-        try:
-            async for d in g.deltas():
-                await queue.put((g, d))
-            await queue.put((g, None))
-        except APIError as exc:
-            await queue.put((g, exc))
-
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        if shape.chat:
-            for g in gens:
-                yield _event(shape.chunk(g.index, "", None, first=True))
-        tasks = [asyncio.ensure_future(pump(g)) for g in gens]
-        sent = {g.index: 0 for g in gens}  # characters of reply text so far (text offsets)
-        held = {g.index: ToolStream(g.tools) for g in gens if g.tools is not None}
-        left = len(gens)
-        while left:
-            g, item = await queue.get()
-            if isinstance(item, APIError):
-                # Headers are gone: report in-band, as OpenAI does, then end the stream.
-                yield _event(
-                    {"error": {"message": item.message, "type": item.type, "code": item.code}}
-                )
-                return
-            hold = held.get(g.index)
-            if item is None:
-                left -= 1
-                finish = g.finish_reason
-                if hold is not None:
-                    text, calls = hold.finish()
-                    if text:
-                        yield _event(shape.chunk(g.index, text, None))
-                    if calls is not None:
-                        deltas = stream_deltas(calls)
-                        yield _event(shape.chunk(g.index, None, None, tool_calls=deltas))
-                        finish = "tool_calls"
-                final = shape.chunk(g.index, None if shape.chat else "", finish)
-                if include_usage:
-                    final["usage"] = None
-                yield _event(final)
-                continue
-            logprobs = g.logprobs_payload(item, chat=shape.chat, offset=sent[g.index])
-            sent[g.index] += len(item.text)
-            text = item.text if hold is None else hold.push(item.text)
-            if not text and hold is not None and logprobs is None:
-                continue
-            yield _event(shape.chunk(g.index, text, None, logprobs=logprobs))
-        if include_usage:
-            tail = shape.chunk(0, None, None)
-            tail["choices"] = []
-            tail["usage"] = _total_usage(gens)
-            yield _event(tail)
-        yield b"data: [DONE]\n\n"
-    finally:
-        for t in tasks:
-            t.cancel()
-        for g in gens:
-            if g.stream.finished is None:
-                g.abort()
-
-
-async def _until_done_or_disconnect(gens: list[Generation], request: Request) -> list[str]:
-    """Awaits non-streamed generations, cancelling them all if the client disconnects first
-    (or one of them fails)."""
-    tasks = [asyncio.ensure_future(g.collect()) for g in gens]
-    waiter = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        work: asyncio.Future[list[str]] = asyncio.gather(*tasks)
-        pending: set[asyncio.Future[Any]] = {work, waiter}
-        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        raise APIError(499, "client disconnected", "invalid_request_error")
-    finally:
-        waiter.cancel()
-        for t in tasks:
-            t.cancel()
-        for g in gens:
-            if g.stream.finished is None:
-                g.abort()
-
-
-async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
