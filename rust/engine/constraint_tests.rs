@@ -112,6 +112,7 @@ fn seeded(seed: u64) -> SamplingParams {
         top_k: 0,
         top_p: 0.95,
         seed,
+        ..SamplingParams::default()
     }
 }
 

@@ -87,6 +87,7 @@ fn constrained_output_follows_the_schema_greedy_and_sampled() {
             top_k: 40,
             top_p: 0.95,
             seed: 11,
+            ..SamplingParams::default()
         },
     ]
     .iter()
@@ -148,6 +149,7 @@ fn verification_emits_the_tokens_of_constrained_decoding_without_drafts() {
             top_k: 0,
             top_p: 0.9,
             seed: 3,
+            ..SamplingParams::default()
         },
     ] {
         let (plain, _) = decode(&g, &p, 7, 400);

@@ -27,8 +27,10 @@ impl RangeSession {
     ) -> Result<Self, ModelError> {
         let range = LayerRange::new(weights, layer_lo, layer_hi)?;
         let kv = range.new_kv(cfg)?;
-        let rows = kv.max_chunk();
-        let bufs = StepBuffers::new(range.weights().config(), rows, kv.rings().max_keys());
+        // Work buffers for one row: a round grows them to its rows (`StepBuffers::reserve`),
+        // so a session that only decodes (most of a station's) never holds a chunk's worth
+        // (62.5 MB for a 256-row chunk at 7B, written at creation).
+        let bufs = StepBuffers::new(range.weights().config(), 1, kv.rings().max_keys());
         Ok(RangeSession { range, kv, bufs })
     }
 
