@@ -16,7 +16,7 @@ from rich.table import Table
 
 from amplituhedron_rs._core import ModelError
 from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec, station_memory
-from amplituhedron_rs.mesh.station.memory import mesh_memory, process_rss
+from amplituhedron_rs.mesh.station.memory import SUMMED, mesh_memory, process_rss
 from amplituhedron_rs.runtime.gguf_file import resolve_model_path
 
 #: The short run before a mesh is measured: a prompt of this many tokens, then this many.
@@ -49,35 +49,13 @@ def memory_table(report: dict[str, Any], title: str = "memory per station (MB)")
         table.add_row(
             str(i),
             f"{s['layer_lo']}:{s['layer_hi']}",
-            *(
-                _mb(s.get(k))
-                for k in (
-                    "rss",
-                    "baseline",
-                    "weights_resident",
-                    "weights_copied",
-                    "weights_mapped",
-                    "weights_held",
-                    "rings",
-                )
-            ),
+            *(_mb(s.get(k)) for k in SUMMED),
         )
     t = report["sum"]
     table.add_row(
         "Σ",
         f"{t['stations']} stations",
-        *(
-            _mb(t.get(k))
-            for k in (
-                "rss",
-                "baseline",
-                "weights_resident",
-                "weights_copied",
-                "weights_mapped",
-                "weights_held",
-                "rings",
-            )
-        ),
+        *(_mb(t.get(k)) for k in SUMMED),
         style="bold",
     )
     if report.get("file_bytes"):
