@@ -113,8 +113,12 @@ enum Hold {
     /// Copied into the interleaved layout (at this offset of the copy); the mapping's pages
     /// are dropped.
     Copied(usize),
+    /// An F32 vector (a norm, a bias, the RoPE divisors) copied as floats (at this offset of
+    /// the vectors). Read in place, each would keep whole page-cache folios of its
+    /// neighbours mapped (up to MiBs each for a freshly written file), for a few KiB.
+    Vector(usize),
     /// Read in place from the mapping, touched at load so it is resident before the first
-    /// request (norms, biases, matrices without an interleaved layout, the LM head).
+    /// request (matrices without an interleaved layout, the LM head).
     InPlace,
     /// The token embedding at the entry: rows are gathered per token, so its pages fault in
     /// as tokens arrive instead of all at load.
@@ -128,6 +132,8 @@ pub struct LlamaWeights {
     /// The held matrices of 32-element formats re-laid out for the SIMD kernels
     /// ([`crate::quant::interleave_rows`]): 16 rows of a block load without transposes.
     interleaved: Vec<u8>,
+    /// The held F32 vectors (norms, biases, RoPE divisors), copied.
+    vectors: Vec<f32>,
     token_embd: TensorEntry,
     output_norm: TensorEntry,
     /// `None` when the LM head is tied to `token_embd` (SmolLM2).
@@ -281,8 +287,8 @@ impl LlamaWeights {
                 )));
             }
         }
-        let (token_embd, output_norm, output, mut layers) = resolve(&config, &by_name)?;
-        let rope_freqs = match by_name.get("rope_freqs.weight") {
+        let (token_embd, mut output_norm, output, mut layers) = resolve(&config, &by_name)?;
+        let mut rope_freqs = match by_name.get("rope_freqs.weight") {
             None => None,
             Some(e) => {
                 let n = config.head_dim() / 2;
@@ -306,12 +312,20 @@ impl LlamaWeights {
         let simd = crate::quant::Kernel::detect() != crate::quant::Kernel::Scalar;
         let mut holds = vec![Hold::Not; table.len()];
         let mut copied_bytes = 0;
+        let mut vector_floats = 0;
+        let mut copy_vector = |e: &mut TensorEntry| {
+            e.vector = Some(vector_floats);
+            vector_floats += e.len / 4;
+            Hold::Vector(vector_floats - e.len / 4)
+        };
         for l in &mut layers[lo..hi] {
             for e in l.entries_mut() {
                 holds[e.index] = if simd && interleavable(e) {
                     e.interleaved = Some(copied_bytes);
                     copied_bytes += e.len;
                     Hold::Copied(copied_bytes - e.len)
+                } else if is_vector(e) {
+                    copy_vector(e)
                 } else {
                     Hold::InPlace
                 };
@@ -321,11 +335,11 @@ impl LlamaWeights {
             holds[token_embd.index] = Hold::Gathered;
         }
         // Every layer rotates with the RoPE divisors: every range holds them.
-        if let Some(f) = &rope_freqs {
-            holds[f.index] = Hold::InPlace;
+        if let Some(f) = &mut rope_freqs {
+            holds[f.index] = copy_vector(f);
         }
         if hi == n_layers {
-            holds[output_norm.index] = Hold::InPlace;
+            holds[output_norm.index] = copy_vector(&mut output_norm);
             let head = output.as_ref().unwrap_or(&token_embd);
             // A head that `lm_head` will copy is read then, not touched now.
             holds[head.index] = if head_is_copied(head) {
@@ -365,6 +379,7 @@ impl LlamaWeights {
             digests[i] = Some(d);
         }
         let mut interleaved = vec![0u8; copied_bytes];
+        let mut vectors = vec![0f32; vector_floats];
         let mut scratch = Vec::new();
         for (i, e) in entries.iter().enumerate() {
             let own = owns[i];
@@ -372,6 +387,14 @@ impl LlamaWeights {
                 Hold::Copied(at) => {
                     let bytes = storage.read(e, &mut scratch)?;
                     interleave(e, bytes, &mut interleaved[at..at + e.len]);
+                    own.then(|| digest::digest_bytes(bytes))
+                }
+                Hold::Vector(at) => {
+                    let bytes = storage.read(e, &mut scratch)?;
+                    let floats = bytes.chunks_exact(4);
+                    for (dst, src) in vectors[at..at + e.len / 4].iter_mut().zip(floats) {
+                        *dst = f32::from_le_bytes(src.try_into().expect("4 bytes"));
+                    }
                     own.then(|| digest::digest_bytes(bytes))
                 }
                 Hold::InPlace if own => Some(digest::digest_bytes(storage.slice(e))),
@@ -406,6 +429,7 @@ impl LlamaWeights {
             config,
             storage: Arc::new(storage),
             interleaved,
+            vectors,
             token_embd,
             output_norm,
             output,
@@ -502,7 +526,7 @@ impl LlamaWeights {
         };
         WeightsMemory {
             held: self.held,
-            copied: self.interleaved.len() + head,
+            copied: self.interleaved.len() + std::mem::size_of_val(&self.vectors[..]) + head,
             mapped,
         }
     }
@@ -522,6 +546,9 @@ impl LlamaWeights {
     }
 
     fn f32_slice(&self, e: &TensorEntry) -> &[f32] {
+        if let Some(at) = e.vector {
+            return &self.vectors[at..at + e.len / 4];
+        }
         let bytes = &self.storage.bytes()[e.start..e.start + e.len];
         // GGUF aligns tensor data (32 bytes by default), so F32 data is 4-byte aligned.
         // SAFETY: `validate_entry` checked the range, the F32 type and 4-byte alignment of
@@ -635,6 +662,11 @@ impl LlamaWeights {
 fn interleave(e: &TensorEntry, bytes: &[u8], out: &mut [u8]) {
     let ok = crate::quant::interleave_rows_into(e.dtype, e.rows, e.cols, bytes, out);
     assert!(ok, "a validated matrix of an interleavable type");
+}
+
+/// Whether `e` is an F32 vector (a norm, a bias, the RoPE divisors): copied at load.
+fn is_vector(e: &TensorEntry) -> bool {
+    e.dtype == GgmlType::F32 && e.rows == 1
 }
 
 /// Whether the LM head `e` is copied interleaved ([`LlamaWeights::lm_head`]): with 16-lane

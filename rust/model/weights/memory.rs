@@ -10,7 +10,9 @@
 //!
 //! So that the mapping holds only what is read in place, the tensors that are copied are read
 //! with `pread` and never through the mapping: a page faulted in there would stay resident,
-//! with up to 15 neighbours the kernel maps around each fault ("fault-around", 64 KiB).
+//! with the neighbours the kernel maps around each fault ("fault-around": a 64 KiB window,
+//! or a whole large page-cache folio of a freshly written file, up to 2 MiB). The small F32
+//! vectors are copied for the same reason.
 
 use crate::model::ModelError;
 

@@ -19,6 +19,8 @@ pub(super) struct TensorEntry {
     pub(super) len: usize,
     /// Start of the interleaved copy in `LlamaWeights::interleaved`, if the matrix has one.
     pub(super) interleaved: Option<usize>,
+    /// Start of the copy in `LlamaWeights::vectors` (in floats), if it is an F32 vector.
+    pub(super) vector: Option<usize>,
 }
 
 /// Byte ranges of the tensors of one transformer block.
@@ -228,5 +230,6 @@ pub(super) fn validate_entry(info: &TensorInfo, total: usize) -> Result<TensorEn
         start,
         len,
         interleaved: None,
+        vector: None,
     })
 }
