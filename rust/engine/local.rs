@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use rayon::prelude::*;
+
 use super::executor::{Admission, Admitted, BatchEntry, EntryKind, EntryOutcome, Executor};
 use super::request::SeqId;
 use super::EngineError;
@@ -318,12 +320,21 @@ impl Executor for LocalExecutor {
                 })
                 .collect();
             let shared = shared_prefixes(&prompts);
-            // One mutable borrow of each entry's KV: entries name distinct sequences.
-            let mut kvs: HashMap<SeqId, &mut SequenceKv> = self
-                .seqs
-                .iter_mut()
-                .map(|(&id, s)| (id, &mut s.kv))
+            // Where each constrained entry's grammar stands before its first sampled row.
+            let aligned: HashMap<SeqId, (usize, u32)> = batch
+                .iter()
+                .filter_map(|e| first_sampled_state(e, self.seqs[&e.seq].prompt.len()))
                 .collect();
+            // One mutable borrow of each entry's KV (and grammar): entries name distinct
+            // sequences.
+            let mut kvs: HashMap<SeqId, &mut SequenceKv> = HashMap::new();
+            let mut states: Vec<(&mut GrammarState, (usize, u32))> = Vec::new();
+            for (id, s) in &mut self.seqs {
+                if let (Some(g), Some(&at)) = (s.grammar.as_mut(), aligned.get(id)) {
+                    states.push((g, at));
+                }
+                kvs.insert(*id, &mut s.kv);
+            }
             let mut segments = Vec::with_capacity(batch.len());
             for ((((e, h), l), shared_prefix), every_row) in batch
                 .iter()
@@ -356,7 +367,19 @@ impl Executor for LocalExecutor {
                     shared_prefix,
                 });
             }
-            self.range.forward_batch(&mut segments, &mut self.bufs)?;
+            // The masks of the first sampled rows are computed while the forward runs (on
+            // whichever worker is free): the same masks, off the step's critical path. A
+            // state that cannot be aligned or masked fails below, where its entry samples.
+            let (forward, ()) =
+                self.range
+                    .forward_batch_alongside(&mut segments, &mut self.bufs, || {
+                        states.par_iter_mut().for_each(|(g, (n, next))| {
+                            if g.align(*n, *next).is_ok() {
+                                g.prepare();
+                            }
+                        })
+                    });
+            forward?;
         }
         let mut outcomes = Vec::with_capacity(batch.len());
         for (k, e) in batch.iter().enumerate() {
@@ -390,9 +413,10 @@ impl Executor for LocalExecutor {
                         let s = self.seqs.get_mut(&e.seq).expect("checked above");
                         let index = (e.start + e.tokens.len()) as u64;
                         let row = &logits[last_row..];
+                        let (n, next) = first_sampled_state(e, s.prompt.len()).expect("emits").1;
                         let sampled = match s.grammar.as_mut() {
                             // Nothing emitted yet: the state starts from no token.
-                            Some(g) => g.align(0, 0).map(|()| Some(g)),
+                            Some(g) => g.align(n, next).map(|()| Some(g)),
                             None => Ok(None),
                         }
                         .and_then(|g| grammar::sample(&mut s.sampler, g, row, index));
@@ -412,12 +436,10 @@ impl Executor for LocalExecutor {
                 }
                 EntryKind::Decode => {
                     let s = self.seqs.get_mut(&e.seq).expect("checked above");
-                    let prompt_len = s.prompt.len();
+                    let (n, next) = first_sampled_state(e, s.prompt.len()).expect("samples").1;
                     let verified = match s.grammar.as_mut() {
                         // The state follows the tokens before the entry's drafts.
-                        Some(g) => g
-                            .align(e.start + 1 - prompt_len.min(e.start + 1), e.tokens[0])
-                            .map(|()| Some(g)),
+                        Some(g) => g.align(n, next).map(|()| Some(g)),
                         None => Ok(None),
                     }
                     .and_then(|g| {
@@ -458,6 +480,24 @@ impl Executor for LocalExecutor {
                 self.pool.push(s.kv);
             }
         }
+    }
+}
+
+/// For an entry that samples from a constrained sequence's logits, the tokens its grammar
+/// has consumed before the first sampled row and the token at that place
+/// ([`GrammarState::align`]): none at a prompt's last chunk, the emitted tokens before the
+/// entry's drafts at a decode step.
+fn first_sampled_state(e: &BatchEntry, prompt_len: usize) -> Option<(SeqId, (usize, u32))> {
+    match e.kind {
+        EntryKind::Prefill {
+            last: true,
+            emit: true,
+        } => Some((e.seq, (0, 0))),
+        EntryKind::Prefill { .. } => None,
+        EntryKind::Decode => Some((
+            e.seq,
+            (e.start + 1 - prompt_len.min(e.start + 1), e.tokens[0]),
+        )),
     }
 }
 

@@ -281,6 +281,7 @@ impl Grammar {
         GrammarState {
             matcher,
             consumed: 0,
+            next_mask: None,
         }
     }
 }
@@ -290,6 +291,9 @@ impl Grammar {
 pub struct GrammarState {
     matcher: Matcher,
     consumed: usize,
+    /// The mask of the current state, computed ahead ([`GrammarState::prepare`]); dropped
+    /// whenever the state moves.
+    next_mask: Option<SimpleVob>,
 }
 
 impl fmt::Debug for GrammarState {
@@ -316,15 +320,28 @@ impl GrammarState {
     /// The tokens allowed next, as a bit set (bit `i % 32` of word `i / 32`): never empty
     /// while the grammar is not done.
     pub fn allowed(&mut self) -> Result<SimpleVob, GrammarError> {
-        let mask = self.matcher.compute_mask().map_err(grammar_error)?;
+        let mask = match self.next_mask.take() {
+            Some(mask) => mask,
+            None => self.matcher.compute_mask().map_err(grammar_error)?,
+        };
         if mask.is_zero() {
             return Err(GrammarError("the grammar allows no token here".into()));
         }
         Ok(mask)
     }
 
+    /// Computes the mask of the current state ahead of [`GrammarState::allowed`], so it can
+    /// run while the forward that produces the logits does. Does nothing when the grammar is
+    /// done or in error (then `allowed` reports it).
+    pub fn prepare(&mut self) {
+        if self.next_mask.is_none() && !self.matcher.is_stopped() {
+            self.next_mask = self.matcher.compute_mask().ok();
+        }
+    }
+
     /// Consumes `token` (it must be allowed).
     pub fn advance(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.next_mask = None;
         self.matcher.consume_token(token).map_err(grammar_error)?;
         self.consumed += 1;
         Ok(())
@@ -346,6 +363,7 @@ impl GrammarState {
     /// is consumed. Anything else is an error.
     pub fn align(&mut self, n: usize, next: u32) -> Result<(), GrammarError> {
         if self.consumed > n {
+            self.next_mask = None;
             self.matcher
                 .rollback(self.consumed - n)
                 .map_err(grammar_error)?;

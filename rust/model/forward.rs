@@ -171,6 +171,18 @@ impl LayerRange {
         super::run_on_pool(|| self.forward_batch_in_pool(segments, bufs))
     }
 
+    /// [`Self::forward_batch`], with `alongside` run on the pool while the forward runs
+    /// (whichever worker is free takes it): work the step needs after the forward that does
+    /// not depend on it, such as the next tokens' grammar masks. It must not run a pass.
+    pub fn forward_batch_alongside<A: Send>(
+        &self,
+        segments: &mut [Segment<'_>],
+        bufs: &mut StepBuffers,
+        alongside: impl FnOnce() -> A + Send,
+    ) -> (Result<(), ModelError>, A) {
+        super::run_on_pool(|| rayon::join(|| self.forward_batch_in_pool(segments, bufs), alongside))
+    }
+
     fn forward_batch_in_pool(
         &self,
         segments: &mut [Segment<'_>],

@@ -245,6 +245,17 @@ impl Sampler {
         let Some(allowed) = allowed else {
             return Ok(self.choose(row, index));
         };
+        if self.params.greedy {
+            // The row's first maximum, when allowed, is the masked row's first maximum: the
+            // usual case under a grammar, without copying the row.
+            let best = argmax(row);
+            let bit = allowed
+                .get(best as usize / 32)
+                .is_some_and(|w| w >> (best % 32) & 1 == 1);
+            if bit && row[best as usize] > f32::NEG_INFINITY {
+                return Ok(best);
+            }
+        }
         let mut masked = std::mem::take(&mut self.masked);
         masked.clear();
         masked.resize(row.len(), f32::NEG_INFINITY);

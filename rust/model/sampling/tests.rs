@@ -517,6 +517,13 @@ fn masked_sampling_is_the_rule_on_the_row_without_the_excluded_tokens() {
             .unwrap(),
         2
     );
+    // Tied maxima: the first allowed one, whether or not the row's first maximum is allowed.
+    for (mask, want) in [(0b0110, 1), (0b0100, 2), (0b1111, 1)] {
+        assert_eq!(
+            g.sample_masked(&[1.0, 5.0, 5.0, 3.0], &[mask], 0).unwrap(),
+            want
+        );
+    }
     // Nothing allowed in the row (a bit past its end does not count), or a bad raw row.
     let err = g.sample_masked(&[1.0, 2.0], &[0b100], 0).unwrap_err();
     assert!(err.0.contains("allows no token"), "{err}");
