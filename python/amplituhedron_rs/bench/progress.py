@@ -18,7 +18,9 @@ from rich.progress import (
 
 
 class Phase:
-    """One line of the live display."""
+    """One line of the live display. Where the console is not a terminal (a log file, CI),
+    the live display shows nothing until it stops, so each step is also printed as a plain
+    line."""
 
     def __init__(self, progress: Progress, task: TaskID) -> None:
         self._progress = progress
@@ -26,11 +28,26 @@ class Phase:
 
     def step(self, note: str = "") -> None:
         self._progress.update(self._task, advance=1, note=note)
+        self._log()
 
     def finish(self, note: str = "") -> None:
         total = self._progress.tasks[self._task].total
         self._progress.update(
             self._task, completed=total if total is not None else 1, total=total or 1, note=note
+        )
+        self._log()
+
+    def _log(self) -> None:
+        console = self._progress.console
+        if console.is_terminal:
+            return
+        t = self._progress.tasks[self._task]
+        total = "?" if t.total is None else f"{t.total:g}"
+        note = t.fields.get("note", "")
+        console.print(
+            f"{t.description} {t.completed:g}/{total} {t.elapsed or 0:.0f} s {note}".rstrip(),
+            highlight=False,
+            markup=False,
         )
 
 
