@@ -16,7 +16,12 @@ import pytest
 
 from amplituhedron_rs import InputError, MeshError, ModelError
 from amplituhedron_rs.bench.memory import measure_memory, memory_table
-from amplituhedron_rs.mesh.launcher import LocalMesh, MeshSpec
+from amplituhedron_rs.mesh.launcher import (
+    WHOLE_HOST_STATION_BYTES,
+    LocalMesh,
+    MeshSpec,
+    station_threads,
+)
 from amplituhedron_rs.runtime.gguf_file import read_model_file
 from amplituhedron_rs.runtime.weights import load_weights
 
@@ -114,3 +119,14 @@ def test_a_station_that_cannot_fit_its_range_refuses_at_start(model_path: Path) 
     message = " ".join(str(exc.value).split())  # the station's log wraps long lines
     assert "exited with code" in message, message
     assert re.search(rf"layers 0:15 with the token embedding need {need} bytes", message), message
+
+
+def test_small_stations_share_the_cores_and_large_ones_get_them_all() -> None:
+    # SmolLM2 over 28 stations (3.5 MB each) on 2 cores: one thread each, spins and wake-ups
+    # of idle stations would take the busy one's core; qwen2-7b's single layers (172 MB): the
+    # pass streams them from DRAM, both cores.
+    assert station_threads(28, cores=2, station_bytes=98_362_432 // 28) == 1
+    assert station_threads(2, cores=8, station_bytes=98_362_432 // 2) == 4
+    assert station_threads(28, cores=2, station_bytes=4_834_032_064 // 28) == 2
+    assert station_threads(3, cores=2, station_bytes=WHOLE_HOST_STATION_BYTES) == 2
+    assert station_threads(3, cores=2, station_bytes=WHOLE_HOST_STATION_BYTES - 1) == 1

@@ -37,7 +37,7 @@ from amplituhedron_rs.bench.report import write_json
 from amplituhedron_rs.bench.textsource import text_of_tokens
 from amplituhedron_rs.mesh.client import Transport
 from amplituhedron_rs.mesh.coordinator import Coordinator
-from amplituhedron_rs.mesh.launcher import LocalMesh, station_threads
+from amplituhedron_rs.mesh.launcher import LocalMesh, model_station_bytes, station_threads
 from amplituhedron_rs.runtime import Model, load_model
 
 #: The run that measures CPU per decoded token: a short prompt, then this many tokens.
@@ -167,7 +167,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ).output_ids
     meshes: dict[str, Any] = {}
     for k in args.station_counts:
-        threads = args.station_threads or station_threads(k)
+        threads = args.station_threads or station_threads(
+            k, station_bytes=model_station_bytes(args.model, k)
+        )
         for transport in args.transport:
             with err.status(f"{k} stations ({transport}, {threads} compute thread(s) each)…"):
                 mesh = LocalMesh(k, model_path=args.model, threads=threads)

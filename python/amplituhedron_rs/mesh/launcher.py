@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from amplituhedron_rs._core import MeshError
-from amplituhedron_rs.runtime.gguf_file import read_model_file
+from amplituhedron_rs.runtime.gguf_file import read_model_file, resolve_model_path
 from amplituhedron_rs.runtime.weights import write_model_index
 
 
@@ -179,14 +179,31 @@ def split_layers(n_layers: int, k: int) -> list[tuple[int, int]]:
 THREADS_ENV = "AMPLITUHEDRON_THREADS"
 
 
-def station_threads(stations: int, cores: int | None = None) -> int:
+#: A station holding at least this many bytes of weights gets every core: its pass streams
+#: them from DRAM for milliseconds, next to which waking a second thread is noise.
+#: Measured: 28 single-layer stations of qwen2-7b (172 MB each) on 2 cores prefill 64
+#: tokens in 3.9 s with two threads each against 5.9 s with one, and decode at the same
+#: speed (docs/performance.md).
+WHOLE_HOST_STATION_BYTES = 64 * 1024 * 1024
+
+
+def station_threads(stations: int, cores: int | None = None, station_bytes: int = 0) -> int:
     """Compute threads for each of ``stations`` processes sharing this host's cores: the
     cores divided among them, at least one. A station's second thread spins while its pass
-    runs and must be woken for every pass; with more processes than cores those spins and
-    wake-ups take the cores the busy station needs (measured: 28 stations on 2 cores burn
-    ≈ 2× the CPU per token with two threads each; see docs/mesh-transport.md)."""
+    runs and must be woken for every pass; with more processes than cores, for small
+    stations, those spins and wake-ups take the cores the busy station needs (measured: 28
+    stations of SmolLM2 on 2 cores burn ≈ 2× the CPU per token with two threads each; see
+    docs/performance.md). A station of ``station_bytes`` ≥ :data:`WHOLE_HOST_STATION_BYTES` gets
+    every core."""
     cores = cores or os.cpu_count() or 1
+    if station_bytes >= WHOLE_HOST_STATION_BYTES:
+        return cores
     return max(1, cores // max(1, stations))
+
+
+def model_station_bytes(model_path: str | Path | None, stations: int) -> int:
+    """The bytes of the model file per station (the share each holds, roughly)."""
+    return resolve_model_path(model_path).stat().st_size // max(1, stations)
 
 
 def free_ports(k: int) -> list[int]:
@@ -298,7 +315,8 @@ class LocalMesh:
         env = dict(os.environ)
         env.pop("AMPLITUHEDRON_TOKEN", None)  # the stations take this mesh's token, or none
         if self.threads is not None or THREADS_ENV not in env:
-            env[THREADS_ENV] = str(self.threads or station_threads(n))
+            share = model_file.path.stat().st_size // self.k
+            env[THREADS_ENV] = str(self.threads or station_threads(n, station_bytes=share))
         self._env = env
         if self.token is None:
             auth = ["--insecure"]

@@ -335,7 +335,7 @@ def split_frame(body: bytes) -> tuple[bytes, memoryview]:
 #
 # A station also takes batched steps over a persistent TCP stream on its ``stream_port``
 # (announced in /healthz): the same JSON header and payload as ``/batch/step``, without
-# HTTP. Its hops cost a fifth of an HTTP hop's on loopback (see docs/mesh-transport.md).
+# HTTP. Its hops cost a fifth of an HTTP hop's on loopback (see docs/performance.md).
 # Each request frame carries the mesh token, checked in constant time before the header
 # or payload is read, and declares its lengths up front, refused (413) past the station's
 # limits before they are read:
