@@ -376,3 +376,30 @@ def test_the_default_cache_is_under_home(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert syn.cache_dir() == tmp_path / ".cache" / "amplituhedron" / "synthetic"
+
+
+# --- bench-rows --------------------------------------------------------------------------------
+
+
+def test_bench_rows_reports_the_floor_and_the_row_cost_curve(
+    small_file: syn.Written, tmp_path: Path
+) -> None:
+    """A tiny ``bench-rows`` run on the 1-layer file: the bytes a decode step streams are the
+    file's tensors but the embedding (unless the head is tied to it, then read whole), the
+    floor is those bytes over the measured bandwidth, and every row count has its cost."""
+    import gguf
+
+    report = tmp_path / "rows.json"
+    argv = [sys.executable, "-m", "amplituhedron_rs.cli", "bench-rows", "-m", str(small_file.path)]
+    argv += ["--rows", "1,2", "--steps", "2", "--precision", "fast", "--json", str(report)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    r = json.loads(report.read_text())
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(small_file.path).tensors}
+    untied = "output.weight" in sizes
+    assert r["streamed_bytes"] == sum(sizes.values()) - untied * sizes["token_embd.weight"]
+    assert r["read_bandwidth_gb_s"] > 0
+    assert math.isclose(r["floor_ms"], r["streamed_bytes"] / (r["read_bandwidth_gb_s"] * 1e9) * 1e3)
+    fast = r["precisions"]["fast"]
+    assert set(fast["rows_ms"]) == {"1", "2"} and all(v > 0 for v in fast["rows_ms"].values())
+    assert fast["rows_over_one"]["1"] == 1.0
+    assert "| fast |" in out.stdout and "floor" in out.stdout

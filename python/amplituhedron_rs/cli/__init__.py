@@ -5,7 +5,8 @@ the runtime supports, which model files are installed), ``serve`` (the OpenAI-co
 server), ``station serve`` (one station), ``mesh up`` (a local mesh of stations), ``bench``
 (the falsifiability bench), ``bench-eviction`` (the eviction traces alone), ``bench-model``
 (the runtime vs llama.cpp), ``bench-serve`` (streaming clients against the server),
-``bench-spec`` (speculative decoding against plain), ``bench-mesh`` (what the mesh costs per
+``bench-spec`` (speculative decoding against plain), ``bench-rows`` (decode against the
+memory floor, the cost of n rows per step), ``bench-mesh`` (what the mesh costs per
 hop), ``bench-chaos`` (failover while stations are killed), ``bench-edge`` (the server under
 hostile traffic), ``synth`` (a synthetic checkpoint of a real model's shape).
 
@@ -43,6 +44,7 @@ COMMANDS = {
     "bench-model": "amplituhedron_rs.cli.bench_model",
     "bench-serve": "amplituhedron_rs.cli.bench_serve",
     "bench-spec": "amplituhedron_rs.cli.bench_spec",
+    "bench-rows": "amplituhedron_rs.cli.bench_rows",
     "bench-mesh": "amplituhedron_rs.cli.bench_mesh",
     "bench-chaos": "amplituhedron_rs.cli.bench_chaos",
     "bench-edge": "amplituhedron_rs.cli.bench_edge",
