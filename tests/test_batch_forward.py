@@ -142,3 +142,30 @@ def test_requests_sharing_a_system_prompt_equal_each_alone(
         together = _drain(engine)
         for i, seq in enumerate(seqs):
             assert together[seq] == alone[i], f"request {i} (cache {'on' if use_cache else 'off'})"
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_released_step_buffers_leave_the_resident_set_and_change_no_result(
+    model: Model,
+) -> None:
+    # A 256-row step at the exit range with every row's logits grows the step buffers by
+    # 256 x 49,152 floats (48 MiB) of logits alone; an idle station releases them.
+    _, mid, hi = SPLIT
+    exit_ = _core.BatchForward(model.weights, mid, hi)
+    rows = np.random.default_rng(0).standard_normal((256, int(model.weights.hidden)))
+    hidden = rows.astype(np.float32) * 0.1
+    first = exit_.run([_session(model, mid, hi)], [hidden], ["all"])
+    logits = first[0][1]
+    assert logits is not None
+    del first
+    grown = _rss()
+    assert exit_.release_buffers() is True
+    released = _rss()
+    assert grown - released > 40 * 2**20, (grown, released)
+    # The next step grows them again and computes the same bits.
+    again = exit_.run([_session(model, mid, hi)], [hidden], ["all"])
+    assert again[0][1] is not None and again[0][1].tobytes() == logits.tobytes()

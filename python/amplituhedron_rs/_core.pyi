@@ -558,6 +558,7 @@ class BatchForward:
         logits: Sequence[_Logits],
         spans: Sequence[SpanType] | None = None,
     ) -> list[_Forwarded]: ...
+    def release_buffers(self) -> bool: ...
 
 @final
 class ReplayResult:

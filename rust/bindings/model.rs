@@ -454,6 +454,19 @@ impl PyBatchForward {
             })
             .collect()
     }
+
+    /// Drops the step buffers grown by earlier steps (a prefill's chunk rows: ≈ 26 MB at a
+    /// 7B shape) and returns the freed heap to the system; the next step grows them again.
+    /// For an idle station. False (nothing done) while a step holds them.
+    fn release_buffers(&self) -> bool {
+        let Ok(mut bufs) = self.bufs.try_lock() else {
+            return false;
+        };
+        *bufs = StepBuffers::new(self.range.weights().config(), 1, 1);
+        drop(bufs);
+        crate::model::return_free_heap();
+        true
+    }
 }
 
 /// A replayed volume: `status` is `"hit"` (whole prompt) or `"partial"` (after an erasure).

@@ -47,6 +47,17 @@ pub use weights::{
     tensor_digests, Digest, LayerView, LlamaWeights, LoadOptions, TensorInfo, WeightsMemory,
 };
 
+/// Returns the allocator's free heap pages to the system. Freed buffers of a few MiB stay
+/// in glibc's arenas (its mmap threshold rises to the largest chunk freed), so a process
+/// that dropped its work buffers would keep them in its resident set without this.
+pub fn return_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(test)]
 mod gemma_tests;
 #[cfg(test)]

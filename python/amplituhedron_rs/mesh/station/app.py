@@ -28,8 +28,8 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import InputError
 from amplituhedron_rs.edge import EdgeLimits
 from amplituhedron_rs.edge.asgi import BearerAuth, BodyLimit
+from amplituhedron_rs.mesh.station.batch import BatchStepper, stepper_of
 from amplituhedron_rs.mesh.station.batch import router as batch_router
-from amplituhedron_rs.mesh.station.batch import stepper_of
 from amplituhedron_rs.mesh.station.drill import DieOn, armed
 from amplituhedron_rs.mesh.station.errors import (
     HANDLED,
@@ -108,6 +108,9 @@ def create_app(station: Station) -> FastAPI:
             while True:
                 await asyncio.sleep(min(10.0, max(0.5, s.session_idle_s / 4)))
                 station.sweep_idle()
+                stepper: BatchStepper | None = getattr(app.state, "batch_stepper", None)
+                if stepper is not None:
+                    stepper.release_if_idle()
 
         task = asyncio.create_task(sweep())
         stream: StepStreamServer | None = app.state.step_stream

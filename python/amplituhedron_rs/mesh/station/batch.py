@@ -71,6 +71,19 @@ class BatchStepper:
         self.station = station
         self.forward = _core.BatchForward(station.weights, s.layer_lo, s.layer_hi)
         self.max_rows = int(station.max_rows)
+        #: Whether a step ran since the buffers were last released.
+        self.used = False
+
+    def release_if_idle(self) -> bool:
+        """Drops the step buffers grown by earlier steps (and returns the freed heap to the
+        system) when the station holds no session and computes nothing: a station that
+        prefilled keeps its chunk-sized buffers (≈ 26 MB at a 7B shape) otherwise. True when
+        they were released."""
+        if not self.used or not self.station.is_idle():
+            return False
+        released = self.forward.release_buffers()
+        self.used = not released
+        return released
 
     def step(self, body: bytes) -> bytes:
         """Runs one framed step (``/batch/step``'s body); returns the framed answer."""
@@ -97,6 +110,7 @@ class BatchStepper:
         session raises Busy before anything changed, so the caller can run the step in a
         worker instead."""
         st = self.station
+        self.used = True
         planned = self._plan(req, payload)
         wait = st.settings.busy_wait_s if wait is None else wait
         # Locks in one global order (session id), so concurrent steps cannot deadlock; in a

@@ -144,6 +144,14 @@ class Station(StationVolumes):
             with self._inflight_lock:
                 self.inflight -= 1
 
+    def is_idle(self) -> bool:
+        """No session open and no compute call in flight."""
+        with self.sessions_lock:
+            if self.sessions:
+                return False
+        with self._inflight_lock:
+            return self.inflight == 0
+
     def memory(self) -> dict[str, Any]:
         """What the station holds in memory (see :mod:`.memory`); reads /proc and takes the
         sessions' lock, so not on the event loop."""
