@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from amplituhedron_rs import InputError, Model, _core
+from amplituhedron_rs.mesh.station.memory import process_rss
 
 pytestmark = pytest.mark.model
 
@@ -145,8 +146,9 @@ def test_requests_sharing_a_system_prompt_equal_each_alone(
 
 
 def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    rss = process_rss()
+    assert rss is not None, "no /proc/self/status here"
+    return rss
 
 
 def test_released_step_buffers_leave_the_resident_set_and_change_no_result(
