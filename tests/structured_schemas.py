@@ -192,8 +192,3 @@ PROMPTS: dict[str, str] = {
 }
 
 ALL: dict[str, Schema] = {**SCHEMAS, **HELD_OUT}
-
-#: Schemas Gemma 3 270M (a base model, greedy) does not finish: it writes a bounded
-#: ``number``'s fraction digits until ``max_tokens`` (JSON Schema cannot bound them). The
-#: reply is a valid prefix; the tests expect the failure (strict xfail), so a fix shows.
-GEMMA_UNFINISHED = frozenset({"nested_order"})

@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field, SecretStr
 
-from structured_schemas import ALL, GEMMA_UNFINISHED, PROMPTS
+from structured_schemas import ALL, PROMPTS
 from test_serve import KEY, Server, start_server
 
 pytestmark = [pytest.mark.model, pytest.mark.serve]
@@ -452,8 +452,6 @@ def test_the_mesh_server_gives_the_same_constrained_replies(server: Server) -> N
 def test_gemma_completions_follow_response_format(gemma_path: Any) -> None:
     with start_server("--model", str(gemma_path), "--max-batch", "4") as srv:
         for name in sorted(ALL):
-            if name in GEMMA_UNFINISHED:
-                continue  # see test_structured.py's xfail
             schema = ALL[name]
             r = post(
                 srv,

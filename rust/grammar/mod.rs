@@ -28,8 +28,11 @@ use llguidance::{Matcher, ParserFactory};
 
 use crate::model::Sampler;
 
+mod numbers;
 #[cfg(test)]
 mod tests;
+
+pub use numbers::MAX_FRACTION_DIGITS;
 
 /// The longest grammar text accepted (a JSON schema, a regex or a Lark grammar): bounds the
 /// work of compiling one, with llguidance's own limits on the compiled size and lexer states.
@@ -104,12 +107,15 @@ const JSON_LAYOUT: &str =
 
 impl GrammarSpec {
     fn top_level(&self) -> Result<TopLevelGrammar, GrammarError> {
-        let json = |text: &str| -> Result<TopLevelGrammar, GrammarError> {
+        let json = |text: &str, bound_numbers: bool| -> Result<TopLevelGrammar, GrammarError> {
             let mut schema: serde_json::Value = serde_json::from_str(text)
                 .map_err(|e| GrammarError(format!("the JSON schema is not JSON: {e}")))?;
             // `true` / `false` are schemas too (anything / nothing).
             if !(schema.is_object() || schema.is_boolean()) {
                 return Err(GrammarError("a JSON schema is an object".into()));
+            }
+            if bound_numbers {
+                numbers::bound_fraction_digits(&mut schema);
             }
             if let Some(o) = schema.as_object_mut() {
                 if !o.contains_key("x-guidance") {
@@ -120,8 +126,8 @@ impl GrammarSpec {
             Ok(TopLevelGrammar::from_json_schema(schema))
         };
         match self.kind {
-            GrammarKind::JsonSchema => json(&self.text),
-            GrammarKind::JsonObject => json(r#"{"type": "object"}"#),
+            GrammarKind::JsonSchema => json(&self.text, true),
+            GrammarKind::JsonObject => json(r#"{"type": "object"}"#, false),
             GrammarKind::Regex => Ok(TopLevelGrammar::from_regex(&self.text)),
             GrammarKind::Lark => Ok(TopLevelGrammar::from_lark(self.text.clone())),
         }
