@@ -275,7 +275,105 @@ def test_required_and_named_tool_choice_are_enforced(server: Server) -> None:
             assert len(c["message"]["tool_calls"]) == 1
 
 
-def test_tool_calls_stream_as_deltas_and_a_conversation_round_trips(server: Server) -> None:
+def streamed(c: Any, kw: dict[str, Any]) -> tuple[str, list[list[Any]], str | None]:
+    """A streamed chat's content, each call's ``delta.tool_calls`` entries (by index), and
+    its finish reason."""
+    content, finish = "", None
+    calls: dict[int, list[Any]] = {}
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                calls.setdefault(d.index, []).append(d)
+            finish = ch.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def streamed_calls(c: Any, kw: dict[str, Any]) -> list[tuple[str, str]]:
+    """A streamed chat's calls, ``(name, arguments)``, checked to come as vLLM and OpenAI
+    send them: each first with its id and name (``arguments: ""``), then the arguments'
+    pieces; the calls equal the same request's whole reply's (apart from their ids)."""
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls, whole
+    content, calls, finish = streamed(c, kw)
+    assert finish == "tool_calls" and content == (whole.message.content or "")
+    out = []
+    for head, *pieces in calls:
+        assert head.id.startswith("call_") and head.type == "function", head
+        assert head.function.name and head.function.arguments == ""
+        assert all(p.id is None and p.function.name is None for p in pieces)
+        out.append((head.function.name, "".join(p.function.arguments for p in pieces)))
+        # A call's arguments come as they are written, not whole at the end.
+        assert len(pieces) > 1, pieces
+    assert out == [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    return out
+
+
+#: A conversation in which SmolLM2 answers ``tool_choice: "auto"`` with a call (it writes
+#: text when nothing shows it the form), and its last question, which it answers in text.
+CALLED_BEFORE: list[dict[str, Any]] = []
+for i, (city, result) in enumerate([("Oslo", "sunny, 18"), ("Madrid", "cloudy, 21")]):
+    args = json.dumps({"city": city, "unit": "celsius"})
+    CALLED_BEFORE += [
+        {"role": "user", "content": f"What is the weather in {city}?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": args},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": f"call_{i}", "content": result},
+        {"role": "assistant", "content": f"It is {result.split(',')[0]} in {city}."},
+    ]
+
+
+def test_tool_calls_stream_as_they_are_written(server: Server) -> None:
+    c = server.client()
+    base: dict[str, Any] = {"model": server.model(), "tools": TOOLS, "max_tokens": 200}
+    both = messages("What is the weather in Paris, and the time in Europe/Paris?")
+    forced: list[tuple[dict[str, Any], set[str]]] = [
+        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, {"get_time"}),
+        ({"tool_choice": "required"}, {"get_weather", "get_time"}),
+        ({"tool_choice": "required", "parallel_tool_calls": False}, {"get_weather", "get_time"}),
+    ]
+    for extra, names in forced:
+        calls = streamed_calls(c, {**base, "messages": both, **extra})
+        for name, arguments in calls:
+            assert name in names
+            jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+        if extra.get("parallel_tool_calls") is False:
+            assert len(calls) == 1
+    rome = [*CALLED_BEFORE, {"role": "user", "content": "What is the weather in Rome?"}]
+    assert streamed_calls(c, {**base, "messages": rome, "tool_choice": "auto"}) == [
+        ("get_weather", '{"city": "Rome", "unit": "celsius"}')
+    ]
+
+
+def test_an_auto_reply_in_text_streams_as_the_same_content(server: Server) -> None:
+    c = server.client()
+    thanks = [*CALLED_BEFORE, {"role": "user", "content": "Thanks! How are you?"}]
+    # A reply that begins like a call ("{") is held, then sent once it cannot be one.
+    braces = messages("What is the weather in Rome? Reply with only the JSON object.")
+    for msgs, opening in [(thanks, ""), (braces, "{")]:
+        kw: dict[str, Any] = {
+            "model": server.model(),
+            "messages": msgs,
+            "tools": TOOLS,
+            "max_tokens": 60,
+        }
+        whole = c.chat.completions.create(**kw).choices[0]
+        assert not whole.message.tool_calls and whole.message.content, whole
+        assert whole.message.content.startswith(opening)
+        content, calls, finish = streamed(c, kw)
+        assert (content, calls, finish) == (whole.message.content, [], whole.finish_reason)
+
+
+def test_a_conversation_with_tool_calls_round_trips(server: Server) -> None:
     c = server.client()
     kw: dict[str, Any] = {
         "model": server.model(),
@@ -284,19 +382,8 @@ def test_tool_calls_stream_as_deltas_and_a_conversation_round_trips(server: Serv
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "max_tokens": 120,
     }
-    whole = c.chat.completions.create(**kw)
-    calls = whole.choices[0].message.tool_calls
-    assert calls and whole.choices[0].finish_reason == "tool_calls"
-    deltas: list[Any] = []
-    finish = None
-    for chunk in c.chat.completions.create(stream=True, **kw):
-        for ch in chunk.choices:
-            deltas.extend(ch.delta.tool_calls or [])
-            finish = ch.finish_reason or finish
-    assert finish == "tool_calls"
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (t.function.name, t.function.arguments) for t in calls
-    ]
+    calls = c.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert calls
     # The call and its result go back; the model answers in text.
     history = [
         *kw["messages"],
@@ -378,6 +465,35 @@ def test_litellm_tool_calls(server: Server) -> None:
     calls = r.choices[0].message.tool_calls
     assert calls and r.choices[0].finish_reason == "tool_calls"
     check_calls([c.model_dump() for c in calls], {"get_weather", "get_time"})
+
+
+def test_tokenize_renders_tools_as_the_chat_endpoint_does(server: Server) -> None:
+    user = messages("What is the weather in Oslo?")
+    plain = post(server, "/tokenize", {"messages": user}).json()["count"]
+    counts = []
+    extras: list[dict[str, Any]] = [
+        {"tools": TOOLS},
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+        {"tools": TOOLS, "parallel_tool_calls": False},
+        {"messages": [*CALLED_BEFORE, *user], "tools": TOOLS},
+    ]
+    for extra in extras:
+        body = {"messages": user, **extra}
+        counted = post(server, "/tokenize", body)
+        assert counted.status_code == 200, counted.text
+        chat = post(server, "/v1/chat/completions", {**body, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"], extra
+        counts.append(counted.json()["count"])
+    assert all(n > plain for n in counts)
+    # Validated as the chat endpoint validates them.
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "x"),
+    ]
+    for extra, words in refused:
+        r = post(server, "/tokenize", {"messages": user, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
 
 
 # --- invariants: batched ≡ alone, drafts, the mesh --------------------------------------------

@@ -55,12 +55,11 @@ from amplituhedron_rs.serve.protocol import (
     CompletionRequest,
     new_id,
     now,
-    template_role,
 )
 from amplituhedron_rs.serve.replies import ChunkShape, sse, total_usage, until_done_or_disconnect
 from amplituhedron_rs.serve.structured import GrammarCache, Requested
 from amplituhedron_rs.serve.tokenize_routes import install_tokenize_routes
-from amplituhedron_rs.serve.tools import ToolPlan, template_messages
+from amplituhedron_rs.serve.tools import ToolPlan
 
 log = logging.getLogger("amplituhedron.serve")
 
@@ -338,12 +337,7 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
         if settings.chat_warning and not chat_warned:
             chat_warned = True
             log.warning("%s", settings.chat_warning)
-        plan = ToolPlan.of(
-            body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.supports_tools
-        )
-        messages, tools = template_messages(
-            [{**m.for_template(), "role": template_role(m.role)} for m in body.messages], plan
-        )
+        plan, messages, tools = body.rendered(tokenizer.supports_tools)
         check_chars(sum(len(m["content"]) for m in messages), "messages")
         requested = body.requested()
         forced = plan.constraint() if plan is not None else None
@@ -433,14 +427,11 @@ def create_app(front: EngineFront, tokenizer: Tokenizer, settings: ServeSettings
             choice: dict[str, Any] = {"index": g.index, "finish_reason": g.finish_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
-                parsed = p.tools.parse(text) if p.tools is not None else None
-                if parsed is not None:
-                    choice["message"] = {
-                        "role": "assistant",
-                        "content": parsed[0],
-                        "tool_calls": parsed[1],
-                    }
-                    choice["finish_reason"] = "tool_calls"
+                if p.tools is not None:
+                    # The parse a streamed reply makes, fed at once.
+                    reply = p.tools.reply()
+                    choice["message"] = reply.message(text)
+                    choice["finish_reason"] = reply.finish_reason(g.finish_reason)
             else:
                 choice["text"] = (p.echo or "") + text
             choice["logprobs"] = g.reply_logprobs(chat=chat)

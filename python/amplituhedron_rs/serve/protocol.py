@@ -33,7 +33,14 @@ from amplituhedron_rs._core import (
 from amplituhedron_rs.runtime.sampling import TOP_K_MAX
 from amplituhedron_rs.serve.fields import screen
 from amplituhedron_rs.serve.structured import StructuredFields
-from amplituhedron_rs.serve.tools import ToolCall, ToolChoice, ToolDef, check_tools
+from amplituhedron_rs.serve.tools import (
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+    ToolPlan,
+    check_tools,
+    template_messages,
+)
 from amplituhedron_rs.serve.unicode import Text
 
 if TYPE_CHECKING:
@@ -108,6 +115,33 @@ class ChatMessage(BaseModel):
         if self.name and self.role == "tool":
             out["name"] = self.name
         return out
+
+
+class ChatFields(BaseModel):
+    """What renders a chat's prompt: its messages and tools. ``/v1/chat/completions`` and
+    ``/tokenize`` take them alike, so the count ``/tokenize`` gives is what the chat
+    prefills."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatFields:
+        check_tools(self.tools, self.tool_choice)
+        return self
+
+    def rendered(
+        self, native: bool
+    ) -> tuple[ToolPlan | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The tool plan, and the messages and tools as the chat template gets them
+        (``native``: the template renders tools itself)."""
+        plan = ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls, native)
+        messages, tools = template_messages(
+            [{**m.for_template(), "role": template_role(m.role)} for m in self.messages], plan
+        )
+        return plan, messages, tools
 
 
 class StreamOptions(BaseModel):
@@ -213,13 +247,9 @@ class _SamplingFields(StructuredFields):
         return [t for t, _ in self.bias_pairs()] + list(self.stop_token_ids or [])
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatCompletionRequest(_SamplingFields, ChatFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[ToolDef] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
     #: Report each generated token's log-probability (the model's own distribution) and
     #: ``top_logprobs`` alternatives.
     logprobs: StrictBool = False
@@ -229,7 +259,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _chat_supported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        check_tools(self.tools, self.tool_choice)
         return self
 
     def token_limit(self) -> int | None:

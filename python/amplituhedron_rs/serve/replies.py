@@ -15,7 +15,6 @@ from starlette.requests import Request
 from amplituhedron_rs.serve.errors import APIError
 from amplituhedron_rs.serve.generation import Delta, Generation
 from amplituhedron_rs.serve.protocol import usage
-from amplituhedron_rs.serve.tools import ToolStream, stream_deltas
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,14 @@ class ChunkShape:
             "choices": [choice],
         }
 
+    def delta_chunk(
+        self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A chat chunk of a :class:`~.tools.ToolReply` delta (content or one call's)."""
+        return self.chunk(
+            index, delta.get("content"), None, logprobs=logprobs, tool_calls=delta.get("tool_calls")
+        )
+
 
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
@@ -79,8 +86,8 @@ async def sse(
 ) -> AsyncIterator[bytes]:
     """Server-sent events: each sequence's deltas as they come, tagged with its choice's
     index, and each choice's end; the client leaving cancels every sequence (Starlette
-    cancels this generator, and `finally` hands the cancel to the engine). With tools, text
-    that may be a call is held until the reply ends (:class:`~.tools.ToolStream`)."""
+    cancels this generator, and `finally` hands the cancel to the engine). With tools, calls
+    go out as ``delta.tool_calls`` as they are written (:class:`~.tools.ToolReply`)."""
     queue: asyncio.Queue[tuple[Generation, Delta | APIError | None]] = asyncio.Queue()
 
     async def pump(g: Generation) -> None:
@@ -98,7 +105,7 @@ async def sse(
                 yield _event(shape.chunk(g.index, "", None, first=True))
         tasks = [asyncio.ensure_future(pump(g)) for g in gens]
         sent = {g.index: 0 for g in gens}  # characters of reply text so far (text offsets)
-        held = {g.index: ToolStream(g.tools) for g in gens if g.tools is not None}
+        replies = {g.index: g.tools.reply() for g in gens if g.tools is not None}
         left = len(gens)
         while left:
             g, item = await queue.get()
@@ -108,18 +115,14 @@ async def sse(
                     {"error": {"message": item.message, "type": item.type, "code": item.code}}
                 )
                 return
-            hold = held.get(g.index)
+            reply = replies.get(g.index)
             if item is None:
                 left -= 1
                 finish = g.finish_reason
-                if hold is not None:
-                    text, calls = hold.finish()
-                    if text:
-                        yield _event(shape.chunk(g.index, text, None))
-                    if calls is not None:
-                        deltas = stream_deltas(calls)
-                        yield _event(shape.chunk(g.index, None, None, tool_calls=deltas))
-                        finish = "tool_calls"
+                if reply is not None:
+                    for d in reply.finish():
+                        yield _event(shape.delta_chunk(g.index, d))
+                    finish = reply.finish_reason(finish)
                 final = shape.chunk(g.index, None if shape.chat else "", finish)
                 if include_usage:
                     final["usage"] = None
@@ -127,10 +130,14 @@ async def sse(
                 continue
             logprobs = g.logprobs_payload(item, chat=shape.chat, offset=sent[g.index])
             sent[g.index] += len(item.text)
-            text = item.text if hold is None else hold.push(item.text)
-            if not text and hold is not None and logprobs is None:
+            if reply is None:
+                yield _event(shape.chunk(g.index, item.text, None, logprobs=logprobs))
                 continue
-            yield _event(shape.chunk(g.index, text, None, logprobs=logprobs))
+            deltas = reply.push(item.text)
+            if not deltas and logprobs is not None:
+                deltas = [{"content": ""}]  # held text's tokens: their log-probabilities go now
+            for i, d in enumerate(deltas):
+                yield _event(shape.delta_chunk(g.index, d, logprobs if i == 0 else None))
         if include_usage:
             tail = shape.chunk(0, None, None)
             tail["choices"] = []

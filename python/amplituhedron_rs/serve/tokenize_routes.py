@@ -2,7 +2,8 @@
 
 - ``POST /tokenize`` — ``{"prompt": text}`` (``add_special_tokens``: whether BOS is added
   when the model file asks for one, default true) or ``{"messages": [...]}`` (the chat
-  template, ``add_generation_prompt`` default true: exactly the ids the chat endpoint runs);
+  template, ``add_generation_prompt`` default true; with ``tools``, ``tool_choice`` and
+  ``parallel_tool_calls`` as the chat endpoint takes them: exactly the ids it runs);
   ``return_token_strs`` adds each id's vocabulary entry. Answers ``{"count", "max_model_len",
   "tokens"[, "token_strs"]}``.
 - ``POST /detokenize`` — ``{"tokens": [...]}`` → ``{"prompt": text}`` (special tokens kept).
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from amplituhedron_rs.runtime.tokenizer import Tokenizer
 from amplituhedron_rs.serve.errors import bad_request
-from amplituhedron_rs.serve.protocol import U32_MAX, ChatMessage, template_role
+from amplituhedron_rs.serve.protocol import U32_MAX, ChatFields
 from amplituhedron_rs.serve.unicode import Text
 
 
@@ -46,8 +47,8 @@ class TokenizeText(_Body):
     add_special_tokens: StrictBool = True
 
 
-class TokenizeChat(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
+class TokenizeChat(_Body, ChatFields):
+    model_config = ConfigDict(extra="forbid")
     add_generation_prompt: StrictBool = True
     #: The template writes the chat's special tokens; asking for more is refused.
     add_special_tokens: Literal[False] = False
@@ -87,11 +88,12 @@ def install_tokenize_routes(
         if isinstance(body, TokenizeText):
             ids = tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
             return answer(ids, body.return_token_strs)
-        # Exactly as the chat endpoint tokenises them.
-        messages = [{"role": template_role(m.role), "content": m.text()} for m in body.messages]
+        # Exactly as the chat endpoint renders and tokenises them.
+        _, messages, tools = body.rendered(tokenizer.supports_tools)
         try:
             ids = tokenizer.encode_chat(
                 messages,
+                tools=tools,
                 special_in_content=special_in_content,
                 add_generation_prompt=body.add_generation_prompt,
             )

@@ -22,24 +22,30 @@ JSON Schema (generic) or Lark (Hermes) language whose sentences are exactly the 
 with arguments valid under each function's parameters (objects closed to undeclared
 properties unless the schema says otherwise). A named function is called exactly
 once; ``required`` allows as many calls as there are functions (small models otherwise repeat
-a call until ``max_tokens``), one with ``parallel_tool_calls: false``. Parsed calls become
-``message.tool_calls`` (``content: null``), streamed as ``delta.tool_calls`` once the reply
-is complete, with ``finish_reason: "tool_calls"``.
+a call until ``max_tokens``), one with ``parallel_tool_calls: false``.
+
+The reply is read by one incremental parser (:mod:`.tool_parser`). Calls become
+``message.tool_calls`` (``content: null`` unless there was text around them), their
+``arguments`` the text the model wrote, with ``finish_reason: "tool_calls"``. Streamed, a
+call is sent as it is written, as vLLM and OpenAI do: a ``delta.tool_calls`` entry with its
+index, id and name once the name is known, then pieces of its arguments; the pieces of a call
+concatenate to the whole reply's ``arguments``. Text that may begin a call is held until it
+cannot, then sent as content.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from amplituhedron_rs.runtime import structured
 from amplituhedron_rs.runtime.structured import Constraint
+from amplituhedron_rs.serve.tool_parser import CallParser, CallStart, Content, Event
 from amplituhedron_rs.serve.unicode import Text
 
 FUNCTION_NAME = r"^[A-Za-z0-9_.:-]{1,64}$"
@@ -120,7 +126,6 @@ class ToolPlan:
     parallel: bool
     #: The chat template renders tools itself (the Hermes form) rather than the generic one.
     native: bool
-    ids: list[str] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -211,28 +216,9 @@ class ToolPlan:
         )
 
     # --- the reply -------------------------------------------------------------------------
-    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
-        """The calls in a reply, as OpenAI's ``tool_calls`` (with fresh ids), and the text
-        around them (None when there is none); None when the reply holds no valid call."""
-        names = {f.name for f in self.allowed()}
-        found = _generic_calls(text) or _hermes_calls(text)
-        if found is None:
-            return None
-        content, calls = found
-        if not calls or any(c[0] not in names for c in calls):
-            return None
-        if not self.parallel:
-            calls = calls[:1]
-        self.ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in calls]
-        out = [
-            {
-                "id": cid,
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args)},
-            }
-            for cid, (name, args) in zip(self.ids, calls, strict=True)
-        ]
-        return (content or None), out
+    def reply(self) -> ToolReply:
+        """Reads a reply to this request (:mod:`.tool_parser`)."""
+        return ToolReply(CallParser({f.name for f in self.allowed()}, None if self.parallel else 1))
 
 
 def _closed(schema: Any) -> Any:
@@ -252,55 +238,6 @@ def _closed(schema: Any) -> Any:
 
 def _parameters(f: FunctionDef) -> dict[str, Any]:
     return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
-
-
-Call = tuple[str, dict[str, Any]]
-
-
-def _call_of(obj: Any) -> Call | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    return (obj["name"], args) if isinstance(args, dict) else None
-
-
-def _generic_calls(text: str) -> tuple[str, list[Call]] | None:
-    """``{"tool_calls": [...]}``, the whole reply."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    listed = value.get("tool_calls") if isinstance(value, dict) else None
-    if not isinstance(listed, list):
-        return None
-    calls = [_call_of(c) for c in listed]
-    if any(c is None for c in calls):
-        return None
-    return "", [c for c in calls if c is not None]
-
-
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
-def _hermes_calls(text: str) -> tuple[str, list[Call]] | None:
-    blocks = _HERMES.findall(text)
-    if not blocks:
-        return None
-    calls: list[Call] = []
-    for b in blocks:
-        try:
-            c = _call_of(json.loads(b))
-        except ValueError:
-            return None
-        if c is None:
-            return None
-        calls.append(c)
-    return _HERMES.sub("", text).strip(), calls
 
 
 # --- messages into the template --------------------------------------------------------------
@@ -380,47 +317,57 @@ def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# --- streaming -------------------------------------------------------------------------------
+# --- the reply -------------------------------------------------------------------------------
 
 
-class ToolStream:
-    """Streams a reply that may be tool calls: text goes out as it comes while it cannot be a
-    call (its first character is neither ``{`` nor ``<``), else it is held until the reply
-    ends and then sent as calls (or as the text it turned out to be)."""
+class ToolReply:
+    """A reply to a request with tools, as OpenAI's chat shapes: streamed, the ``delta`` of
+    each chunk to send as text comes (:meth:`push`, then :meth:`finish`); whole, the same
+    parse fed at once (:meth:`message`). A call's ``arguments`` are the text the model wrote,
+    in both."""
 
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.held = ""
-        self.mode: Literal["undecided", "text", "held"] = "held" if plan.forced else "undecided"
+    def __init__(self, parser: CallParser) -> None:
+        self.parser = parser
+        self.content = ""
+        #: The calls so far, OpenAI's ``tool_calls`` (each with a fresh id).
+        self.calls: list[dict[str, Any]] = []
 
-    def push(self, piece: str) -> str:
-        """The text to send now."""
-        if self.mode == "text":
-            return piece
-        self.held += piece
-        if self.mode == "undecided":
-            head = self.held.lstrip()
-            if not head:
-                return ""
-            if head[0] in "{<":
-                self.mode = "held"
-                return ""
-            self.mode = "text"
-            out, self.held = self.held, ""
-            return out
-        return ""
+    def push(self, text: str) -> list[dict[str, Any]]:
+        """The deltas to send now, in order: ``{"content": …}`` or ``{"tool_calls": [one]}``
+        (a call's start with its id, name and ``arguments: ""``, then pieces of its
+        arguments)."""
+        return self._deltas(self.parser.feed(text))
 
-    def finish(self) -> tuple[str, list[dict[str, Any]] | None]:
-        """What is left to send as text, and the calls (None: it was text)."""
-        if self.mode == "text" or not self.held:
-            return "", None
-        parsed = self.plan.parse(self.held)
-        if parsed is None:
-            return self.held, None
-        content, calls = parsed
-        return content or "", calls
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas still held when the reply ended."""
+        return self._deltas(self.parser.close())
 
+    def finish_reason(self, engine: str) -> str:
+        """``tool_calls`` when the reply made calls, unless it was cut short (``length``)."""
+        return "tool_calls" if self.calls and engine != "length" else engine
 
-def stream_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``delta.tool_calls`` entries, one per call (each whole, with its index)."""
-    return [{"index": i, **c} for i, c in enumerate(calls)]
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole reply ``text`` as the chat's ``message``."""
+        self.push(text)
+        self.finish()
+        if not self.calls:
+            return {"role": "assistant", "content": self.content}
+        return {"role": "assistant", "content": self.content or None, "tool_calls": self.calls}
+
+    def _deltas(self, events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, Content):
+                self.content += e.text
+                out.append({"content": e.text})
+                continue
+            if isinstance(e, CallStart):
+                cid = f"call_{uuid.uuid4().hex[:24]}"
+                function = {"name": e.name, "arguments": ""}
+                self.calls.append({"id": cid, "type": "function", "function": function})
+                entry = {"index": e.index, "id": cid, "type": "function", "function": {**function}}
+            else:
+                self.calls[e.index]["function"]["arguments"] += e.text
+                entry = {"index": e.index, "function": {"arguments": e.text}}
+            out.append({"tool_calls": [entry]})
+        return out
