@@ -392,6 +392,7 @@ def test_bench_rows_reports_the_floor_and_the_row_cost_curve(
     report = tmp_path / "rows.json"
     argv = [sys.executable, "-m", "amplituhedron_rs.cli", "bench-rows", "-m", str(small_file.path)]
     argv += ["--rows", "1,2", "--steps", "2", "--precision", "fast", "--json", str(report)]
+    argv += ["--drafts", "1,3", "--acceptance", "0.5"]
     out = subprocess.run(argv, capture_output=True, text=True, check=True)
     r = json.loads(report.read_text())
     sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(small_file.path).tensors}
@@ -400,6 +401,17 @@ def test_bench_rows_reports_the_floor_and_the_row_cost_curve(
     assert r["read_bandwidth_gb_s"] > 0
     assert math.isclose(r["floor_ms"], r["streamed_bytes"] / (r["read_bandwidth_gb_s"] * 1e9) * 1e3)
     fast = r["precisions"]["fast"]
+    assert fast["floor_ms"] > 0 and fast["of_floor"] > 0
     assert set(fast["rows_ms"]) == {"1", "2"} and all(v > 0 for v in fast["rows_ms"].values())
     assert fast["rows_over_one"]["1"] == 1.0
-    assert "| fast |" in out.stdout and "floor" in out.stdout
+    # Verify steps: k = 0 is the plain step the others are measured against, and the
+    # speed-up is (1 + acceptance × k) × plain ÷ verify.
+    verify = fast["verify_ms"]
+    assert set(verify) == {"0", "1", "3"} and all(v > 0 for v in verify.values())
+    for k in (1, 3):
+        over = verify[str(k)] / verify["0"]
+        assert math.isclose(fast["verify_over_plain"][str(k)], over)
+        assert math.isclose(fast["verify_speedup"][str(k)], (1 + 0.5 * k) / over)
+    assert "| fast |" in out.stdout and "floor" in out.stdout and "k=3 ms" in out.stdout
+    bad = subprocess.run([*argv, "--acceptance", "1.5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "must be in [0, 1]" in bad.stderr

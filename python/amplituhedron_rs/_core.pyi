@@ -441,6 +441,16 @@ class ModelWeights:
     def context_len(self) -> int: ...
 
 @final
+class ReadProbe:
+    """The host's read bandwidth as the runtime's workers see it (a buffer larger than the
+    caches, folded by every worker of the pool): the floor of a memory-bound decode step."""
+
+    def __new__(cls, bytes: int = ...) -> ReadProbe: ...
+    @property
+    def bytes(self) -> int: ...
+    def measure(self, passes: int = 3) -> float: ...
+
+@final
 class RangeSession:
     """One session's ring buffer and work buffers for the layers [layer_lo, layer_hi)."""
 

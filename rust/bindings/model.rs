@@ -688,6 +688,41 @@ impl PyPipeline {
     }
 }
 
+/// The host's read bandwidth as the runtime's workers see it (a buffer larger than the
+/// caches, folded by every worker of the pool): the floor of a memory-bound decode step.
+#[pyclass(name = "ReadProbe", module = "amplituhedron_rs._core", frozen)]
+struct PyReadProbe {
+    probe: crate::model::ReadProbe,
+}
+
+#[pymethods]
+impl PyReadProbe {
+    #[new]
+    #[pyo3(signature = (bytes = 1 << 30))]
+    fn new(py: Python<'_>, bytes: usize) -> PyResult<Self> {
+        if bytes > 1 << 36 {
+            return Err(InputError::new_err(format!(
+                "a read probe of {bytes} bytes; at most 64 GiB"
+            )));
+        }
+        Ok(PyReadProbe {
+            probe: py.detach(|| crate::model::ReadProbe::new(bytes)),
+        })
+    }
+
+    /// Bytes read per pass.
+    #[getter]
+    fn bytes(&self) -> usize {
+        self.probe.bytes()
+    }
+
+    /// Bytes per second: the fastest of `passes` passes.
+    #[pyo3(signature = (passes = 3))]
+    fn measure(&self, py: Python<'_>, passes: usize) -> f64 {
+        py.detach(|| self.probe.measure(passes))
+    }
+}
+
 /// GGUF architectures the runtime runs (`general.architecture` values).
 #[pyfunction]
 fn supported_architectures() -> Vec<&'static str> {
@@ -703,6 +738,7 @@ fn supported_tensor_types() -> Vec<String> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(supported_architectures, m)?)?;
     m.add_function(wrap_pyfunction!(supported_tensor_types, m)?)?;
+    m.add_class::<PyReadProbe>()?;
     m.add_class::<PyRangeSession>()?;
     m.add_class::<PySampler>()?;
     m.add_class::<PyBatchForward>()?;

@@ -17,6 +17,7 @@
 //! stations equals one process, bit for bit.
 
 mod adjust;
+mod bandwidth;
 mod config;
 mod forward;
 mod kv;
@@ -35,6 +36,7 @@ pub use adjust::{
     LogitsAdjust, MAX_LOGIT_BIAS, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
 };
+pub use bandwidth::ReadProbe;
 pub use config::{Activation, Architecture, ModelConfig, Recipe, RopeStyle, SlidingWindow};
 pub use forward::{ChunkInput, LayerRange, LogitsWanted, Segment, StepBuffers};
 pub use kv::{SequenceKv, SessionConfig, SPAN_TOKENS};
@@ -55,6 +57,31 @@ pub fn return_free_heap() {
     // SAFETY: malloc_trim only releases free memory of the allocator's own arenas.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// Asks the kernel to back `buf` with transparent huge pages (2 MiB), where it allows them
+/// on request (`/sys/kernel/mm/transparent_hugepage/enabled` = `madvise`, a common default).
+/// Call it on a fresh, untouched allocation: the pages it then faults in are huge. A stream
+/// over 4 KiB pages runs a page walk every 4 KiB and the hardware prefetchers stop at every
+/// page boundary: on AMD Zen 4 one thread reads 23 GB/s from DRAM over 4 KiB pages and 27
+/// over huge ones (two threads 30.5 and 34). A 7B decode step, whose kernels prefetch
+/// ahead, gained ~2 % (within this host's noise). Only the 2 MiB-aligned interior is
+/// advised; nothing changes where the kernel refuses.
+pub fn advise_huge_pages<T>(buf: &mut [T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = buf.as_mut_ptr() as usize;
+        let end = start + std::mem::size_of_val(buf);
+        let (lo, hi) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
+        if lo < hi {
+            // SAFETY: [lo, hi) lies inside `buf`'s allocation; MADV_HUGEPAGE changes how its
+            // pages are backed, never their contents.
+            unsafe {
+                libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE);
+            }
+        }
     }
 }
 

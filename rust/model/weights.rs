@@ -379,6 +379,8 @@ impl LlamaWeights {
             digests[i] = Some(d);
         }
         let mut interleaved = vec![0u8; copied_bytes];
+        // Before the copy's first write: its pages are faulted in huge.
+        super::advise_huge_pages(&mut interleaved);
         let mut vectors = vec![0f32; vector_floats];
         let mut scratch = Vec::new();
         for (i, e) in entries.iter().enumerate() {
@@ -612,6 +614,7 @@ impl LlamaWeights {
         let mut buf = Vec::new();
         let bytes = self.storage.read(e, &mut buf).ok()?;
         let mut out = vec![0u8; e.len];
+        super::advise_huge_pages(&mut out);
         interleave(e, bytes, &mut out);
         Some(out)
     }

@@ -88,6 +88,17 @@ def renamed(
     )  # fmt: skip
 
 
+def rate(text: str) -> float:
+    """A number in [0, 1]."""
+    try:
+        x = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {x}")
+    return x
+
+
 def positive(text: str) -> int:
     """An integer of at least 1."""
     try:
