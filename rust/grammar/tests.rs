@@ -266,22 +266,23 @@ fn json_object_and_lark_grammars_constrain_too() {
     assert!(["yes!", "no!"].contains(&text_of(&tokens).as_str()));
 }
 
-#[test]
-fn a_numbers_fraction_digits_are_bounded_and_the_schema_still_holds() {
-    let v = vocab();
-    let object = |number: &str| {
-        format!(r#"{{"type": "object", "properties": {{"p": {number}}}, "required": ["p"]}}"#)
-    };
-    let g = v
-        .compile(spec(
-            GrammarKind::JsonSchema,
-            &object(r#"{"type": "number", "maximum": 1000}"#),
-        ))
+/// The state of a grammar over `{"p": <number schema>}` after the bytes `text`.
+fn number_state_after(number: &str, text: &[u8]) -> GrammarState {
+    let schema =
+        format!(r#"{{"type": "object", "properties": {{"p": {number}}}, "required": ["p"]}}"#);
+    let g = vocab()
+        .compile(spec(GrammarKind::JsonSchema, &schema))
         .unwrap();
     let mut s = g.start();
-    for b in br#"{"p": 12.5"# {
+    for b in text {
         s.advance(*b as u32).unwrap();
     }
+    s
+}
+
+#[test]
+fn a_numbers_fraction_digits_are_bounded_and_the_schema_still_holds() {
+    let mut s = number_state_after(r#"{"type": "number", "maximum": 1000}"#, br#"{"p": 12.5"#);
     for _ in 1..MAX_FRACTION_DIGITS {
         assert!(s.allowed().unwrap().is_allowed(b'0' as u32));
         s.advance(b'0' as u32).unwrap();
@@ -290,16 +291,7 @@ fn a_numbers_fraction_digits_are_bounded_and_the_schema_still_holds() {
     assert!(mask.is_allowed(b'}' as u32), "12.50000000 is a number");
     assert!(!mask.is_allowed(b'0' as u32), "a ninth fraction digit");
     // The bound is the grammar's alone: a stated step still rules.
-    let g = v
-        .compile(spec(
-            GrammarKind::JsonSchema,
-            &object(r#"{"type": "number", "multipleOf": 0.25}"#),
-        ))
-        .unwrap();
-    let mut s = g.start();
-    for b in br#"{"p": 1.2"# {
-        s.advance(*b as u32).unwrap();
-    }
+    let mut s = number_state_after(r#"{"type": "number", "multipleOf": 0.25}"#, br#"{"p": 1.2"#);
     let mask = s.allowed().unwrap();
     assert!(mask.is_allowed(b'5' as u32) && !mask.is_allowed(b'4' as u32));
 }

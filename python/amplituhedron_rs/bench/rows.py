@@ -173,18 +173,19 @@ def main(a: argparse.Namespace) -> int:
     )
     counts = sorted(next(iter(r["precisions"].values()))["rows_ms"])
     print()
-    print(
-        "| precision | decode ms/token | floor ms | floor ÷ decode | "
-        + " | ".join(f"{n} rows ms (×1)" for n in counts)
-        + " |"
+    _table(
+        ["precision", "decode ms/token", "floor ms", "floor ÷ decode"],
+        [f"{n} rows ms (×1)" for n in counts],
+        {
+            precision: [
+                f"{p['decode_ms_per_token']:.1f}",
+                f"{p['floor_ms']:.1f}",
+                f"{p['of_floor']:.0%}",
+                *(f"{p['rows_ms'][n]:.1f} ({p['rows_over_one'][n]:.2f})" for n in counts),
+            ]
+            for precision, p in r["precisions"].items()
+        },
     )
-    print("|---|---|---|---|" + "---|" * len(counts))
-    for precision, p in r["precisions"].items():
-        cells = " | ".join(f"{p['rows_ms'][n]:.1f} ({p['rows_over_one'][n]:.2f})" for n in counts)
-        print(
-            f"| {precision} | {p['decode_ms_per_token']:.1f} | {p['floor_ms']:.1f} | "
-            f"{p['of_floor']:.0%} | {cells} |"
-        )
     ks = sorted(k for k in next(iter(r["precisions"].values()))["verify_ms"] if k)
     if ks:
         print()
@@ -194,19 +195,30 @@ def main(a: argparse.Namespace) -> int:
             "(1 + acceptance × k) × plain ÷ verify"
         )
         print()
-        print(
-            "| precision | plain ms | "
-            + " | ".join(f"k={k} ms (×plain, speed-up)" for k in ks)
-            + " |"
+        _table(
+            ["precision", "plain ms"],
+            [f"k={k} ms (×plain, speed-up)" for k in ks],
+            {
+                precision: [
+                    f"{p['verify_ms'][0]:.1f}",
+                    *(
+                        f"{p['verify_ms'][k]:.1f} ({p['verify_over_plain'][k]:.2f}, "
+                        f"{p['verify_speedup'][k]:.2f}×)"
+                        for k in ks
+                    ),
+                ]
+                for precision, p in r["precisions"].items()
+            },
         )
-        print("|---|---|" + "---|" * len(ks))
-        for precision, p in r["precisions"].items():
-            cells = " | ".join(
-                f"{p['verify_ms'][k]:.1f} ({p['verify_over_plain'][k]:.2f}, "
-                f"{p['verify_speedup'][k]:.2f}×)"
-                for k in ks
-            )
-            print(f"| {precision} | {p['verify_ms'][0]:.1f} | {cells} |")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=2) + "\n")
     return 0
+
+
+def _table(head: list[str], columns: list[str], rows: dict[str, list[str]]) -> None:
+    """A Markdown table: ``head`` and ``columns`` as its header, a row per key of ``rows``."""
+    names = head + columns
+    print("| " + " | ".join(names) + " |")
+    print("|" + "---|" * len(names))
+    for key, cells in rows.items():
+        print("| " + " | ".join([key, *cells]) + " |")
