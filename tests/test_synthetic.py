@@ -415,3 +415,5 @@ def test_bench_rows_reports_the_floor_and_the_row_cost_curve(
     assert "| fast |" in out.stdout and "floor" in out.stdout and "k=3 ms" in out.stdout
     bad = subprocess.run([*argv, "--acceptance", "1.5"], capture_output=True, text=True)
     assert bad.returncode == 2 and "must be in [0, 1]" in bad.stderr
+    bad = subprocess.run([*argv, "--drafts", "0,64"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--drafts: each k is in 1..63" in bad.stderr

@@ -118,6 +118,8 @@ def verify_costs(model: Model, drafts: list[int], steps: int) -> dict[int, float
 def measure(a: argparse.Namespace) -> dict[str, Any]:
     counts = sorted({int(n) for n in a.rows.split(",") if n})
     drafts = sorted({int(k) for k in a.drafts.split(",") if k})
+    if any(not 1 <= k < VERIFY_CONTEXT for k in drafts):
+        raise SystemExit(f"--drafts: each k is in 1..{VERIFY_CONTEXT - 1}, got {a.drafts}")
     probe = _core.ReadProbe(PROBE_BYTES)
     bandwidths: list[float] = []
     out: dict[str, Any] = {
