@@ -840,6 +840,22 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const CODES: u8>(
         debug_assert!(CODES != PAIRS || signed_path::<S, F>());
         // The zero point joins first where the products go straight into i32 sums.
         let zero_point_first = !wide && !i16_sums::<S, F>();
+        if token_outer::<S, T, CODES>() {
+            // One token at a time: its two planes' chains, then its term. Only one token's
+            // sums are live, so a tile's accumulators and the block's codes stay in registers
+            // (token-inner, 2·T sums beside them spill at T = 8); the out-of-order core
+            // overlaps one token's chains with the next one's.
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let i = i0 + t * step;
+                let hi = plane_dots::<S, F, 1>(blk, act.qs.as_ptr().add(i * QK), 0, [S::zero()], 2);
+                let lo = plane_dots::<S, F, 1>(blk, act.lo.as_ptr().add(i * QK), 0, [S::zero()], 2);
+                let (hi, lo) = (hi[0], lo[0]);
+                let mut isum = [S::add32(S::sll32(hi, 8), lo)];
+                zero_point_terms::<S, 1>(&mut isum, act, i, step, zero_point);
+                add_term::<S, F>(acc, blk, act, i, isum[0]);
+            }
+            return;
+        }
         let mut isum = [S::zero(); T];
         if zero_point_first {
             zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
@@ -877,15 +893,38 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const CODES: u8>(
             zero_point_terms::<S, T>(&mut isum, act, i0, step, zero_point);
         }
         for (t, (acc, &isum)) in acc.iter_mut().zip(&isum).enumerate() {
-            let i = i0 + t * step;
-            let da = S::fsplat(*act.scale.get_unchecked(i));
-            let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
-            if F::HAS_MIN {
-                let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
-                term = S::fadd(term, S::fmul(blk.m, s));
-            }
-            *acc = S::fadd(*acc, term);
+            add_term::<S, F>(acc, blk, act, i0 + t * step, isum);
         }
+    }
+}
+
+/// Whether [`small_terms`] runs token by token: wide codes at 4 tokens or more with VNNI,
+/// where token-inner chains would hold two sums per token.
+const fn token_outer<S: Isa, const T: usize, const CODES: u8>() -> bool {
+    S::VNNI && CODES == PLANES && T >= 4
+}
+
+/// `acc = acc + (dw·da)·isum (+ m·s)` for activation block `i`: the canonical term.
+///
+/// # Safety
+/// `i` indexes `act.scale` (and `act.scaled_sum`).
+#[inline(always)]
+unsafe fn add_term<S: Isa, F: BlockFormat>(
+    acc: &mut S::F,
+    blk: &SmallBlock<S>,
+    act: &ActBlocks<'_>,
+    i: usize,
+    isum: S::I,
+) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        let da = S::fsplat(*act.scale.get_unchecked(i));
+        let mut term = S::fmul(S::fmul(blk.dw, da), S::cvt(isum));
+        if F::HAS_MIN {
+            let s = S::fsplat(*act.scaled_sum.get_unchecked(i));
+            term = S::fadd(term, S::fmul(blk.m, s));
+        }
+        *acc = S::fadd(*acc, term);
     }
 }
 
