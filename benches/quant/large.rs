@@ -261,6 +261,34 @@ fn vnni_ops(iters: usize) -> u64 {
     _mm512_reduce_add_epi32(sum) as u64
 }
 
+/// A `fast` token-block's arithmetic without its loads: 8 `vpdpbusd` and the canonical
+/// term's two `vmulps` per round (`(dw·da)·isum`; the `vcvtdq2ps` and `vaddps` run on other
+/// pipes). Against [`vnni_ops`] it shows what the multiplies take from the VNNI pipes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn vnni_term_ops(iters: usize) -> u64 {
+    use core::arch::x86_64::*;
+    let a = black_box(_mm512_set1_epi32(0x0102_0304));
+    let b = black_box(_mm512_set1_epi32(0x0101_0101));
+    let one = black_box(_mm512_set1_ps(1.0));
+    let mut acc = [_mm512_setzero_si512(); 8];
+    let mut f = [black_box(_mm512_set1_ps(1.0)); 2];
+    for _ in 0..black_box(iters) {
+        for s in acc.iter_mut() {
+            *s = _mm512_dpbusd_epi32(*s, a, b);
+        }
+        for x in f.iter_mut() {
+            *x = _mm512_mul_ps(*x, one);
+        }
+    }
+    let (acc, f) = black_box((acc, f));
+    let mut sum = _mm512_cvtps_epi32(_mm512_add_ps(f[0], f[1]));
+    for s in acc {
+        sum = _mm512_add_epi32(sum, s);
+    }
+    _mm512_reduce_add_epi32(sum) as u64
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_vnni() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -298,6 +326,13 @@ pub(super) fn large(c: &mut Criterion) {
             // SAFETY: the CPU has AVX-512 VNNI (checked above).
             timed(b, &pool1, "large/vnni", || {
                 black_box(unsafe { vnni_ops(VNNI_ITERS) });
+            })
+        });
+        g.throughput(Throughput::Elements((8 * VNNI_ITERS) as u64));
+        g.bench_function("vnni_term/1t", |b| {
+            // SAFETY: as above.
+            timed(b, &pool1, "large/vnni_term", || {
+                black_box(unsafe { vnni_term_ops(VNNI_ITERS) });
             })
         });
     }
@@ -356,6 +391,16 @@ pub(super) fn summary() {
         floor * 1e3,
         peak_macs / 1e9
     );
+    // The fraction of the peak left when every 8 `vpdpbusd` carry the term's 2 multiplies
+    // (one token-block of a Q4_0 `fast` tile): the kernels' ceiling on this core.
+    let term = median("large/vnni_term");
+    if !term.is_nan() && !vnni.is_nan() {
+        let per_op = |t: f64, ops: usize| t / (ops * VNNI_ITERS) as f64;
+        println!(
+            "8 vpdpbusd + the term's 2 vmulps per token-block: {:.0} % of the peak (the `fast` Q4_0 ceiling; `refined` runs 16 vpdpbusd per 2 vmulps)",
+            100.0 * per_op(vnni, 12) / per_op(term, 8)
+        );
+    }
     let macs = layer_macs() as f64;
     for refined in [false, true] {
         let p = precision(refined);
