@@ -6,6 +6,8 @@
 //!   decode step can reach: bytes streamed per token ÷ this);
 //! - `large/vnni_peak`: one core's `vpdpbusd` rate (independent chains), the peak the
 //!   kernels' efficiency is quoted against;
+//! - `large/vnni_term`: the same with the canonical term's two `vmulps` per 8 `vpdpbusd`
+//!   (a `fast` Q4_0 token-block's arithmetic): the share of the peak such tiles can reach;
 //! - `large/layer/{precision}/n{n}`: one layer's seven matmuls over `n` rows, inputs
 //!   quantized as the model does (q/k/v and gate/up share one input and one parallel
 //!   region), cycling over a few distinct layers so the weights stream from DRAM;
