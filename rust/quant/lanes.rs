@@ -847,9 +847,9 @@ unsafe fn small_terms<S: Isa, F: BlockFormat, const T: usize, const CODES: u8>(
             // overlaps one token's chains with the next one's.
             for (t, acc) in acc.iter_mut().enumerate() {
                 let i = i0 + t * step;
-                let hi = plane_dots::<S, F, 1>(blk, act.qs.as_ptr().add(i * QK), 0, [S::zero()], 2);
-                let lo = plane_dots::<S, F, 1>(blk, act.lo.as_ptr().add(i * QK), 0, [S::zero()], 2);
-                let (hi, lo) = (hi[0], lo[0]);
+                let (hi, lo) = (act.qs.as_ptr().add(i * QK), act.lo.as_ptr().add(i * QK));
+                let hi = plane_dots::<S, F, 1>(blk, hi, 0, [S::zero()], 2)[0];
+                let lo = plane_dots::<S, F, 1>(blk, lo, 0, [S::zero()], 2)[0];
                 let mut isum = [S::add32(S::sll32(hi, 8), lo)];
                 zero_point_terms::<S, 1>(&mut isum, act, i, step, zero_point);
                 add_term::<S, F>(acc, blk, act, i, isum[0]);
