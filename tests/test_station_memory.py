@@ -124,9 +124,12 @@ def test_a_station_that_cannot_fit_its_range_refuses_at_start(model_path: Path) 
 def test_small_stations_share_the_cores_and_large_ones_get_them_all() -> None:
     # SmolLM2 over 28 stations (3.5 MB each) on 2 cores: one thread each, spins and wake-ups
     # of idle stations would take the busy one's core; qwen2-7b's single layers (172 MB): the
-    # pass streams them from DRAM, both cores.
+    # pass streams them from DRAM, both cores. A few stations (≤ 2 per core) get every core.
     assert station_threads(28, cores=2, station_bytes=98_362_432 // 28) == 1
-    assert station_threads(2, cores=8, station_bytes=98_362_432 // 2) == 4
+    assert station_threads(2, cores=8, station_bytes=98_362_432 // 2) == 8
+    assert station_threads(4, cores=2, station_bytes=98_362_432 // 4) == 2
+    assert station_threads(5, cores=2, station_bytes=98_362_432 // 5) == 1
+    assert station_threads(20, cores=8, station_bytes=98_362_432 // 20) == 1
     assert station_threads(28, cores=2, station_bytes=4_834_032_064 // 28) == 2
-    assert station_threads(3, cores=2, station_bytes=WHOLE_HOST_STATION_BYTES) == 2
-    assert station_threads(3, cores=2, station_bytes=WHOLE_HOST_STATION_BYTES - 1) == 1
+    assert station_threads(5, cores=2, station_bytes=WHOLE_HOST_STATION_BYTES) == 2
+    assert station_threads(5, cores=2, station_bytes=WHOLE_HOST_STATION_BYTES - 1) == 1

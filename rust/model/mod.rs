@@ -159,16 +159,29 @@ pub fn runtime_pool() -> &'static rayon::ThreadPool {
 /// kept-awake worker lets other runnable threads of its core in every few microseconds.
 /// Which thread runs a job never changes a result.
 ///
-/// Passes run one at a time (a second caller waits): see [`Awake::enter`].
+/// Passes run one at a time (a second caller waits): see [`Awake::enter`]. Off with
+/// `AMPLITUHEDRON_KEEP_AWAKE=0` (see [`keeps_awake`]).
 pub fn run_on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     static ONE_PASS: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE_PASS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     runtime_pool().install(|| {
-        let _awake = Awake::enter();
+        let _awake = keeps_awake().then(Awake::enter);
         f()
     })
+}
+
+/// Whether [`run_on_pool`] keeps the pool's other workers awake during a pass: yes, unless
+/// `AMPLITUHEDRON_KEEP_AWAKE=0`. A process that shares the host's cores with others (a
+/// station beside its coordinator and the other stations) turns it off: a kept-awake
+/// pass first waits until every other worker has started spinning, and on contended cores
+/// that wait is the whole cost. Measured on 2 cores, SmolLM2 (`bench-mesh`, decode
+/// ms/token): 1 station 6.5/4.5/5.5 off against 7.2/5.3/6.0 on; 28 stations, two threads
+/// each, ≈ 0.8 ms per hop off against ≈ 1.7 on.
+pub fn keeps_awake() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("AMPLITUHEDRON_KEEP_AWAKE").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Idle spins of a kept-awake worker between two `sched_yield`s.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from amplituhedron_rs.cli.common import (
     TOKEN_ENV,
@@ -91,10 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    from amplituhedron_rs.mesh.launcher import KEEP_AWAKE_ENV
     from amplituhedron_rs.mesh.station import StationSettings, serve
     from amplituhedron_rs.mesh.station.app import is_loopback
     from amplituhedron_rs.runtime import CacheOptions
 
+    # A station shares the host's cores with its coordinator (and often other stations):
+    # its pool's idle workers sleep (set before the first pass reads it).
+    os.environ.setdefault(KEEP_AWAKE_ENV, "0")
     token = token_of(a)
     if a.insecure:
         token = None

@@ -186,17 +186,24 @@ THREADS_ENV = "AMPLITUHEDRON_THREADS"
 #: speed (docs/performance.md).
 WHOLE_HOST_STATION_BYTES = 64 * 1024 * 1024
 
+#: Set to "0" in every station process (by ``station serve``, unless the environment sets
+#: it): the core's pool then lets its idle workers sleep instead of keeping them awake
+#: through each pass, which only pays in a process that has the cores to itself (see
+#: ``keeps_awake`` in rust/model/mod.rs; docs/performance.md).
+KEEP_AWAKE_ENV = "AMPLITUHEDRON_KEEP_AWAKE"
+
 
 def station_threads(stations: int, cores: int | None = None, station_bytes: int = 0) -> int:
-    """Compute threads for each of ``stations`` processes sharing this host's cores: the
-    cores divided among them, at least one. A station's second thread spins while its pass
-    runs and must be woken for every pass; with more processes than cores, for small
-    stations, those spins and wake-ups take the cores the busy station needs (measured: 28
-    stations of SmolLM2 on 2 cores burn ≈ 2× the CPU per token with two threads each; see
-    docs/performance.md). A station of ``station_bytes`` ≥ :data:`WHOLE_HOST_STATION_BYTES` gets
-    every core."""
+    """Compute threads for each of ``stations`` processes sharing this host's cores. A few
+    stations (at most two per core) or a station of ``station_bytes`` ≥
+    :data:`WHOLE_HOST_STATION_BYTES` get every core: one computes while the others wait
+    for their turn (measured: 4 stations of SmolLM2 on 2 cores decode in 6.9–10.3 ms/token
+    with two threads each against 9.5–11.2 with one). Many small stations divide the cores
+    among them, at least one thread each: their passes are too short to wake a second
+    thread for, and its idle spins take the core the busy station needs (28 stations of
+    SmolLM2 on 2 cores decode as fast with one thread each and burn less CPU)."""
     cores = cores or os.cpu_count() or 1
-    if station_bytes >= WHOLE_HOST_STATION_BYTES:
+    if station_bytes >= WHOLE_HOST_STATION_BYTES or stations <= 2 * cores:
         return cores
     return max(1, cores // max(1, stations))
 
