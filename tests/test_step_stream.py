@@ -254,3 +254,25 @@ def test_a_frame_prefix_is_little_endian_and_fixed_size() -> None:
     assert frame[:4] == wire.STREAM_MAGIC
     assert struct.unpack_from("<HII", frame, 4) == (3, 2, 2)
     assert frame[wire.STREAM_PREFIX.size :] == b"tok{}\1\2"
+
+
+def test_a_step_header_rendered_per_station_is_the_models_own() -> None:
+    specs = [
+        wire.BatchEntrySpec(
+            session_id="a" * 16, start=4, tokens=[1, 2], kind="prefill", last=True, capture=True
+        ),
+        wire.BatchEntrySpec(session_id="b" * 16, start=30, tokens=[5], kind="decode", logprobs=2),
+    ]
+    ids = ["x" * 32, "y-_" * 6]
+    for timing in (False, True):
+        rendered = wire.StepHeaders(specs, timing=timing).render(ids)
+        expected = wire.BatchStepRequest(
+            entries=[
+                s.model_copy(update={"session_id": i}) for s, i in zip(specs, ids, strict=True)
+            ],
+            timing=timing,
+        )
+        assert wire.BatchStepRequest.model_validate_json(rendered) == expected
+        assert json.loads(rendered) == json.loads(expected.model_dump_json())
+    with pytest.raises(ValueError, match="1 session ids for 2 entries"):
+        wire.StepHeaders(specs, timing=False).render(ids[:1])

@@ -54,6 +54,8 @@ class StationClient:
         self._streams = StreamPool()
         #: Each station's step-stream port (None: it has none), from its /healthz.
         self._ports: dict[str, int | None] = {}
+        #: Each station's host, parsed from its URL once.
+        self._hosts: dict[str, str] = {}
 
     def open(self) -> None:
         # aiohttp keeps connections alive per host and costs ~0.25 ms a request on loopback
@@ -105,7 +107,9 @@ class StationClient:
             except ValueError as exc:
                 raise MeshError(f"station {station.url} answered a malformed step: {exc}") from exc
             return out, bytes(rest)
-        host = urlsplit(station.url).hostname or "127.0.0.1"
+        host = self._hosts.get(station.url)
+        if host is None:
+            host = self._hosts[station.url] = urlsplit(station.url).hostname or "127.0.0.1"
         try:
             reply = await self._streams.call(
                 host, port, (token or "").encode(), head, payload, self._timeout

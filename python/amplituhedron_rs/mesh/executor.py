@@ -395,21 +395,14 @@ class MeshExecutor(Failover):
         ``gates``, each station's request waits for its gate; ``done[i]`` is set once
         station ``i`` answered."""
         sids = [self.seqs[seq].ids() for seq in seqs]
-        timing = self.hop_times is not None
+        headers = wire.StepHeaders(specs, timing=self.hop_times is not None)
         payload = b""
         reply = None
         for i, s in enumerate(chain.stations):
             if gates is not None:
                 await gates[i]
             started = time.monotonic()
-            header = wire.BatchStepRequest(
-                entries=[
-                    spec.model_copy(update={"session_id": ids[i]})
-                    for spec, ids in zip(specs, sids, strict=True)
-                ],
-                timing=timing,
-            )
-            head = header.model_dump_json().encode()
+            head = headers.render([ids[i] for ids in sids])
             sent = time.monotonic()
             out, payload = await self.link.step(phase, s, head, payload)
             answered = time.monotonic()

@@ -6,7 +6,9 @@ f32 hidden rows between stations, f32 tail (+ logits) for volumes."""
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -270,6 +272,29 @@ class BatchStepRequest(_Strict):
     entries: list[BatchEntrySpec] = Field(min_length=1, max_length=4096)
     #: Answer with :class:`StepTiming` (benches: where a hop's time goes).
     timing: bool = False
+
+
+class StepHeaders:
+    """The JSON headers of one step at each station of a chain. They differ only in the
+    session ids (each station draws its own), so the entries' other fields are serialised
+    once per step instead of once per hop: ``render(ids)`` is
+    ``BatchStepRequest(entries=[spec with session_id=ids[i]], timing=timing)`` as JSON."""
+
+    def __init__(self, specs: Sequence[BatchEntrySpec], timing: bool) -> None:
+        # Each entry without its session id, less the opening brace (start, tokens and kind
+        # are required: never empty).
+        self._rest = [s.model_dump_json(exclude={"session_id"}).encode()[1:] for s in specs]
+        self._tail = b'],"timing":true}' if timing else b'],"timing":false}'
+
+    def render(self, ids: Sequence[str]) -> bytes:
+        """The header naming the sessions ``ids`` (one per entry, in order)."""
+        if len(ids) != len(self._rest):
+            raise ValueError(f"{len(ids)} session ids for {len(self._rest)} entries")
+        entries = b",".join(
+            b'{"session_id":' + json.dumps(sid).encode() + b"," + rest
+            for sid, rest in zip(ids, self._rest, strict=True)
+        )
+        return b'{"entries":[' + entries + self._tail
 
 
 class BatchEntryResult(BaseModel):

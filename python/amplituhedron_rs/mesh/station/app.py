@@ -173,9 +173,16 @@ def create_app(station: Station) -> FastAPI:
 
     drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
 
+    # The labelled series of the step stream, looked up once (every hop observes them).
+    stream_latency = latency.labels(STREAM_ENDPOINT)
+    stream_answers = {200: requests.labels(STREAM_ENDPOINT, "200")}
+
     def observe_stream(seconds: float, status: int) -> None:
-        latency.labels(STREAM_ENDPOINT).observe(seconds)
-        requests.labels(STREAM_ENDPOINT, str(status)).inc()
+        stream_latency.observe(seconds)
+        answers = stream_answers.get(status)
+        if answers is None:
+            answers = stream_answers[status] = requests.labels(STREAM_ENDPOINT, str(status))
+        answers.inc()
 
     app.state.step_stream = (
         None
