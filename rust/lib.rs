@@ -9,6 +9,7 @@ pub mod eviction;
 pub mod grammar;
 pub mod keys;
 pub mod memo;
+pub mod mesh;
 pub mod model;
 pub mod oracle;
 pub mod quant;

@@ -153,6 +153,58 @@ def test_the_step_stream_refuses_the_attacks(mesh: LocalMesh) -> None:
     httpx.delete(f"{entry.url}/sessions/{sid}", headers={"Authorization": f"Bearer {token}"})
 
 
+def fast_steps(url: str, token: str) -> float:
+    """The station's count of steps the stream answered without Python (its metrics)."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    line = next(x for x in text.splitlines() if x.startswith("amplituhedron_stream_fast_steps"))
+    return float(line.split()[-1])
+
+
+def test_a_non_exit_station_decodes_without_python_exactly_as_python_does(
+    mesh: LocalMesh,
+) -> None:
+    """The entry station (not the exit) answers decode steps on the stream without Python;
+    the rows equal what its Python route computes for the same position, a step it declines
+    (a conflict) is answered by Python and changes nothing, and a closed session is gone."""
+    entry, token = spec_of(mesh).stations[0], spec_of(mesh).token
+    assert token is not None
+    auth = {"Authorization": f"Bearer {token}"}
+    sid = open_session(entry.url, token)
+    n = len(PROMPT)
+    prompt = {"session_id": sid, "start": 0, "tokens": PROMPT, "kind": "prefill", "last": True}
+    decode = {"session_id": sid, "start": n, "tokens": [901], "kind": "decode"}
+    with connect(entry.url) as s:
+        before = fast_steps(entry.url, token)
+        s.sendall(step(token, [prompt]))
+        assert answer(s)[0] == 200
+        assert fast_steps(entry.url, token) == before  # a prefill is Python's
+        s.sendall(step(token, [decode]))
+        status, body, rows = answer(s)
+        assert status == 200, body
+        assert body["entries"][0] == {**body["entries"][0], "clock": n + 1, "rows": 1}
+        assert fast_steps(entry.url, token) == before + 1
+        # Python's route at the same position (rolled back first): the same rows, bit for bit.
+        r = httpx.post(f"{entry.url}/sessions/{sid}/rollback", json={"clock": n}, headers=auth)
+        assert r.json()["clock"] == n
+        r = httpx.post(
+            f"{entry.url}/sessions/{sid}/decode?logits=none",
+            content=struct.pack("<I", 901),
+            headers={**auth, "Content-Type": wire.OCTETS},
+        )
+        assert r.status_code == 200 and r.content == rows
+        # Again on the stream: it rolls back to `start` itself.
+        s.sendall(step(token, [decode]))
+        assert answer(s)[2] == rows
+        # Inside the prompt: declined, answered by Python (409), nothing changed.
+        s.sendall(step(token, [{**decode, "start": n - 1}]))
+        status, body, _ = answer(s)
+        assert status == 409 and "after the" in body["detail"]
+        assert fast_steps(entry.url, token) == before + 2
+        httpx.delete(f"{entry.url}/sessions/{sid}", headers=auth)
+        s.sendall(step(token, [decode]))
+        assert answer(s)[0] == 404
+
+
 def test_idle_stream_connections_make_room_under_the_cap(mesh: LocalMesh) -> None:
     """At the cap the oldest idle connection is closed for a new one."""
     entry, token = spec_of(mesh).stations[0], spec_of(mesh).token
@@ -276,3 +328,19 @@ def test_a_step_header_rendered_per_station_is_the_models_own() -> None:
         assert json.loads(rendered) == json.loads(expected.model_dump_json())
     with pytest.raises(ValueError, match="1 session ids for 2 entries"):
         wire.StepHeaders(specs, timing=False).render(ids[:1])
+
+
+def test_a_ring_lock_behaves_as_a_threading_lock() -> None:
+    from amplituhedron_rs._core import RingLock
+
+    lock = RingLock()
+    assert lock.acquire(False) and lock.locked()
+    assert not lock.acquire(False) and not lock.acquire(timeout=0.01)
+    lock.release()
+    with pytest.raises(RuntimeError, match="unlocked"):
+        lock.release()
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    with pytest.raises(ValueError, match="non-blocking"):
+        lock.acquire(False, timeout=1)

@@ -7,7 +7,7 @@ they stay easy to find. Constructor defaults shown as ``...`` are the core's own
 
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, SupportsIndex, TypeAlias, TypedDict, final
 
 import numpy as np
@@ -484,6 +484,83 @@ class RangeSession:
     ) -> _Forwarded: ...
     def rollback(self, clock: int) -> None: ...
     def reset(self) -> None: ...
+
+@final
+class RingLock:
+    """A session's lock, shared with the step stream: ``threading.Lock``'s interface; a wait
+    releases the GIL."""
+
+    def __new__(cls) -> RingLock: ...
+    def acquire(self, blocking: bool = True, timeout: float = ...) -> bool: ...
+    def release(self) -> None: ...
+    def locked(self) -> bool: ...
+    def __enter__(self) -> bool: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool: ...
+
+@final
+class StepStream:
+    """A station's step stream: Rust threads read the frames; decode steps of registered
+    sessions at a station other than the exit run without Python, every other frame goes
+    to ``handler(head, payload, received) -> (status, header, payload)``."""
+
+    def __new__(
+        cls,
+        weights: ModelWeights,
+        layer_lo: int,
+        layer_hi: int,
+        host: str,
+        port: int,
+        *,
+        token: bytes | None,
+        handler: Callable[[bytes, bytes, float], tuple[int, bytes, bytes]],
+        max_rows: int,
+        max_json_bytes: int,
+        max_octet_bytes: int,
+        max_connections: int,
+        keepalive_s: float,
+        header_timeout_s: float,
+        body_timeout_s: float,
+        fast: bool = True,
+    ) -> StepStream: ...
+    @property
+    def port(self) -> int: ...
+    def register(
+        self, sid: str, session: RangeSession, lock: RingLock, prompt_len: int
+    ) -> None: ...
+    def unregister(self, sid: str) -> bool: ...
+    def last_used(self, sid: str) -> float | None: ...
+    @property
+    def sessions(self) -> int: ...
+    @property
+    def fast_rows(self) -> int: ...
+    @property
+    def fast_steps(self) -> int: ...
+    @property
+    def connections(self) -> int: ...
+    def take_observations(self) -> list[tuple[float, int]]: ...
+    def release_buffers(self) -> bool: ...
+    def close(self) -> None: ...
+
+@final
+class StepChain:
+    """The coordinator's end of the step stream for whole chains: pooled connections;
+    ``run`` sends one step through every station in order without the GIL."""
+
+    def __new__(cls) -> StepChain: ...
+    def run(
+        self,
+        stations: Sequence[tuple[str, int]],
+        token: bytes,
+        heads: Sequence[bytes],
+        payload: bytes,
+        entries: int,
+        timeout: float,
+    ) -> tuple[
+        tuple[list[tuple[bytes, float, float]], bytes] | None,
+        tuple[int, int | None, bool, str] | None,
+    ]: ...
+    def forget(self, host: str, port: int) -> None: ...
+    def close(self) -> None: ...
 
 @final
 class Sampler:

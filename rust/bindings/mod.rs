@@ -8,6 +8,7 @@ mod defaults;
 mod engine;
 mod exceptions;
 mod grammar;
+mod mesh;
 mod model;
 mod oracle;
 mod quant;
@@ -26,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ring::register(m)?;
     weights::register(m)?;
     model::register(m)?;
+    mesh::register(m)?;
     engine::register(m)?;
     grammar::register(m)?;
     quant::register(m)?;

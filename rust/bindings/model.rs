@@ -47,14 +47,22 @@ fn rows_array<'py>(
 }
 
 /// One session's live state (ring buffer + work buffers) for a layer range.
-#[pyclass(name = "RangeSession", module = "amplituhedron_rs._core")]
+///
+/// The ring is shared with the step stream (`mesh`), which steps registered sessions without
+/// the GIL; Python and the stream take the session's `RingLock` before touching it, so the
+/// mutex here is never contended.
+#[pyclass(name = "RangeSession", module = "amplituhedron_rs._core", frozen)]
 pub struct PyRangeSession {
-    inner: RangeSession,
+    pub(crate) inner: Arc<Mutex<RangeSession>>,
 }
 
 impl PyRangeSession {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, RangeSession> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn run<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         input: ChunkInput<'_>,
         logits: &str,
@@ -63,14 +71,19 @@ impl PyRangeSession {
         let wanted = parse_logits(logits)?;
         let span = SpanType::from(span);
         let (hidden_w, vocab) = {
-            let c = self.inner.weights().config();
+            let session = self.lock();
+            let c = session.weights().config();
             (c.hidden, c.vocab)
         };
         let mut hidden = Vec::new();
         let mut out_logits = Vec::new();
-        let session = &mut self.inner;
-        py.detach(|| session.forward(input, span, wanted, &mut hidden, &mut out_logits))
-            .map_err(PyErr::from)?;
+        // The ring is locked and unlocked without the GIL: never wait for the GIL holding it.
+        let ring = &self.inner;
+        py.detach(|| {
+            let mut session = ring.lock().unwrap_or_else(PoisonError::into_inner);
+            session.forward(input, span, wanted, &mut hidden, &mut out_logits)
+        })
+        .map_err(PyErr::from)?;
         let logits = if wanted == LogitsWanted::None {
             None
         } else {
@@ -102,50 +115,52 @@ impl PyRangeSession {
         };
         let inner = RangeSession::new(Arc::clone(&weights.inner), layer_lo, layer_hi, &cfg)
             .map_err(PyErr::from)?;
-        Ok(PyRangeSession { inner })
+        Ok(PyRangeSession {
+            inner: Arc::new(Mutex::new(inner)),
+        })
     }
 
     /// Positions processed so far.
     #[getter]
     fn clock(&self) -> u64 {
-        self.inner.clock()
+        self.lock().clock()
     }
 
     /// Physical KV slots of each layer of the range (sliding-window layers keep only their
     /// window, global layers the session's slots).
     #[getter]
     fn kv_slots(&self) -> Vec<usize> {
-        self.inner.kv_slots()
+        self.lock().kv_slots()
     }
 
     /// First layer of the range.
     #[getter]
     fn layer_lo(&self) -> usize {
-        self.inner.layer_lo()
+        self.lock().layer_lo()
     }
 
     /// One past the last layer.
     #[getter]
     fn layer_hi(&self) -> usize {
-        self.inner.layer_hi()
+        self.lock().layer_hi()
     }
 
     /// True when the range embeds token ids (layer 0).
     #[getter]
     fn is_entry(&self) -> bool {
-        self.inner.is_entry()
+        self.lock().is_entry()
     }
 
     /// True when the range ends with the LM head.
     #[getter]
     fn is_exit(&self) -> bool {
-        self.inner.is_exit()
+        self.lock().is_exit()
     }
 
     /// Runs token ids (entry range). Returns `(hidden (n, hidden), logits (rows, vocab) | None)`.
     #[pyo3(signature = (tokens, logits="last", span=PySpanType::User))]
     fn forward_tokens<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         tokens: Vec<u32>,
         logits: &str,
@@ -157,13 +172,13 @@ impl PyRangeSession {
     /// Runs hidden states `(n, hidden)` float32 from the previous range.
     #[pyo3(signature = (hidden, logits="none", span=PySpanType::User))]
     fn forward_hidden<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         hidden: PyReadonlyArray2<'py, f32>,
         logits: &str,
         span: PySpanType,
     ) -> PyResult<Forwarded<'py>> {
-        let width = self.inner.weights().config().hidden;
+        let width = self.lock().weights().config().hidden;
         if hidden.shape()[1] != width {
             return Err(InputError::new_err(format!(
                 "hidden states must have {width} columns, got {}",
@@ -182,13 +197,13 @@ impl PyRangeSession {
     }
 
     /// Undoes every position after `clock` (bit-exact rollback of probe tokens).
-    fn rollback(&mut self, clock: u64) -> PyResult<()> {
-        self.inner.rollback(clock).map_err(PyErr::from)
+    fn rollback(&self, clock: u64) -> PyResult<()> {
+        self.lock().rollback(clock).map_err(PyErr::from)
     }
 
     /// Forgets every position (clock 0), keeping the allocation.
-    fn reset(&mut self) {
-        self.inner.reset();
+    fn reset(&self) {
+        self.lock().reset();
     }
 }
 
@@ -398,10 +413,10 @@ impl PyBatchForward {
                 OwnedInput::Hidden(a.as_array().iter().copied().collect())
             });
         }
-        // Mutable borrows of every session: one given twice (or busy) fails to borrow.
+        // Every session's ring: one given twice (or busy) fails to lock.
         let mut borrowed = Vec::with_capacity(n);
         for (i, s) in sessions.iter().enumerate() {
-            borrowed.push(s.try_borrow_mut().map_err(|_| {
+            borrowed.push(s.get().inner.try_lock().map_err(|_| {
                 InputError::new_err(format!(
                     "session {i} is given twice or is in use by another call"
                 ))
@@ -410,8 +425,7 @@ impl PyBatchForward {
         let mut kvs = Vec::with_capacity(n);
         for (i, b) in borrowed.iter_mut().enumerate() {
             kvs.push(
-                b.inner
-                    .kv_for(&self.range)
+                b.kv_for(&self.range)
                     .map_err(|e| InputError::new_err(format!("session {i}: {e}")))?,
             );
         }
@@ -625,7 +639,8 @@ impl PyPipeline {
     ) -> PyResult<usize> {
         let tail = tail.as_array().to_vec();
         let logits = logits.map(|l| l.as_array().to_vec());
-        let session = session.inner.kv();
+        let guard = session.lock();
+        let session = guard.kv();
         let outcome = py
             .detach(|| {
                 self.lock().amplituhedron_capture(
@@ -645,11 +660,12 @@ impl PyPipeline {
     fn amplituhedron_replay(
         &self,
         py: Python<'_>,
-        mut session: PyRefMut<'_, PyRangeSession>,
+        session: PyRef<'_, PyRangeSession>,
         tokens: Vec<u32>,
         salt: Option<String>,
     ) -> PyResult<Option<PyReplayResult>> {
-        let session = session.inner.kv_mut();
+        let mut guard = session.lock();
+        let session = guard.kv_mut();
         let outcome = py
             .detach(|| {
                 self.lock()

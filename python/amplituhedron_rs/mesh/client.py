@@ -5,6 +5,7 @@ the generation it broke."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 
-from amplituhedron_rs._core import MeshError
+from amplituhedron_rs._core import MeshError, StepChain
 from amplituhedron_rs.mesh.launcher import StationInfo
 from amplituhedron_rs.mesh.protocol import BATCH_ROUTE, FRAME_HEADER, OCTETS, Health, split_frame
 from amplituhedron_rs.mesh.stream import StreamError, StreamPool
@@ -52,6 +53,8 @@ class StationClient:
         self._session: aiohttp.ClientSession | None = None
         self.transport = transport
         self._streams = StreamPool()
+        #: The step stream's connections for whole chains (see :meth:`step_chain`).
+        self._chain = StepChain()
         #: Each station's step-stream port (None: it has none), from its /healthz.
         self._ports: dict[str, int | None] = {}
         #: Each station's host, parsed from its URL once.
@@ -71,6 +74,7 @@ class StationClient:
 
     async def close(self) -> None:
         self._streams.close()
+        self._chain.close()
         if self._session is not None:
             await self._session.close()
 
@@ -107,34 +111,81 @@ class StationClient:
             except ValueError as exc:
                 raise MeshError(f"station {station.url} answered a malformed step: {exc}") from exc
             return out, bytes(rest)
-        host = self._hosts.get(station.url)
-        if host is None:
-            host = self._hosts[station.url] = urlsplit(station.url).hostname or "127.0.0.1"
+        host = self._host(station)
         try:
             reply = await self._streams.call(
                 host, port, (token or "").encode(), head, payload, self._timeout
             )
         except StreamError as exc:
-            self._ports.pop(station.url, None)
             self._streams.forget(host, port)
-            if exc.timeout:
-                why = f"did not answer within {self._timeout:g} s during {phase}"
-            else:
-                why = f"failed during {phase}: {exc}"
-            raise StationFailed(None, f"station {station.url} {why}", station=station) from exc
+            raise self._silent(station, phase, exc.timeout, str(exc)) from exc
         if reply.status != 200:
-            try:
-                body = json.loads(reply.head)
-                detail, retry = body.get("detail", ""), body.get("retry_after")
-            except (ValueError, AttributeError):
-                detail, retry = reply.head.decode(errors="replace"), None
-            raise StationFailed(
-                reply.status,
-                f"station {station.url} answered {reply.status} during {phase}: {detail}",
-                None if retry is None else str(retry),
-                station=station,
-            )
+            raise _refused(station, phase, reply.status, reply.head)
         return reply.head, reply.payload
+
+    async def step_chain(
+        self,
+        phase: str,
+        stations: Sequence[StationInfo],
+        heads: Sequence[bytes],
+        payload: bytes | memoryview,
+        entries: int,
+        *,
+        token: str | None,
+        headers: Mapping[str, str],
+    ) -> tuple[list[tuple[bytes, float, float]], bytes] | None:
+        """One batched step through ``stations`` in order, on the step stream, without
+        coming back to the event loop between hops (``_core.StepChain`` in a worker thread:
+        in asyncio each hop cost the coordinator ≈ 0.15 ms of CPU on every token's critical
+        path). Returns each station's answer header with when its request was sent and its
+        answer read (``time.monotonic()``), and the last station's payload; None when a
+        station serves no step stream (step hop by hop then). Failures are StationFailed
+        naming the station, as :meth:`step`'s."""
+        addresses = []
+        for station in stations:
+            port = await self._stream_port(station, headers)
+            if port is None:
+                return None
+            addresses.append((self._host(station), port))
+        loop = asyncio.get_running_loop()
+        answers, stop = await loop.run_in_executor(
+            None,
+            self._chain.run,
+            addresses,
+            (token or "").encode(),
+            list(heads),
+            bytes(payload),
+            entries,
+            self._timeout,
+        )
+        if stop is None:
+            assert answers is not None
+            replies, out = answers
+            return [(bytes(h), sent, answered) for h, sent, answered in replies], bytes(out)
+        at, status, timed_out, detail = stop
+        station = stations[at]
+        if status is None:
+            self._chain.forget(*addresses[at])
+            raise self._silent(station, phase, timed_out, detail)
+        if status == 200:
+            raise MeshError(f"station {station.url} {detail}")
+        raise _refused(station, phase, status, detail.encode())
+
+    def _host(self, station: StationInfo) -> str:
+        host = self._hosts.get(station.url)
+        if host is None:
+            host = self._hosts[station.url] = urlsplit(station.url).hostname or "127.0.0.1"
+        return host
+
+    def _silent(self, station: StationInfo, phase: str, timed_out: bool, why: str) -> StationFailed:
+        """No answer on the step stream: the station's port is asked again next time (a
+        restarted station may listen elsewhere)."""
+        self._ports.pop(station.url, None)
+        if timed_out:
+            why = f"did not answer within {self._timeout:g} s during {phase}"
+        else:
+            why = f"failed during {phase}: {why}"
+        return StationFailed(None, f"station {station.url} {why}", station=station)
 
     async def _stream_port(self, station: StationInfo, headers: Mapping[str, str]) -> int | None:
         if self.transport == "http" or not station.url.startswith("http://"):
@@ -193,6 +244,21 @@ class StationClient:
                 station=station,
             )
         return reply
+
+
+def _refused(station: StationInfo, phase: str, status: int, head: bytes) -> StationFailed:
+    """A step the station answered with ``status`` (its ``{"detail": …}`` header)."""
+    try:
+        body = json.loads(head)
+        detail, retry = body.get("detail", ""), body.get("retry_after")
+    except (ValueError, AttributeError):
+        detail, retry = head.decode(errors="replace"), None
+    return StationFailed(
+        status,
+        f"station {station.url} answered {status} during {phase}: {detail}",
+        None if retry is None else str(retry),
+        station=station,
+    )
 
 
 class StationFailed(MeshError):

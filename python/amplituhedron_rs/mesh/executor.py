@@ -37,6 +37,7 @@ from amplituhedron_rs import _core
 from amplituhedron_rs._core import MeshError
 from amplituhedron_rs.mesh import protocol as wire
 from amplituhedron_rs.mesh import sessions
+from amplituhedron_rs.mesh.chained import reply_of, step_through
 from amplituhedron_rs.mesh.client import StationFailed
 from amplituhedron_rs.mesh.failover import Failover
 from amplituhedron_rs.mesh.hoptimes import HopTimes
@@ -396,6 +397,10 @@ class MeshExecutor(Failover):
         station ``i`` answered."""
         sids = [self.seqs[seq].ids() for seq in seqs]
         headers = wire.StepHeaders(specs, timing=self.hop_times is not None)
+        if gates is None and done is None:
+            chained = await self._chained(chain, phase, sids, specs, headers, batch)
+            if chained is not None:
+                return chained
         payload = b""
         reply = None
         for i, s in enumerate(chain.stations):
@@ -407,23 +412,50 @@ class MeshExecutor(Failover):
             out, payload = await self.link.step(phase, s, head, payload)
             answered = time.monotonic()
             self.hops += 1
-            try:
-                reply = wire.BatchStepReply.model_validate_json(out)
-            except ValueError as exc:
-                raise MeshError(f"station {s.url} answered a malformed step: {exc}") from exc
-            if len(reply.entries) != len(specs):
-                raise MeshError(
-                    f"station {s.url} answered {len(reply.entries)} entries for {len(specs)}"
-                )
+            reply = reply_of(s, out, len(specs))
             if done is not None:
                 done[i].set_result(None)
-            if self.hop_times is not None and reply.timing is not None:
-                times = self.hop_times.setdefault(phase, HopTimes())
-                times.add(started, sent, answered, time.monotonic(), reply.timing)
-            if self.trace and batch is not None:
-                note_step(self.traces, i, [e.seq for e in batch], specs, reply)
+            times = (started, sent, answered, time.monotonic())
+            self._noted(phase, i, reply, times, specs, batch)
         assert reply is not None
         return reply
+
+    async def _chained(
+        self,
+        chain: Chain,
+        phase: str,
+        sids: Sequence[Sequence[str]],
+        specs: Sequence[wire.BatchEntrySpec],
+        headers: wire.StepHeaders,
+        batch: Sequence[_core.EngineEntry] | None,
+    ) -> wire.BatchStepReply | None:
+        """The step through the whole chain in one call (:mod:`.chained`); None when a
+        station has no step stream."""
+        heads = [headers.render([ids[i] for ids in sids]) for i in range(len(chain.stations))]
+        every = self.hop_times is not None or (self.trace and batch is not None)
+        answers = await step_through(self.link, chain, phase, heads, len(specs), every=every)
+        if answers is None:
+            return None
+        self.hops += len(chain.stations)
+        for i, reply, times in answers:
+            self._noted(phase, i, reply, times, specs, batch)
+        return answers[-1][1]
+
+    def _noted(
+        self,
+        phase: str,
+        i: int,
+        reply: wire.BatchStepReply,
+        times: tuple[float, float, float, float],
+        specs: Sequence[wire.BatchEntrySpec],
+        batch: Sequence[_core.EngineEntry] | None,
+    ) -> None:
+        """Station ``i``'s answer in the hop times (a bench) and the traces."""
+        if self.hop_times is not None and reply.timing is not None:
+            hop = self.hop_times.setdefault(phase, HopTimes())
+            hop.add(*times, reply.timing)
+        if self.trace and batch is not None:
+            note_step(self.traces, i, [e.seq for e in batch], specs, reply)
 
     def _emitted(
         self, batch: Sequence[_core.EngineEntry], entries: Sequence[wire.BatchEntryResult]

@@ -74,6 +74,20 @@ class MeshLink:
             phase, station, head, payload, token=self.token, headers=self.headers
         )
 
+    async def step_chain(
+        self,
+        phase: str,
+        stations: Sequence[StationInfo],
+        heads: Sequence[bytes],
+        payload: bytes | memoryview,
+        entries: int,
+    ) -> tuple[list[tuple[bytes, float, float]], bytes] | None:
+        """One batched step through ``stations`` in order without returning to the event
+        loop between hops (see :meth:`StationClient.step_chain`); None without a stream."""
+        return await self.http.step_chain(
+            phase, stations, heads, payload, entries, token=self.token, headers=self.headers
+        )
+
 
 @dataclass
 class StationVerdict:

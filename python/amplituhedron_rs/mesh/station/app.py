@@ -40,7 +40,7 @@ from amplituhedron_rs.mesh.station.fastpath import DecodeFastPath
 from amplituhedron_rs.mesh.station.routes import debug_router, router
 from amplituhedron_rs.mesh.station.state import Station, StationSettings
 from amplituhedron_rs.mesh.station.stream import ENDPOINT as STREAM_ENDPOINT
-from amplituhedron_rs.mesh.station.stream import StepStreamServer
+from amplituhedron_rs.mesh.station.stream import StepHandler, open_stream
 
 #: Seconds a station keeps an idle connection open.
 KEEPALIVE_S = 30
@@ -97,6 +97,27 @@ class CacheCollector:
             yield g
 
 
+class StreamCollector:
+    """What the step stream ran without Python, read at scrape time."""
+
+    def __init__(self, station: Station) -> None:
+        self.station = station
+
+    def collect(self) -> Any:
+        stream = self.station.stream
+        steps = CounterMetricFamily(
+            "amplituhedron_stream_fast_steps",
+            "Steps the step stream answered without Python (decode rows of non-exit stations)",
+        )
+        rows = CounterMetricFamily(
+            "amplituhedron_stream_fast_rows", "Rows those steps ran through the station's layers"
+        )
+        steps.add_metric([], 0 if stream is None else stream.fast_steps)
+        rows.add_metric([], 0 if stream is None else stream.fast_rows)
+        yield steps
+        yield rows
+
+
 def create_app(station: Station) -> FastAPI:
     """The ASGI app of one station."""
     s = station.settings
@@ -108,20 +129,21 @@ def create_app(station: Station) -> FastAPI:
             while True:
                 await asyncio.sleep(min(10.0, max(0.5, s.session_idle_s / 4)))
                 station.sweep_idle()
+                take_stream_observations()
                 stepper: BatchStepper | None = getattr(app.state, "batch_stepper", None)
                 if stepper is not None:
                     stepper.release_if_idle()
+                if station.stream is not None and station.is_idle():
+                    station.stream.release_buffers()
 
         task = asyncio.create_task(sweep())
-        stream: StepStreamServer | None = app.state.step_stream
-        if stream is not None:
-            station.stream_port = await stream.start(s.stream_host, s.stream_port or 0)
+        if stream_handler is not None:
+            open_stream(station, stream_handler, station_limits(s), fast=drill is None)
         try:
             yield
         finally:
             task.cancel()
-            if stream is not None:
-                stream.close()
+            station.detach_stream()
             # A graceful stop leaves every accepted volume on disk for the next start.
             await asyncio.to_thread(station.flush_volumes)
 
@@ -166,12 +188,7 @@ def create_app(station: Station) -> FastAPI:
     live_sessions = Gauge("amplituhedron_live_sessions", "Open sessions", registry=registry)
     live_sessions.set_function(lambda: len(station.sessions))
     registry.register(CacheCollector(station))
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(registry).decode())
-
-    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
+    registry.register(StreamCollector(station))
 
     # The labelled series of the step stream, looked up once (every hop observes them).
     stream_latency = latency.labels(STREAM_ENDPOINT)
@@ -184,15 +201,29 @@ def create_app(station: Station) -> FastAPI:
             answers = stream_answers[status] = requests.labels(STREAM_ENDPOINT, str(status))
         answers.inc()
 
-    app.state.step_stream = (
+    def take_stream_observations() -> None:
+        """Records the answers the stream wrote without Python (its fast steps and its
+        refusals of frames), taken in batches off the step path."""
+        stream = station.stream
+        if stream is not None:
+            for seconds, status in stream.take_observations():
+                observe_stream(seconds, status)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics() -> PlainTextResponse:
+        take_stream_observations()
+        return PlainTextResponse(generate_latest(registry).decode())
+
+    drill = armed()  # TEST-ONLY (AMPLITUHEDRON_TEST_DIE_ON; off unless set)
+
+    # The Python half of the step stream (the Rust fast path declines every frame while a
+    # drill is armed, so the drill counts every step).
+    app.state.batch_stepper = BatchStepper(station)
+    stream_handler = (
         None
         if s.stream_port is None
-        else StepStreamServer(
-            station,
-            lambda: stepper_of(app.state, station),
-            station_limits(s),
-            drill=drill,
-            observe=observe_stream,
+        else StepHandler(
+            lambda: stepper_of(app.state, station), drill=drill, observe=observe_stream
         )
     )
 

@@ -136,7 +136,6 @@ class BatchStepper:
             )
             computed = time.monotonic()
             results = [self._finish(p, h, lg) for p, (h, lg) in zip(planned, outs, strict=True)]
-        st.forward_rows += sum(len(p.spec.tokens) for p in planned)
         out = b"" if st.is_exit else b"".join(_f32(h) for h, _ in outs)
         reply = BatchStepReply(entries=results)
         if req.timing:

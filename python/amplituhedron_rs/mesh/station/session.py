@@ -98,15 +98,17 @@ class LiveSession:
 
     The lock travels with the ring when a closed session's ring is pooled for reuse, so a
     request that still holds the old wrapper serialises with the ring's next owner and then
-    sees ``closed``. ``clock`` mirrors the ring's clock (read without borrowing the ring,
-    which a forward in another thread holds mutably).
+    sees ``closed``. ``clock`` is the ring's clock as the last Python request left it (the
+    step stream's decode steps move the ring on without Python: read ``session.clock``
+    under the lock for the current one).
     """
 
     session: _core.RangeSession
     prompt: list[int]
     salt: str | None
     n_sys: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Shared with the step stream, which steps the ring under it too (see rust/mesh).
+    lock: _core.RingLock = field(default_factory=_core.RingLock)
     last_used: float = field(default_factory=time.monotonic)
     closed: bool = False
     clock: int = 0

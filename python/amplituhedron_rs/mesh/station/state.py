@@ -107,7 +107,7 @@ class Station(StationVolumes):
         self.sessions_lock = threading.Lock()
         # Rings of closed sessions, reset and kept for reuse (by n_sys): a fresh ring's pages
         # are faulted in on first write, which costs more than replaying a volume into it.
-        self.pool: dict[int, list[tuple[_core.RangeSession, threading.Lock]]] = {}
+        self.pool: dict[int, list[tuple[_core.RangeSession, _core.RingLock]]] = {}
         # The first ring, made now: its slots size the memory budget's unit; it is pooled.
         first = new_session(self.weights, s.layer_lo, s.layer_hi, s.session)
         value_bytes = int(self.weights.kv_value_bytes)
@@ -119,18 +119,34 @@ class Station(StationVolumes):
                 f"one session's rings need {self.ring_bytes} bytes, more than the "
                 f"{self.memory_budget}-byte memory budget"
             )
-        self.pool[s.session.n_sys] = [(first, threading.Lock())]
+        self.pool[s.session.n_sys] = [(first, _core.RingLock())]
         # The pipeline (volume cache) is shared by all sessions; Rust borrows it mutably.
         self.pipeline_lock = threading.Lock()
-        self.forward_rows = 0
         # Compute calls running now (the decode fast path runs on the event loop only at 0);
         # updated from worker threads, so under a lock (`+=` is not atomic across threads).
         self.inflight = 0
         self._inflight_lock = threading.Lock()
         self._tokenizer: Tokenizer | None = None
         self._grammar_lock = threading.Lock()
-        #: The step stream's bound port, once it listens (None: steps over HTTP only).
+        #: The step stream, once it listens (None: steps over HTTP only); it steps the
+        #: sessions registered with it (all of them) without Python.
+        self.stream: _core.StepStream | None = None
         self.stream_port: int | None = None
+
+    def attach_stream(self, stream: _core.StepStream) -> None:
+        """Lets ``stream`` step this station's sessions (registered as they open)."""
+        with self.sessions_lock:
+            self.stream = stream
+            self.stream_port = int(stream.port)
+            for sid, live in self.sessions.items():
+                stream.register(sid, live.session, live.lock, len(live.prompt))
+
+    def detach_stream(self) -> None:
+        """Stops the step stream (shutdown)."""
+        with self.sessions_lock:
+            stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.close()
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -167,18 +183,27 @@ class Station(StationVolumes):
             stale = [
                 (sid, s)
                 for sid, s in self.sessions.items()
-                if now - s.last_used > self.settings.session_idle_s and not s.lock.locked()
+                if now - self._last_used(sid, s) > self.settings.session_idle_s
+                and not s.lock.locked()
             ]
             for sid, _ in stale:
                 del self.sessions[sid]
-        for _, live in stale:
-            self._retire(live)
+        for sid, live in stale:
+            self._retire(sid, live)
         return len(stale)
 
-    def _retire(self, live: LiveSession) -> None:
+    def _last_used(self, sid: str, live: LiveSession) -> float:
+        """When a request last used the session, here or on the step stream."""
+        on_stream = None if self.stream is None else self.stream.last_used(sid)
+        return live.last_used if on_stream is None else max(live.last_used, on_stream)
+
+    def _retire(self, sid: str, live: LiveSession) -> None:
         """Marks a removed session closed and pools its ring (bounded) for reuse."""
         with live.lock:
             live.closed = True
+            if self.stream is not None:
+                # Under the lock: a step the stream began waits for it, then sees it closed.
+                self.stream.unregister(sid)
             live.session.reset()
             with self.sessions_lock:
                 if self._rings_held() < self.settings.max_sessions:
@@ -239,11 +264,13 @@ class Station(StationVolumes):
                 self._admit_new_ring()
                 s = self.settings
                 rs = new_session(self.weights, s.layer_lo, s.layer_hi, s.session, n_sys=req.n_sys)
-                lock = threading.Lock()
+                lock = _core.RingLock()
             live = LiveSession(rs, list(req.prompt_tokens), salt, req.n_sys, lock)
             live.sampler = sampler
             live.grammar = grammar
             self.sessions[sid] = live
+            if self.stream is not None:
+                self.stream.register(sid, rs, lock, len(live.prompt))
         return sid, live
 
     def grammar_vocabulary(self) -> _core.GrammarVocabulary:
@@ -283,7 +310,7 @@ class Station(StationVolumes):
             live = self.sessions.pop(sid, None)
         if live is None:
             raise NotFound(f"no session {sid!r}")
-        self._retire(live)
+        self._retire(sid, live)
 
     # --- the volume cache ----------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -384,7 +411,6 @@ class Station(StationVolumes):
                     if sample:
                         assert live.sampler is not None
                         token = int(live.sampler.sample(lg[-1], clock))
-        self.forward_rows += rows
         if hidden == "last":
             h = h[-1:]
         elif hidden == "none":

@@ -119,7 +119,7 @@ class StationVolumes:
         live = self.get_session(req.session_id)
         self.check_volume_request(req, live)
         with live.use(req.session_id, self.settings.busy_wait_s) as session:
-            if live.clock != 0:
+            if int(session.clock) != 0:
                 raise Conflict(f"session {req.session_id!r} is not fresh")
             with self.pipeline_lock:
                 r = self.pipeline.amplituhedron_replay(session, live.prompt, live.salt)
