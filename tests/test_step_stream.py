@@ -31,7 +31,9 @@ MAX_CONNECTIONS = 4
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
-    m = LocalMesh(2, station_args=["--max-connections", str(MAX_CONNECTIONS)])
+    # One thread per station, as in a mesh of many small stations: a station's stream thread
+    # then runs its passes itself (the two-thread case is every other mesh test's).
+    m = LocalMesh(2, station_args=["--max-connections", str(MAX_CONNECTIONS)], threads=1)
     m.start()
     yield m
     m.close()

@@ -216,7 +216,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let spawned = thread::Builder::new()
             .name("step-stream-conn".into())
             .spawn(move || {
-                serve(socket, id, &serving);
+                crate::model::on_own_thread(|| serve(socket, id, &serving));
                 serving.serving.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {

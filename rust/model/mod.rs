@@ -161,15 +161,51 @@ pub fn runtime_pool() -> &'static rayon::ThreadPool {
 ///
 /// Passes run one at a time (a second caller waits): see [`Awake::enter`]. Off with
 /// `AMPLITUHEDRON_KEEP_AWAKE=0` (see [`keeps_awake`]).
+///
+/// A caller that is itself the only worker of a one-thread pool, in a process whose runtime
+/// pool has one thread too (a small station's step-stream thread, see `mesh`), runs the
+/// pass where it is: handing it to the runtime's one worker and back would cost two
+/// wake-ups per pass and gain no parallelism.
 pub fn run_on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     static ONE_PASS: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE_PASS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if is_lone_worker() && runtime_pool().current_num_threads() == 1 {
+        return f();
+    }
     runtime_pool().install(|| {
         let _awake = keeps_awake().then(Awake::enter);
         f()
     })
+}
+
+/// Whether the calling thread is the only worker of a rayon pool (its parallel work then
+/// runs on it, in order).
+fn is_lone_worker() -> bool {
+    rayon::current_thread_index().is_some() && rayon::current_num_threads() == 1
+}
+
+/// Runs `f` with the calling thread made the only worker of a pool of its own when the
+/// runtime's pool has one thread: [`run_on_pool`] then runs passes on this thread instead
+/// of handing each to the runtime's worker (a thread that serves one connection, whose
+/// passes run one at a time anyway).
+pub fn on_own_thread<R>(f: impl FnOnce() -> R) -> R {
+    if runtime_pool().current_num_threads() != 1 || rayon::current_thread_index().is_some() {
+        return f();
+    }
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .use_current_thread()
+        .build()
+    {
+        Ok(pool) => {
+            let out = f();
+            drop(pool);
+            out
+        }
+        Err(_) => f(),
+    }
 }
 
 /// Whether [`run_on_pool`] keeps the pool's other workers awake during a pass: yes, unless
