@@ -338,9 +338,9 @@ def _f32(a: Any) -> bytes:
 
 
 def stepper_of(state: Any, station: Station) -> BatchStepper:
-    """The app's one stepper (in its ``state``), made on first use: its step buffers grow to
-    the largest step. Called on the event loop only (the route's dependency and the step
-    stream), so no lock is needed: nothing else runs between the check and the set."""
+    """The app's one stepper (in its ``state``; its step buffers grow to the largest step).
+    ``create_app`` makes it, so the step stream's threads only read it; one is made here
+    only for an app whose station was replaced (tests), on the event loop."""
     stepper: BatchStepper | None = getattr(state, "batch_stepper", None)
     if stepper is None or stepper.station is not station:
         stepper = state.batch_stepper = BatchStepper(station)
