@@ -162,16 +162,16 @@ pub fn runtime_pool() -> &'static rayon::ThreadPool {
 /// Passes run one at a time (a second caller waits): see [`Awake::enter`]. Off with
 /// `AMPLITUHEDRON_KEEP_AWAKE=0` (see [`keeps_awake`]).
 ///
-/// A caller that is itself the only worker of a one-thread pool, in a process whose runtime
-/// pool has one thread too (a small station's step-stream thread, see `mesh`), runs the
-/// pass where it is: handing it to the runtime's one worker and back would cost two
-/// wake-ups per pass and gain no parallelism.
+/// A caller that is itself worker 0 of a pool of its own (a station's step-stream thread,
+/// see [`on_own_thread`]) runs the pass where it is, on that pool: handing it to the
+/// runtime's workers and back would cost two wake-ups per pass (the first worker's, then
+/// the caller's) and gain nothing.
 pub fn run_on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     static ONE_PASS: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE_PASS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if is_lone_worker() && runtime_pool().current_num_threads() == 1 {
+    if OWN_POOL.get() {
         return f();
     }
     runtime_pool().install(|| {
@@ -180,27 +180,31 @@ pub fn run_on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     })
 }
 
-/// Whether the calling thread is the only worker of a rayon pool (its parallel work then
-/// runs on it, in order).
-fn is_lone_worker() -> bool {
-    rayon::current_thread_index().is_some() && rayon::current_num_threads() == 1
+thread_local! {
+    /// Whether the calling thread is worker 0 of a pool [`on_own_thread`] made for it.
+    static OWN_POOL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Runs `f` with the calling thread made the only worker of a pool of its own when the
-/// runtime's pool has one thread: [`run_on_pool`] then runs passes on this thread instead
-/// of handing each to the runtime's worker (a thread that serves one connection, whose
-/// passes run one at a time anyway).
+/// Runs `f` with the calling thread made worker 0 of a pool of its own, as many threads as
+/// the runtime's pool: [`run_on_pool`] then runs passes on this thread and that pool
+/// instead of handing each to the runtime's workers. For a thread that serves one
+/// connection and waits on its socket between passes (which run one at a time anyway): a
+/// pass then wakes one sleeping thread (the pool's other worker, at its first parallel
+/// region) instead of three (a runtime worker, the other one, and this thread at the end).
 pub fn on_own_thread<R>(f: impl FnOnce() -> R) -> R {
-    if runtime_pool().current_num_threads() != 1 || rayon::current_thread_index().is_some() {
+    if rayon::current_thread_index().is_some() {
         return f();
     }
     match rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
+        .num_threads(runtime_pool().current_num_threads())
+        .thread_name(|i| format!("amplituhedron-conn-{i}"))
         .use_current_thread()
         .build()
     {
         Ok(pool) => {
+            OWN_POOL.set(true);
             let out = f();
+            OWN_POOL.set(false);
             drop(pool);
             out
         }
