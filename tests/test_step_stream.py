@@ -235,19 +235,30 @@ def test_the_mesh_emits_the_single_process_tokens_over_every_transport(
         PROMPT, 10, use_cache=False, stop_at_eos=False, **seeded
     ).output_ids
 
-    async def go(transport: Any, chunk: int) -> tuple[list[int], list[int], int]:
+    async def go(transport: Any, chunk: int) -> tuple[list[int], list[int], list[int], int]:
         async with Coordinator(spec, chunk=chunk, transport=transport) as c:
             c.time_hops()
             g = await c.generate(PROMPT, 10, use_cache=False)
             s = await c.generate(PROMPT, 10, use_cache=False, **seeded)
             prefill = c.hop_times().get("prefill step")
-            return g.output_ids, s.output_ids, 0 if prefill is None else prefill.hops
+            hops = 0 if prefill is None else prefill.hops
+            d = await c.generate(PROMPT, 10, use_cache=False, draft="prompt-lookup")
+            return g.output_ids, s.output_ids, d.output_ids, hops
 
+    token = spec.token
+    assert token is not None
+    exit_url = spec.stations[-1].url
     for transport, chunk in (("stream", 64), ("http", 64), ("stream", 3)):
-        greedy, sampled, prefill_hops = asyncio.run(go(transport, chunk))
+        before = fast_steps(exit_url, token)
+        greedy, sampled, drafted, prefill_hops = asyncio.run(go(transport, chunk))
         assert greedy == want and sampled == want_seeded, (transport, chunk)
+        assert drafted == want, (transport, chunk)
         # Pieces: one request per piece per station (5 pieces of ≤ 3 rows, 2 stations).
         assert prefill_hops == 2 * (1 if chunk == 64 else 5) * 2
+        # The exit station sampled the decode steps on the stream without Python (9 per
+        # plain run, at least one with drafts); none over HTTP.
+        fast = fast_steps(exit_url, token) - before
+        assert fast >= 19 if transport == "stream" else fast == 0, (transport, fast)
 
 
 def test_a_station_without_a_stream_takes_steps_over_http(model: Model) -> None:

@@ -500,8 +500,8 @@ class RingLock:
 @final
 class StepStream:
     """A station's step stream: Rust threads read the frames; decode steps of registered
-    sessions at a station other than the exit run without Python, every other frame goes
-    to ``handler(head, payload, received) -> (status, header, payload)``."""
+    sessions run without Python (at the exit, with each session's own sampler), every other
+    frame goes to ``handler(head, payload, received) -> (status, header, payload)``."""
 
     def __new__(
         cls,
@@ -514,6 +514,7 @@ class StepStream:
         token: bytes | None,
         handler: Callable[[bytes, bytes, float], tuple[int, bytes, bytes]],
         max_rows: int,
+        max_logits_rows: int,
         max_json_bytes: int,
         max_octet_bytes: int,
         max_connections: int,
@@ -525,7 +526,12 @@ class StepStream:
     @property
     def port(self) -> int: ...
     def register(
-        self, sid: str, session: RangeSession, lock: RingLock, prompt_len: int
+        self,
+        sid: str,
+        session: RangeSession,
+        lock: RingLock,
+        prompt_len: int,
+        sampler: Sampler | None = None,
     ) -> None: ...
     def unregister(self, sid: str) -> bool: ...
     def last_used(self, sid: str) -> float | None: ...

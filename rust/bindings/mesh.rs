@@ -15,7 +15,7 @@ use crate::mesh::{
 use crate::model::LayerRange;
 
 use super::exceptions::InputError;
-use super::model::PyRangeSession;
+use super::model::{PyRangeSession, PySampler};
 use super::weights::PyModelWeights;
 
 /// A session's lock, shared by Python and the step stream: `threading.Lock`'s interface
@@ -121,9 +121,10 @@ impl Handler for PyHandler {
 }
 
 /// The step stream of one station: a Rust thread per connection reads the frames; decode
-/// steps of registered sessions at a station other than the exit run without Python, every
-/// other frame goes to `handler(head: bytes, payload: bytes, received: float) -> (status,
-/// header bytes, payload bytes)`, called from the connection's thread (it may wait).
+/// steps of registered sessions run without Python (at the exit, with each session's own
+/// sampler), every other frame goes to `handler(head: bytes, payload: bytes, received:
+/// float) -> (status, header bytes, payload bytes)`, called from the connection's thread
+/// (it may wait).
 #[pyclass(name = "StepStream", module = "amplituhedron_rs._core", frozen)]
 pub struct PyStepStream {
     stream: StepStream,
@@ -132,7 +133,7 @@ pub struct PyStepStream {
 #[pymethods]
 impl PyStepStream {
     #[new]
-    #[pyo3(signature = (weights, layer_lo, layer_hi, host, port, *, token, handler, max_rows, max_json_bytes, max_octet_bytes, max_connections, keepalive_s, header_timeout_s, body_timeout_s, fast=true))]
+    #[pyo3(signature = (weights, layer_lo, layer_hi, host, port, *, token, handler, max_rows, max_logits_rows, max_json_bytes, max_octet_bytes, max_connections, keepalive_s, header_timeout_s, body_timeout_s, fast=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -144,6 +145,7 @@ impl PyStepStream {
         token: Option<Vec<u8>>,
         handler: Py<PyAny>,
         max_rows: usize,
+        max_logits_rows: usize,
         max_json_bytes: usize,
         max_octet_bytes: usize,
         max_connections: usize,
@@ -172,7 +174,7 @@ impl PyStepStream {
             header_timeout: seconds(header_timeout_s, "header_timeout_s")?,
             body_timeout: seconds(body_timeout_s, "body_timeout_s")?,
         };
-        let fast = Arc::new(FastStep::new(range, max_rows, fast));
+        let fast = Arc::new(FastStep::new(range, max_rows, max_logits_rows, fast));
         let handler = Box::new(PyHandler { handle: handler });
         let host = host.to_owned();
         let stream = py
@@ -187,18 +189,23 @@ impl PyStepStream {
         self.stream.port()
     }
 
-    /// Lets the stream step session `sid` (its ring and the lock Python holds it with).
+    /// Lets the stream step session `sid` (its ring and the lock Python holds it with). At
+    /// the exit station, `sampler` (the session's own) lets it emit too; without one, the
+    /// session's steps there are Python's (a session under a grammar).
+    #[pyo3(signature = (sid, session, lock, prompt_len, sampler=None))]
     fn register(
         &self,
         sid: &str,
         session: PyRef<'_, PyRangeSession>,
         lock: PyRef<'_, PyRingLock>,
         prompt_len: u64,
+        sampler: Option<PyRef<'_, PySampler>>,
     ) {
         let hop = HopSession::new(
             Arc::clone(&session.inner),
             Arc::clone(&lock.inner),
             prompt_len,
+            sampler.map(|s| Arc::clone(&s.inner)),
         );
         self.stream.fast().registry.register(sid, hop);
     }

@@ -208,9 +208,18 @@ impl PyRangeSession {
 }
 
 /// The sampler: greedy, or temperature with top-k / top-p, seeded.
-#[pyclass(name = "Sampler", module = "amplituhedron_rs._core")]
+///
+/// Frozen, its state behind a mutex: a station's step stream samples a session's decode
+/// steps with the same sampler, without the GIL (see `rust/mesh`).
+#[pyclass(name = "Sampler", module = "amplituhedron_rs._core", frozen)]
 pub struct PySampler {
-    inner: Sampler,
+    pub(crate) inner: Arc<Mutex<Sampler>>,
+}
+
+impl PySampler {
+    fn lock(&self) -> MutexGuard<'_, Sampler> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 #[pymethods]
@@ -247,20 +256,22 @@ impl PySampler {
             },
         })
         .map_err(PyErr::from)?;
-        Ok(PySampler { inner })
+        Ok(PySampler {
+            inner: Arc::new(Mutex::new(inner)),
+        })
     }
 
     /// Starts a sequence at `prompt` (the penalties count from it); needed before the first
     /// draw when a penalty, bias or `min_tokens` is set. The sampler then records each token
     /// it picks.
-    fn begin(&mut self, prompt: Vec<u32>) {
-        self.inner.begin(&prompt);
+    fn begin(&self, prompt: Vec<u32>) {
+        self.lock().begin(&prompt);
     }
 
     /// The sequence's tokens at positions `start..` (a step's rows), for a sampler that
     /// joins a sequence midway; positions inside the prompt are ignored.
-    fn observe(&mut self, start: u64, tokens: Vec<u32>) -> PyResult<()> {
-        self.inner.observe(start, &tokens).map_err(PyErr::from)
+    fn observe(&self, start: u64, tokens: Vec<u32>) -> PyResult<()> {
+        self.lock().observe(start, &tokens).map_err(PyErr::from)
     }
 
     /// Picks the token for position `index` (prompt length + tokens before it) from float32
@@ -269,7 +280,7 @@ impl PySampler {
     /// masked row), and the state consumes the token (see its `done`).
     #[pyo3(signature = (logits, index, grammar=None))]
     fn sample(
-        &mut self,
+        &self,
         logits: PyReadonlyArray1<'_, f32>,
         index: u64,
         mut grammar: Option<PyRefMut<'_, PyGrammarState>>,
@@ -283,7 +294,7 @@ impl PySampler {
             }
         };
         let state = grammar.as_deref_mut().map(|g| &mut g.inner);
-        Ok(crate::grammar::sample(&mut self.inner, state, values, index)?.0)
+        Ok(crate::grammar::sample(&mut self.lock(), state, values, index)?.0)
     }
 
     /// Speculative verification: `rows` (`len(drafts) + 1` rows of logits, row `j` scoring
@@ -297,7 +308,7 @@ impl PySampler {
     /// grammar is complete first (its `done`).
     #[pyo3(signature = (rows, drafts, first_index, grammar=None))]
     fn verify(
-        &mut self,
+        &self,
         rows: PyReadonlyArray2<'_, f32>,
         drafts: Vec<u32>,
         first_index: u64,
@@ -308,7 +319,7 @@ impl PySampler {
         let mut out = Vec::with_capacity(drafts.len() + 1);
         let state = grammar.as_deref_mut().map(|g| &mut g.inner);
         crate::grammar::verify(
-            &mut self.inner,
+            &mut self.lock(),
             state,
             &values,
             vocab,

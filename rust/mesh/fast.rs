@@ -1,11 +1,14 @@
 //! The decode step without Python: a frame whose entries are all decode rows of open
-//! sessions, at a station that is not the exit, runs here on the sessions' rings.
+//! sessions runs here on the sessions' rings; at the exit station, each session's own
+//! sampler (shared with Python) then verifies the rows and emits, as `BatchStepper` does.
 //!
 //! It takes only frames it can answer exactly as the Python handler would: every field of
 //! the header known and in range, every session registered and free, every entry within
-//! its session's positions. Anything else — a prefill, a capture, a busy or unknown
-//! session, a malformed header — is declined (`None`) before anything changed, and the
-//! Python handler answers it (with its error, when it is one).
+//! its session's positions; at the exit, no log-probabilities asked and no grammar. Anything
+//! else — a prefill, a capture, a busy or unknown session, a malformed header — is declined
+//! (`None`) before anything changed, and the Python handler answers it (with its error,
+//! when it is one). A sampler that fails after the pass (non-finite logits) fails the step
+//! as Python's does: the same 422 and detail, the rings moved on as Python's pass left them.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,7 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use serde_json::{Map, Value};
 
 use crate::model::{
-    ChunkInput, LayerRange, LogitsWanted, RangeSession, Segment, StepBuffers, MAX_TOP_LOGPROBS,
+    ChunkInput, LayerRange, LogitsWanted, RangeSession, Sampler, SamplingError, Segment,
+    StepBuffers, MAX_TOP_LOGPROBS,
 };
 use crate::ring::SpanType;
 
@@ -38,22 +42,30 @@ const ENTRY_KEYS: [&str; 9] = [
 ];
 
 /// What the stream knows of one open session: its ring and lock (shared with Python), the
-/// prompt's length, and when a step last used it.
+/// prompt's length, its sampler at the exit station (shared with Python; None: the exit's
+/// steps are Python's, e.g. under a grammar), and when a step last used it.
 pub struct HopSession {
     pub ring: Arc<Mutex<RangeSession>>,
     pub lock: Arc<RingLock>,
     pub prompt_len: u64,
+    pub sampler: Option<Arc<Mutex<Sampler>>>,
     closed: AtomicBool,
     /// `monotonic_seconds()` of the last step here, as f64 bits (0: none yet).
     last_used: AtomicU64,
 }
 
 impl HopSession {
-    pub fn new(ring: Arc<Mutex<RangeSession>>, lock: Arc<RingLock>, prompt_len: u64) -> Self {
+    pub fn new(
+        ring: Arc<Mutex<RangeSession>>,
+        lock: Arc<RingLock>,
+        prompt_len: u64,
+        sampler: Option<Arc<Mutex<Sampler>>>,
+    ) -> Self {
         HopSession {
             ring,
             lock,
             prompt_len,
+            sampler,
             closed: AtomicBool::new(false),
             last_used: AtomicU64::new(0),
         }
@@ -120,22 +132,29 @@ pub struct FastStep {
     pub registry: Registry,
     /// Rows a decode entry may carry (the station's `max_rows`).
     max_rows: usize,
+    /// Rows of logits a decode entry may ask at the exit (the station's `max_logits_rows`).
+    max_logits_rows: usize,
     enabled: bool,
     rows: AtomicU64,
     steps: AtomicU64,
 }
 
 impl FastStep {
-    /// The fast path of `range`; `enabled` false declines every frame (the exit station,
-    /// a failure drill).
-    pub fn new(range: LayerRange, max_rows: usize, enabled: bool) -> FastStep {
+    /// The fast path of `range`; `enabled` false declines every frame (a failure drill).
+    pub fn new(
+        range: LayerRange,
+        max_rows: usize,
+        max_logits_rows: usize,
+        enabled: bool,
+    ) -> FastStep {
         let bufs = StepBuffers::new(range.weights().config(), 1, 1);
         FastStep {
-            enabled: enabled && !range.is_exit(),
+            enabled,
             range,
             bufs: Mutex::new(bufs),
             registry: Registry::default(),
             max_rows,
+            max_logits_rows,
             rows: AtomicU64::new(0),
             steps: AtomicU64::new(0),
         }
@@ -197,6 +216,10 @@ impl FastStep {
             .iter()
             .map(|e| self.registry.get(e.sid))
             .collect::<Option<_>>()?;
+        let exit = self.range.is_exit();
+        if exit && sessions.iter().any(|s| s.sampler.is_none()) {
+            return None;
+        }
         let held = Held::take(&sessions)?;
         let mut rings: Vec<MutexGuard<'_, RangeSession>> = sessions
             .iter()
@@ -232,7 +255,11 @@ impl FastStep {
                     kv,
                     input,
                     span: SpanType::ResponseSentence,
-                    logits: LogitsWanted::None,
+                    logits: match (exit, n) {
+                        (false, _) => LogitsWanted::None,
+                        (true, 1) => LogitsWanted::Last,
+                        (true, _) => LogitsWanted::All,
+                    },
                     hidden_out: h,
                     logits_out: l,
                     shared_prefix: None,
@@ -242,15 +269,30 @@ impl FastStep {
             // A failed pass changed no ring: Python runs it again and answers the error.
             self.range.forward_batch(&mut segments, &mut bufs).ok()?;
         }
+        let emitted = if exit {
+            emit(&entries, &sessions, &outs, config.vocab)
+        } else {
+            Ok(vec![Vec::new(); entries.len()])
+        };
         let computed = monotonic_seconds();
+        let emitted = match emitted {
+            Ok(emitted) => emitted,
+            Err(failure) => {
+                drop(rings);
+                self.finish(&sessions, computed, rows);
+                // `BatchStepper` raises InputError (422) with the sampler's message.
+                return Some(Answer::refusal(422, &failure.0, None));
+            }
+        };
         let results: Vec<Value> = rings
             .iter()
             .zip(&entries)
-            .map(|(ring, e)| {
+            .zip(emitted)
+            .map(|((ring, e), emitted)| {
                 serde_json::json!({
                     "clock": ring.clock(),
-                    "rows": e.tokens.len(),
-                    "emitted": [],
+                    "rows": if exit { 0 } else { e.tokens.len() },
+                    "emitted": emitted,
                     "captured": 0,
                     "logprobs": null,
                     "prompt_logprobs": null,
@@ -260,14 +302,11 @@ impl FastStep {
             })
             .collect();
         drop(rings);
-        for s in &sessions {
-            s.last_used.store(computed.to_bits(), Ordering::Relaxed);
-        }
+        self.finish(&sessions, computed, rows);
         drop(held);
-        self.rows.fetch_add(rows as u64, Ordering::Relaxed);
-        self.steps.fetch_add(1, Ordering::Relaxed);
-        let mut payload_out = Vec::with_capacity(rows * config.hidden * 4);
-        for (h, _) in &outs {
+        // The exit answers tokens only.
+        let mut payload_out = Vec::with_capacity(if exit { 0 } else { rows * config.hidden * 4 });
+        for (h, _) in outs.iter().filter(|_| !exit) {
             for v in h {
                 payload_out.extend_from_slice(&v.to_le_bytes());
             }
@@ -290,6 +329,15 @@ impl FastStep {
             head: Value::Object(reply).to_string().into_bytes(),
             payload: payload_out,
         })
+    }
+
+    /// Counts a step that ran and marks its sessions used.
+    fn finish(&self, sessions: &[Arc<HopSession>], computed: f64, rows: usize) {
+        for s in sessions {
+            s.last_used.store(computed.to_bits(), Ordering::Relaxed);
+        }
+        self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.steps.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The header's decode entries and its timing flag, when every field is one the fast
@@ -332,14 +380,20 @@ impl FastStep {
             if !e.get("prompt_logprobs").is_none_or(Value::is_null) {
                 return None;
             }
-            // Only the exit station reports log-probabilities; elsewhere the field is checked.
+            // Only the exit station reports log-probabilities (Python's); elsewhere the
+            // field is checked.
             if let Some(v) = e.get("logprobs").filter(|v| !v.is_null()) {
-                if v.as_u64()? > MAX_TOP_LOGPROBS as u64 {
+                if self.range.is_exit() || v.as_u64()? > MAX_TOP_LOGPROBS as u64 {
                     return None;
                 }
             }
             let list = e.get("tokens")?.as_array()?;
-            if list.is_empty() || list.len() > self.max_rows {
+            let most = if self.range.is_exit() {
+                self.max_rows.min(self.max_logits_rows)
+            } else {
+                self.max_rows
+            };
+            if list.is_empty() || list.len() > most {
                 return None;
             }
             let tokens = list
@@ -350,6 +404,29 @@ impl FastStep {
         }
         Some((entries, timing))
     }
+}
+
+/// The exit station's emission for each decode entry, in order, as `BatchStepper._finish`
+/// does it: the row's token observed (penalties), the drafts verified against the rows'
+/// logits by the session's sampler (the accepted drafts, then its own token), every row's
+/// token observed. Stops at the first failure, as Python's exception does.
+fn emit(
+    entries: &[Entry<'_>],
+    sessions: &[Arc<HopSession>],
+    outs: &[(Vec<f32>, Vec<f32>)],
+    vocab: usize,
+) -> Result<Vec<Vec<u32>>, SamplingError> {
+    let mut emitted = Vec::with_capacity(entries.len());
+    for ((e, s), (_, logits)) in entries.iter().zip(sessions).zip(outs) {
+        let sampler = s.sampler.as_ref().expect("checked before the pass");
+        let mut sampler = sampler.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out = Vec::with_capacity(e.tokens.len());
+        sampler.observe(e.start, &e.tokens[..1])?;
+        sampler.verify(logits, vocab, &e.tokens[1..], e.start + 1, &mut out)?;
+        sampler.observe(e.start, &e.tokens)?;
+        emitted.push(out);
+    }
+    Ok(emitted)
 }
 
 /// The locks of a step's sessions, taken without waiting and released when dropped.

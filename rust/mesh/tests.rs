@@ -6,7 +6,10 @@ use std::time::Duration;
 use super::frame::{parse_prefix, request, PREFIX_BYTES};
 use super::*;
 use crate::model::testing::{tiny_config, tiny_weights};
-use crate::model::{ChunkInput, LayerRange, LogitsWanted, RangeSession, SessionConfig};
+use crate::model::{
+    ChunkInput, LayerRange, LogitsAdjust, LogitsWanted, RangeSession, Sampler, SamplingParams,
+    SessionConfig,
+};
 use crate::ring::SpanType;
 
 const SID: &str = "AAAAAAAAAAAAAAAAAAAAAAAA";
@@ -121,16 +124,48 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 /// A fast path over `lo..hi` with one registered session (a twin of it returned, to run
 /// the same rows alone).
 fn fast_with_session(lo: usize, hi: usize) -> (FastStep, HopSession, RangeSession) {
+    fast_with(lo, hi, None, 64)
+}
+
+/// [`fast_with_session`] with the session's sampler (the exit's) and the rows of logits an
+/// entry may ask.
+fn fast_with(
+    lo: usize,
+    hi: usize,
+    sampler: Option<Sampler>,
+    max_logits_rows: usize,
+) -> (FastStep, HopSession, RangeSession) {
     let (session, _) = prefilled(lo, hi);
     let (twin, _) = prefilled(lo, hi);
     let range = LayerRange::new(Arc::clone(session.weights()), lo, hi).unwrap();
-    let fast = FastStep::new(range, 64, true);
+    let fast = FastStep::new(range, 64, max_logits_rows, true);
     let ring = Arc::new(Mutex::new(session));
     let lock = Arc::new(RingLock::new());
-    let hop = HopSession::new(Arc::clone(&ring), Arc::clone(&lock), PROMPT.len() as u64);
-    fast.registry
-        .register(SID, HopSession::new(ring, lock, PROMPT.len() as u64));
-    (fast, hop, twin)
+    let sampler = sampler.map(|s| Arc::new(Mutex::new(s)));
+    let hop = || {
+        let (ring, lock) = (Arc::clone(&ring), Arc::clone(&lock));
+        HopSession::new(ring, lock, PROMPT.len() as u64, sampler.clone())
+    };
+    fast.registry.register(SID, hop());
+    (fast, hop(), twin)
+}
+
+fn sampler(params: SamplingParams) -> Sampler {
+    Sampler::new(params).unwrap()
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        greedy: true,
+        ..SamplingParams::default()
+    }
+}
+
+/// Two rows of hidden state for the exit (a decode row and one draft's).
+fn exit_rows() -> Vec<f32> {
+    (0..2 * tiny_config().hidden)
+        .map(|i| (i as f32 * 0.37).sin())
+        .collect()
 }
 
 #[test]
@@ -253,10 +288,106 @@ fn the_fast_path_declines_what_python_must_answer_and_changes_nothing() {
     assert!(declined(&decode(SID, PROMPT.len(), &[1]), &row), "closed");
     assert_eq!(clock(), before, "nothing ran");
     assert_eq!(fast.steps(), 0);
-    // The exit range never takes the fast path (it samples).
-    let w = tiny_weights(7);
-    let exit = FastStep::new(LayerRange::new(w, 2, 3).unwrap(), 64, true);
-    assert!(exit.try_step(&decode(SID, 5, &[1]), &row, 0.0).is_none());
+}
+
+#[test]
+fn a_fast_exit_step_emits_what_the_sessions_sampler_picks_from_the_same_logits() {
+    let vocab = tiny_config().vocab;
+    let rows = exit_rows();
+    for params in [
+        greedy(),
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            seed: 11,
+            ..SamplingParams::default()
+        },
+    ] {
+        let (fast, hop, mut twin) = fast_with(2, 3, Some(sampler(params.clone())), 64);
+        let (mut h, mut logits) = (Vec::new(), Vec::new());
+        twin.forward(
+            ChunkInput::Hidden(&rows),
+            SpanType::ResponseSentence,
+            LogitsWanted::All,
+            &mut h,
+            &mut logits,
+        )
+        .unwrap();
+        // The draft is the first row's own token, so it is accepted when greedy.
+        let mut first = Vec::new();
+        sampler(params.clone())
+            .verify(&logits[..vocab], vocab, &[], 6, &mut first)
+            .unwrap();
+        let tokens = [42, first[0]];
+        let mut want = Vec::new();
+        sampler(params.clone())
+            .verify(&logits, vocab, &tokens[1..], 6, &mut want)
+            .unwrap();
+        let answer = fast
+            .try_step(&decode(SID, PROMPT.len(), &tokens), &f32_bytes(&rows), 1.0)
+            .expect("the exit serves a decode step of a session with a sampler");
+        assert_eq!(answer.status, 200);
+        assert!(answer.payload.is_empty(), "the exit answers tokens only");
+        let head: serde_json::Value = serde_json::from_slice(&answer.head).unwrap();
+        let entry = &head["entries"][0];
+        assert_eq!(entry["emitted"], serde_json::json!(want));
+        assert_eq!(
+            (entry["rows"].as_u64(), entry["clock"].as_u64()),
+            (Some(0), Some(7))
+        );
+        if params.greedy {
+            assert_eq!(
+                want.len(),
+                2,
+                "the greedy draft is accepted, then the bonus"
+            );
+        }
+        assert!(!hop.lock.is_held());
+    }
+}
+
+#[test]
+fn the_exit_declines_logprobs_grammars_and_long_entries_and_fails_as_python_does() {
+    let rows = exit_rows();
+    let row = &rows[..tiny_config().hidden];
+    let clock = |hop: &HopSession| hop.ring.lock().unwrap().clock();
+    // No sampler registered (a session under a grammar): Python's.
+    let (fast, hop, _) = fast_with(2, 3, None, 64);
+    assert!(fast
+        .try_step(&decode(SID, 5, &[1]), &f32_bytes(row), 0.0)
+        .is_none());
+    // Log-probabilities asked: Python's.
+    let (fast, hop2, _) = fast_with(2, 3, Some(sampler(greedy())), 1);
+    let lp = serde_json::json!({"entries": [{"session_id": SID, "start": 5, "tokens": [1],
+                                             "kind": "decode", "logprobs": 2}]});
+    assert!(fast
+        .try_step(lp.to_string().as_bytes(), &f32_bytes(row), 0.0)
+        .is_none());
+    // More rows of logits than the station's max_logits_rows: Python's 413.
+    assert!(fast
+        .try_step(&decode(SID, 5, &[1, 2]), &f32_bytes(&rows), 0.0)
+        .is_none());
+    assert_eq!((clock(&hop), clock(&hop2), fast.steps()), (5, 5, 0));
+    // A sampler that fails after the pass (its penalties never saw the prompt) fails the
+    // step with Python's 422 and message; the ring moved on, as Python's pass leaves it.
+    let penalised = SamplingParams {
+        adjust: LogitsAdjust {
+            presence_penalty: 0.5,
+            ..LogitsAdjust::default()
+        },
+        ..greedy()
+    };
+    let (fast, hop, _) = fast_with(2, 3, Some(sampler(penalised.clone())), 64);
+    let answer = fast
+        .try_step(&decode(SID, 5, &[1]), &f32_bytes(row), 0.0)
+        .expect("answered");
+    let mut alone = sampler(penalised);
+    let message = alone.observe(5, &[1]).unwrap_err().0;
+    assert_eq!(answer.status, 422);
+    let head: serde_json::Value = serde_json::from_slice(&answer.head).unwrap();
+    assert_eq!(head["detail"], message.as_str());
+    assert_eq!((clock(&hop), fast.steps()), (6, 1));
+    assert!(!hop.lock.is_held());
 }
 
 /// Answers every declined frame with status 299 and the header echoed.
@@ -368,7 +499,7 @@ fn the_stream_serves_fast_and_python_frames_refuses_bad_ones_and_caps_connection
 fn a_chain_runs_every_station_in_order_and_names_the_one_that_fails() {
     let echo = |token: &[u8]| {
         let range = LayerRange::new(tiny_weights(7), 1, 2).unwrap();
-        let fast = Arc::new(FastStep::new(range, 64, false));
+        let fast = Arc::new(FastStep::new(range, 64, 64, false));
         StepStream::bind("127.0.0.1", 0, limits(Some(token)), fast, Box::new(EchoOk)).unwrap()
     };
     let (a, b) = (echo(b"tok"), echo(b"tok"));

@@ -139,7 +139,7 @@ class Station(StationVolumes):
             self.stream = stream
             self.stream_port = int(stream.port)
             for sid, live in self.sessions.items():
-                stream.register(sid, live.session, live.lock, len(live.prompt))
+                _register(stream, sid, live)
 
     def detach_stream(self) -> None:
         """Stops the step stream (shutdown)."""
@@ -270,7 +270,7 @@ class Station(StationVolumes):
             live.grammar = grammar
             self.sessions[sid] = live
             if self.stream is not None:
-                self.stream.register(sid, rs, lock, len(live.prompt))
+                _register(self.stream, sid, live)
         return sid, live
 
     def grammar_vocabulary(self) -> _core.GrammarVocabulary:
@@ -466,3 +466,10 @@ class Station(StationVolumes):
         salt = self.salt_of(tenant)
         with self.pipeline_lock:
             return bool(self.pipeline.amplituhedron_inject_fault(prompt, position, salt))
+
+
+def _register(stream: _core.StepStream, sid: str, live: LiveSession) -> None:
+    """Lets ``stream`` step session ``sid``; at the exit with its sampler, unless a grammar
+    constrains it (its steps there stay Python's)."""
+    sampler = live.sampler if live.grammar is None else None
+    stream.register(sid, live.session, live.lock, len(live.prompt), sampler)

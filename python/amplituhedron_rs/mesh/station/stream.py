@@ -9,11 +9,11 @@ stations share two cores and their L3): more than a one-layer pass. So the liste
 edge rules of the HTTP surface (the mesh token on every frame, checked in constant time
 before a byte of header or payload is read; lengths refused past the station's limits before
 they are read; a connection cap; keep-alive, header and body deadlines), and runs a decode
-step of registered sessions at a station other than the exit on their rings, without
-Python.
+step of registered sessions on their rings without Python; at the exit station each
+session's own sampler (the one Python samples with) then verifies and emits.
 
-Every other frame (prefill, capture, the exit station's sampling, anything malformed, a busy
-session) comes here, to :class:`StepHandler`, in the connection's thread: the same
+Every other frame (prefill, capture, log-probabilities, a grammar's steps, anything
+malformed, a busy session) comes here, to :class:`StepHandler`, in the connection's thread: the same
 :class:`~.batch.BatchStepper` call as ``POST /batch/step``, with the same validation and
 refusals; only the envelope differs.
 """
@@ -99,6 +99,7 @@ def open_stream(
         token=None if s.token is None else s.token.encode(),
         handler=handler,
         max_rows=int(station.max_rows),
+        max_logits_rows=s.max_logits_rows,
         max_json_bytes=limits.max_json_bytes,
         max_octet_bytes=limits.max_octet_bytes,
         max_connections=limits.max_connections,
