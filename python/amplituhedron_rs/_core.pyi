@@ -499,9 +499,10 @@ class RingLock:
 
 @final
 class StepStream:
-    """A station's step stream: Rust threads read the frames; decode steps of registered
-    sessions run without Python (at the exit, with each session's own sampler), every other
-    frame goes to ``handler(head, payload, received) -> (status, header, payload)``."""
+    """A station's step stream: Rust threads read the frames; decode steps and prompt
+    pieces (before the last) of registered sessions run without Python (at the exit, decode
+    sampled with each session's own sampler), every other frame goes to
+    ``handler(head, payload, received) -> (status, header, payload)``."""
 
     def __new__(
         cls,
@@ -530,9 +531,10 @@ class StepStream:
         sid: str,
         session: RangeSession,
         lock: RingLock,
-        prompt_len: int,
+        prompt: Sequence[int],
         sampler: Sampler | None = None,
     ) -> None: ...
+    def set_max_prefix_len(self, n: int) -> None: ...
     def unregister(self, sid: str) -> bool: ...
     def last_used(self, sid: str) -> float | None: ...
     @property

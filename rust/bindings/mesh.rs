@@ -121,8 +121,8 @@ impl Handler for PyHandler {
 }
 
 /// The step stream of one station: a Rust thread per connection reads the frames; decode
-/// steps of registered sessions run without Python (at the exit, with each session's own
-/// sampler), every other frame goes to `handler(head: bytes, payload: bytes, received:
+/// steps and prompt pieces (all but the last) of registered sessions run without Python (at
+/// the exit, decode sampled with each session's own sampler), every other frame goes to `handler(head: bytes, payload: bytes, received:
 /// float) -> (status, header bytes, payload bytes)`, called from the connection's thread
 /// (it may wait).
 #[pyclass(name = "StepStream", module = "amplituhedron_rs._core", frozen)]
@@ -189,25 +189,31 @@ impl PyStepStream {
         self.stream.port()
     }
 
-    /// Lets the stream step session `sid` (its ring and the lock Python holds it with). At
-    /// the exit station, `sampler` (the session's own) lets it emit too; without one, the
-    /// session's steps there are Python's (a session under a grammar).
-    #[pyo3(signature = (sid, session, lock, prompt_len, sampler=None))]
+    /// Lets the stream step session `sid` (its ring and the lock Python holds it with, its
+    /// prompt's tokens). At the exit station, `sampler` (the session's own) lets it emit
+    /// too; without one, the session's decode steps there are Python's (under a grammar).
+    #[pyo3(signature = (sid, session, lock, prompt, sampler=None))]
     fn register(
         &self,
         sid: &str,
         session: PyRef<'_, PyRangeSession>,
         lock: PyRef<'_, PyRingLock>,
-        prompt_len: u64,
+        prompt: Vec<u32>,
         sampler: Option<PyRef<'_, PySampler>>,
     ) {
         let hop = HopSession::new(
             Arc::clone(&session.inner),
             Arc::clone(&lock.inner),
-            prompt_len,
+            prompt,
             sampler.map(|s| Arc::clone(&s.inner)),
         );
         self.stream.fast().registry.register(sid, hop);
+    }
+
+    /// Follows the station's `max_prefix_len` (a prompt longer than it has its head captured
+    /// by the piece that computes its last position: Python's).
+    fn set_max_prefix_len(&self, n: usize) {
+        self.stream.fast().set_max_prefix_len(n);
     }
 
     /// Forgets session `sid` (call holding its lock, before its ring is reused); whether it

@@ -1,17 +1,20 @@
-//! The decode step without Python: a frame whose entries are all decode rows of open
-//! sessions runs here on the sessions' rings; at the exit station, each session's own
-//! sampler (shared with Python) then verifies the rows and emits, as `BatchStepper` does.
+//! Steps without Python: a frame whose entries are all decode rows of open sessions, or
+//! pieces of their prompts before the last, runs here on the sessions' rings; at the exit
+//! station, each session's own sampler (shared with Python) then verifies a decode entry's
+//! rows and emits, as `BatchStepper` does.
 //!
-//! It takes only frames it can answer exactly as the Python handler would: every field of
-//! the header known and in range, every session registered and free, every entry within
-//! its session's positions; at the exit, no log-probabilities asked and no grammar. Anything
-//! else — a prefill, a capture, a busy or unknown session, a malformed header — is declined
-//! (`None`) before anything changed, and the Python handler answers it (with its error,
-//! when it is one). A sampler that fails after the pass (non-finite logits) fails the step
+//! It takes only frames it can answer exactly as the Python handler would, and whose
+//! answer changes nothing Python keeps: every field of the header known and in range, every
+//! session registered and free, every entry within its session's positions (a prompt piece:
+//! the prompt's own tokens at the ring's clock, not its last piece, and no capture to make
+//! in it); at the exit, no log-probabilities asked and no grammar. Anything else — a
+//! prompt's last piece, a capture, a busy or unknown session, a malformed header — is
+//! declined (`None`) before anything changed, and the Python handler answers it (with its
+//! error, when it is one). A sampler that fails after the pass (non-finite logits) fails the step
 //! as Python's does: the same 422 and detail, the rings moved on as Python's pass left them.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde_json::{Map, Value};
@@ -41,13 +44,13 @@ const ENTRY_KEYS: [&str; 9] = [
     "prompt_logprobs",
 ];
 
-/// What the stream knows of one open session: its ring and lock (shared with Python), the
-/// prompt's length, its sampler at the exit station (shared with Python; None: the exit's
-/// steps are Python's, e.g. under a grammar), and when a step last used it.
+/// What the stream knows of one open session: its ring and lock (shared with Python), its
+/// prompt, its sampler at the exit station (shared with Python; None: the exit's steps are
+/// Python's, e.g. under a grammar), and when a step last used it.
 pub struct HopSession {
     pub ring: Arc<Mutex<RangeSession>>,
     pub lock: Arc<RingLock>,
-    pub prompt_len: u64,
+    pub prompt: Vec<u32>,
     pub sampler: Option<Arc<Mutex<Sampler>>>,
     closed: AtomicBool,
     /// `monotonic_seconds()` of the last step here, as f64 bits (0: none yet).
@@ -58,17 +61,21 @@ impl HopSession {
     pub fn new(
         ring: Arc<Mutex<RangeSession>>,
         lock: Arc<RingLock>,
-        prompt_len: u64,
+        prompt: Vec<u32>,
         sampler: Option<Arc<Mutex<Sampler>>>,
     ) -> Self {
         HopSession {
             ring,
             lock,
-            prompt_len,
+            prompt,
             sampler,
             closed: AtomicBool::new(false),
             last_used: AtomicU64::new(0),
         }
+    }
+
+    fn prompt_len(&self) -> u64 {
+        self.prompt.len() as u64
     }
 
     /// When a step here last used the session (None: never).
@@ -118,11 +125,19 @@ impl Registry {
     }
 }
 
-/// One decode entry of a header.
+/// One entry of a header: decode rows, or a piece of the prompt before its last.
 struct Entry<'a> {
     sid: &'a str,
     start: u64,
     tokens: Vec<u32>,
+    prefill: bool,
+    capture: bool,
+}
+
+impl Entry<'_> {
+    fn end(&self) -> u64 {
+        self.start + self.tokens.len() as u64
+    }
 }
 
 /// The fast path of one station: its layers, step buffers, registry and counters.
@@ -134,6 +149,9 @@ pub struct FastStep {
     max_rows: usize,
     /// Rows of logits a decode entry may ask at the exit (the station's `max_logits_rows`).
     max_logits_rows: usize,
+    /// The volume cache's longest prefix (Python's `max_prefix_len`): a prompt longer than
+    /// it has its head captured by the piece that computes its last position.
+    max_prefix_len: AtomicUsize,
     enabled: bool,
     rows: AtomicU64,
     steps: AtomicU64,
@@ -155,9 +173,15 @@ impl FastStep {
             registry: Registry::default(),
             max_rows,
             max_logits_rows,
+            max_prefix_len: AtomicUsize::new(usize::MAX),
             rows: AtomicU64::new(0),
             steps: AtomicU64::new(0),
         }
+    }
+
+    /// Follows the station's `max_prefix_len` (set at start and whenever it changes).
+    pub fn set_max_prefix_len(&self, n: usize) {
+        self.max_prefix_len.store(n, Ordering::SeqCst);
     }
 
     /// Rows run here (its share of the station's forwarded rows).
@@ -217,8 +241,22 @@ impl FastStep {
             .map(|e| self.registry.get(e.sid))
             .collect::<Option<_>>()?;
         let exit = self.range.is_exit();
-        if exit && sessions.iter().any(|s| s.sampler.is_none()) {
-            return None;
+        let head = self.max_prefix_len.load(Ordering::SeqCst) as u64;
+        for (e, s) in entries.iter().zip(&sessions) {
+            if e.prefill {
+                // The prompt's own tokens, before its last piece (Python's 409 otherwise),
+                // and no head capture in this piece (`_capture_head`).
+                let n = s.prompt_len();
+                let end = e.end();
+                if end >= n || s.prompt[e.start as usize..end as usize] != e.tokens[..] {
+                    return None;
+                }
+                if e.capture && n > head && e.start < head && head <= end {
+                    return None;
+                }
+            } else if exit && s.sampler.is_none() {
+                return None;
+            }
         }
         let held = Held::take(&sessions)?;
         let mut rings: Vec<MutexGuard<'_, RangeSession>> = sessions
@@ -226,7 +264,14 @@ impl FastStep {
             .map(|s| s.ring.lock().unwrap_or_else(PoisonError::into_inner))
             .collect();
         for ((e, s), ring) in entries.iter().zip(&sessions).zip(&rings) {
-            if e.start > ring.clock() || e.start < s.prompt_len {
+            let fits = if e.prefill {
+                // At the clock: a rollback into the prompt is Python's (it forgets the
+                // prompt's tail row).
+                e.start == ring.clock()
+            } else {
+                e.start <= ring.clock() && e.start >= s.prompt_len()
+            };
+            if !fits {
                 return None; // Python answers the conflict
             }
         }
@@ -254,8 +299,12 @@ impl FastStep {
                 segments.push(Segment {
                     kv,
                     input,
-                    span: SpanType::ResponseSentence,
-                    logits: match (exit, n) {
+                    span: if e.prefill {
+                        SpanType::User
+                    } else {
+                        SpanType::ResponseSentence
+                    },
+                    logits: match (exit && !e.prefill, n) {
                         (false, _) => LogitsWanted::None,
                         (true, 1) => LogitsWanted::Last,
                         (true, _) => LogitsWanted::All,
@@ -367,15 +416,23 @@ impl FastStep {
                 return None;
             }
             let start = e.get("start")?.as_u64()?;
-            if start > MAX_START || e.get("kind")?.as_str()? != "decode" {
+            let prefill = match e.get("kind")?.as_str()? {
+                "decode" => false,
+                "prefill" => true,
+                _ => return None,
+            };
+            if start > MAX_START {
                 return None;
             }
-            for flag in ["last", "emit", "capture"] {
-                if let Some(v) = e.get(flag) {
-                    if v.as_bool()? {
-                        return None;
-                    }
-                }
+            let flag = |name: &str| match e.get(name) {
+                None => Some(false),
+                Some(v) => v.as_bool(),
+            };
+            // A prompt's last piece records what a capture freezes (Python's); a decode
+            // entry takes none of these (Python's 400).
+            let capture = flag("capture")?;
+            if flag("last")? || flag("emit")? || (capture && !prefill) {
+                return None;
             }
             if !e.get("prompt_logprobs").is_none_or(Value::is_null) {
                 return None;
@@ -388,7 +445,7 @@ impl FastStep {
                 }
             }
             let list = e.get("tokens")?.as_array()?;
-            let most = if self.range.is_exit() {
+            let most = if self.range.is_exit() && !prefill {
                 self.max_rows.min(self.max_logits_rows)
             } else {
                 self.max_rows
@@ -400,14 +457,20 @@ impl FastStep {
                 .iter()
                 .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                 .collect::<Option<Vec<u32>>>()?;
-            entries.push(Entry { sid, start, tokens });
+            entries.push(Entry {
+                sid,
+                start,
+                tokens,
+                prefill,
+                capture,
+            });
         }
         Some((entries, timing))
     }
 }
 
-/// The exit station's emission for each decode entry, in order, as `BatchStepper._finish`
-/// does it: the row's token observed (penalties), the drafts verified against the rows'
+/// The exit station's emission for each decode entry (none for a prompt piece), in order,
+/// as `BatchStepper._finish` does it: the row's token observed (penalties), the drafts verified against the rows'
 /// logits by the session's sampler (the accepted drafts, then its own token), every row's
 /// token observed. Stops at the first failure, as Python's exception does.
 fn emit(
@@ -418,6 +481,10 @@ fn emit(
 ) -> Result<Vec<Vec<u32>>, SamplingError> {
     let mut emitted = Vec::with_capacity(entries.len());
     for ((e, s), (_, logits)) in entries.iter().zip(sessions).zip(outs) {
+        if e.prefill {
+            emitted.push(Vec::new());
+            continue;
+        }
         let sampler = s.sampler.as_ref().expect("checked before the pass");
         let mut sampler = sampler.lock().unwrap_or_else(PoisonError::into_inner);
         let mut out = Vec::with_capacity(e.tokens.len());

@@ -135,6 +135,17 @@ fn fast_with(
     sampler: Option<Sampler>,
     max_logits_rows: usize,
 ) -> (FastStep, HopSession, RangeSession) {
+    fast_with_prompt(lo, hi, &PROMPT, sampler, max_logits_rows)
+}
+
+/// [`fast_with`] for a session whose prompt is `prompt`, of which [`PROMPT`] ran.
+fn fast_with_prompt(
+    lo: usize,
+    hi: usize,
+    prompt: &[u32],
+    sampler: Option<Sampler>,
+    max_logits_rows: usize,
+) -> (FastStep, HopSession, RangeSession) {
     let (session, _) = prefilled(lo, hi);
     let (twin, _) = prefilled(lo, hi);
     let range = LayerRange::new(Arc::clone(session.weights()), lo, hi).unwrap();
@@ -144,7 +155,7 @@ fn fast_with(
     let sampler = sampler.map(|s| Arc::new(Mutex::new(s)));
     let hop = || {
         let (ring, lock) = (Arc::clone(&ring), Arc::clone(&lock));
-        HopSession::new(ring, lock, PROMPT.len() as u64, sampler.clone())
+        HopSession::new(ring, lock, prompt.to_vec(), sampler.clone())
     };
     fast.registry.register(SID, hop());
     (fast, hop(), twin)
@@ -551,4 +562,93 @@ fn a_chain_runs_every_station_in_order_and_names_the_one_that_fails() {
         stop.failure,
         HopFailure::NoAnswer { timeout: false, .. }
     ));
+}
+
+#[test]
+fn a_prompt_piece_before_the_last_runs_fast_and_every_other_is_pythons() {
+    let prompt = [&PROMPT[..], &[7, 8, 9]].concat();
+    let n = PROMPT.len();
+    let piece = |start: usize, tokens: &[u32], extra: serde_json::Value| {
+        let mut e = serde_json::json!({"session_id": SID, "start": start, "tokens": tokens,
+                                       "kind": "prefill"});
+        e.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        serde_json::json!({"entries": [e]}).to_string().into_bytes()
+    };
+    let none = serde_json::json!({});
+    // A middle station (hidden rows in), the exit (no logits for a piece), the entry (ids).
+    for (lo, hi) in [(1, 2), (2, 3), (0, 1)] {
+        let rows: Vec<f32> = (0..3 * tiny_config().hidden)
+            .map(|i| (i as f32 * 0.11).cos())
+            .collect();
+        let payload = |k: usize| {
+            if lo == 0 {
+                Vec::new()
+            } else {
+                f32_bytes(&rows[..k * tiny_config().hidden])
+            }
+        };
+        let (fast, hop, mut twin) = fast_with_prompt(lo, hi, &prompt, None, 64);
+        let clock = || hop.ring.lock().unwrap().clock();
+        let declined = |head: &[u8], k: usize| fast.try_step(head, &payload(k), 0.0).is_none();
+        // Python's: the prompt's last piece, tokens not the prompt's, not at the clock.
+        assert!(declined(
+            &piece(n, &[7, 8, 9], serde_json::json!({"last": true})),
+            3
+        ));
+        assert!(
+            declined(&piece(n, &[7, 8, 9], none.clone()), 3),
+            "ends the prompt"
+        );
+        assert!(
+            declined(&piece(n, &[7, 6], none.clone()), 2),
+            "not the prompt"
+        );
+        assert!(
+            declined(&piece(n - 1, &[65, 7], none.clone()), 2),
+            "behind the clock"
+        );
+        assert!(declined(
+            &piece(n, &[7, 8], serde_json::json!({"prompt_logprobs": 1})),
+            2
+        ));
+        // A capture of the head in this piece (a prompt longer than the longest prefix).
+        fast.set_max_prefix_len(6);
+        assert!(declined(
+            &piece(n, &[7, 8], serde_json::json!({"capture": true})),
+            2
+        ));
+        assert_eq!((clock(), fast.steps()), (n as u64, 0));
+        // A head that ends elsewhere: the piece runs here, bit-identical to the ring alone.
+        fast.set_max_prefix_len(4);
+        let answer = fast
+            .try_step(
+                &piece(n, &[7, 8], serde_json::json!({"capture": true})),
+                &payload(2),
+                0.0,
+            )
+            .expect("a piece before the last runs fast");
+        let input = if lo == 0 {
+            ChunkInput::Tokens(&[7, 8])
+        } else {
+            ChunkInput::Hidden(&rows[..2 * tiny_config().hidden])
+        };
+        let (mut want, mut l) = (Vec::new(), Vec::new());
+        twin.forward(input, SpanType::User, LogitsWanted::None, &mut want, &mut l)
+            .unwrap();
+        let head: serde_json::Value = serde_json::from_slice(&answer.head).unwrap();
+        let entry = &head["entries"][0];
+        assert_eq!(answer.status, 200);
+        assert_eq!(entry["emitted"], serde_json::json!([]));
+        assert_eq!(entry["captured"], 0);
+        assert_eq!(clock(), n as u64 + 2);
+        if hi == 3 {
+            assert!(answer.payload.is_empty(), "the exit answers no rows");
+            assert_eq!(entry["rows"], 0);
+        } else {
+            assert_eq!(answer.payload, f32_bytes(&want), "bit-identical");
+            assert_eq!(entry["rows"], 2);
+        }
+    }
 }

@@ -138,6 +138,7 @@ class Station(StationVolumes):
         with self.sessions_lock:
             self.stream = stream
             self.stream_port = int(stream.port)
+            stream.set_max_prefix_len(self.max_prefix_len)
             for sid, live in self.sessions.items():
                 _register(stream, sid, live)
 
@@ -333,6 +334,8 @@ class Station(StationVolumes):
             if req.max_prefix_len is not None:
                 p.amplituhedron_set_max_prefix_len(req.max_prefix_len)
                 self.max_prefix_len = req.max_prefix_len
+                if self.stream is not None:
+                    self.stream.set_max_prefix_len(req.max_prefix_len)
             if "max_bytes" in req.model_fields_set:
                 p.amplituhedron_set_max_bytes(req.max_bytes)
             if req.min_prefix_reuse is not None:
@@ -472,4 +475,4 @@ def _register(stream: _core.StepStream, sid: str, live: LiveSession) -> None:
     """Lets ``stream`` step session ``sid``; at the exit with its sampler, unless a grammar
     constrains it (its steps there stay Python's)."""
     sampler = live.sampler if live.grammar is None else None
-    stream.register(sid, live.session, live.lock, len(live.prompt), sampler)
+    stream.register(sid, live.session, live.lock, live.prompt, sampler)

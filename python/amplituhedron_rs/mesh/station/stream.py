@@ -8,14 +8,15 @@ stations share two cores and their L3): more than a one-layer pass. So the liste
 (``_core.StepStream``, see ``rust/mesh``): a thread per connection reads the frames under the
 edge rules of the HTTP surface (the mesh token on every frame, checked in constant time
 before a byte of header or payload is read; lengths refused past the station's limits before
-they are read; a connection cap; keep-alive, header and body deadlines), and runs a decode
-step of registered sessions on their rings without Python; at the exit station each
-session's own sampler (the one Python samples with) then verifies and emits.
+they are read; a connection cap; keep-alive, header and body deadlines), and runs decode
+steps and prompt pieces (all but a prompt's last) of registered sessions on their rings
+without Python; at the exit station each session's own sampler (the one Python samples
+with) then verifies and emits.
 
-Every other frame (prefill, capture, log-probabilities, a grammar's steps, anything
-malformed, a busy session) comes here, to :class:`StepHandler`, in the connection's thread: the same
-:class:`~.batch.BatchStepper` call as ``POST /batch/step``, with the same validation and
-refusals; only the envelope differs.
+Every other frame (a prompt's last piece, a capture, log-probabilities, a grammar's steps,
+anything malformed, a busy session) comes here, to :class:`StepHandler`, in the
+connection's thread: the same :class:`~.batch.BatchStepper` call as ``POST /batch/step``,
+with the same validation and refusals; only the envelope differs.
 """
 
 from __future__ import annotations
