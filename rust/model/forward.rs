@@ -16,8 +16,8 @@ use std::sync::Arc;
 use super::config::{Activation, RopeStyle};
 use super::kv::SequenceKv;
 use super::ops::{
-    add_in_place, geglu_tanh, rms_norm, rms_norm_in_place, rope_angles, rope_apply,
-    rope_apply_halves, scale_in_place, swiglu,
+    add_in_place, geglu_tanh, rms_norm, rms_norm_in_place, rope_angles_of, rope_apply,
+    rope_apply_halves, rope_inv_freq, scale_in_place, swiglu,
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
 use crate::attention::{attend_batch, shareable_window, AttnScratch, PendingChunk, SharedPrefix};
@@ -391,6 +391,11 @@ impl LayerRange {
         // at the StreamingLLM cache position (fixed segment; identical until the window
         // first wraps, which is the usual case: then q_fixed is q itself); sliding layers
         // rotate at the clock with their own base.
+        let inv_freq = rope_inv_freq(hd, c.rope_base);
+        let inv_freq_local = match (has_local, &c.sliding) {
+            (true, Some(s)) => Some(rope_inv_freq(hd, s.rope_base)),
+            _ => None,
+        };
         let mut row = 0;
         let mut fixed_differs = false;
         for p in round {
@@ -411,28 +416,31 @@ impl LayerRange {
                 let pos = rings.pending_clock(i);
                 let cache_pos = rings.pending_cache_pos(i);
                 let r = (row + i) * half..(row + i + 1) * half;
-                rope_angles(
+                rope_angles_of(
                     pos,
-                    hd,
-                    c.rope_base,
+                    &inv_freq,
                     rope_factors,
                     &mut b.cos_w[r.clone()],
                     &mut b.sin_w[r.clone()],
                 );
-                fixed_differs |= cache_pos != pos;
-                rope_angles(
-                    cache_pos,
-                    hd,
-                    c.rope_base,
-                    rope_factors,
-                    &mut b.cos_f[r.clone()],
-                    &mut b.sin_f[r.clone()],
-                );
-                if let (true, Some(s)) = (has_local, &c.sliding) {
-                    rope_angles(
+                if cache_pos == pos {
+                    // The same angles (the cache has not wrapped).
+                    b.cos_f[r.clone()].copy_from_slice(&b.cos_w[r.clone()]);
+                    b.sin_f[r.clone()].copy_from_slice(&b.sin_w[r.clone()]);
+                } else {
+                    fixed_differs = true;
+                    rope_angles_of(
+                        cache_pos,
+                        &inv_freq,
+                        rope_factors,
+                        &mut b.cos_f[r.clone()],
+                        &mut b.sin_f[r.clone()],
+                    );
+                }
+                if let Some(local) = &inv_freq_local {
+                    rope_angles_of(
                         pos,
-                        hd,
-                        s.rope_base,
+                        local,
                         rope_factors,
                         &mut b.cos_l[r.clone()],
                         &mut b.sin_l[r],

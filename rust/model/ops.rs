@@ -62,10 +62,29 @@ pub fn rope_angles(
     cos: &mut [f32],
     sin: &mut [f32],
 ) {
-    let half = head_dim / 2;
-    debug_assert!(factors.is_none_or(|f| f.len() == half));
-    for i in 0..half {
-        let inv_freq = base.powf(-((2 * i) as f64) / head_dim as f64);
+    let inv_freq = rope_inv_freq(head_dim, base);
+    rope_angles_of(pos, &inv_freq, factors, cos, sin);
+}
+
+/// `base^(−2i/d)` for `i < d/2`: the rotation frequencies [`rope_angles_of`] takes (computed
+/// once per pass rather than once per row and position).
+pub fn rope_inv_freq(head_dim: usize, base: f64) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| base.powf(-((2 * i) as f64) / head_dim as f64))
+        .collect()
+}
+
+/// [`rope_angles`] with the frequencies of [`rope_inv_freq`]: the same operations, so the
+/// same angles to the bit.
+pub fn rope_angles_of(
+    pos: u64,
+    inv_freq: &[f64],
+    factors: Option<&[f32]>,
+    cos: &mut [f32],
+    sin: &mut [f32],
+) {
+    debug_assert!(factors.is_none_or(|f| f.len() == inv_freq.len()));
+    for (i, &inv_freq) in inv_freq.iter().enumerate() {
         let angle = match factors {
             Some(f) => pos as f64 * inv_freq / f64::from(f[i]),
             None => pos as f64 * inv_freq,
