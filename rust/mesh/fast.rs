@@ -389,8 +389,8 @@ impl FastStep {
         self.steps.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The header's decode entries and its timing flag, when every field is one the fast
-    /// path serves; None otherwise.
+    /// The header's entries (decode rows, prompt pieces) and its timing flag, when every
+    /// field is one the fast path serves; None otherwise.
     fn parse<'a>(&self, header: &'a Value) -> Option<(Vec<Entry<'a>>, bool)> {
         let top = header.as_object()?;
         if top.keys().any(|k| k != "entries" && k != "timing") {
@@ -470,9 +470,10 @@ impl FastStep {
 }
 
 /// The exit station's emission for each decode entry (none for a prompt piece), in order,
-/// as `BatchStepper._finish` does it: the row's token observed (penalties), the drafts verified against the rows'
-/// logits by the session's sampler (the accepted drafts, then its own token), every row's
-/// token observed. Stops at the first failure, as Python's exception does.
+/// as `BatchStepper._finish` does it: the row's token observed (penalties), the drafts
+/// verified against the rows' logits by the session's sampler (the accepted drafts, then
+/// its own token), every row's token observed. Stops at the first failure, as Python's
+/// exception does.
 fn emit(
     entries: &[Entry<'_>],
     sessions: &[Arc<HopSession>],

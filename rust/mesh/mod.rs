@@ -4,9 +4,10 @@
 //! costs beyond its layers' compute is paid `stations` times per token. In Python that was
 //! ≈ 0.5 ms of interpreter per hop on cold caches (28 stations share two cores and a 32 MB
 //! L3), more than a one-layer pass. Here a thread per connection reads the frames
-//! ([`frame`]), and a decode step of sessions this station can run without Python (not the
-//! exit station: it samples) runs straight on their rings ([`fast`]); every other frame
-//! goes, parsed and bounded, to the station's Python handler, unchanged.
+//! ([`frame`]), and a decode step or a prompt piece (not the last) of sessions this station
+//! can run without Python runs straight on their rings, the exit sampling with each
+//! session's own sampler ([`fast`]); every other frame goes, parsed and bounded, to the
+//! station's Python handler, unchanged.
 //!
 //! The coordinator's end ([`chain`]) sends a step through a whole chain of stations on
 //! pooled connections without returning to Python between hops.

@@ -107,7 +107,7 @@ class StreamCollector:
         stream = self.station.stream
         steps = CounterMetricFamily(
             "amplituhedron_stream_fast_steps",
-            "Steps the step stream answered without Python (decode rows of non-exit stations)",
+            "Steps the step stream answered without Python (decode rows, prompt pieces)",
         )
         rows = CounterMetricFamily(
             "amplituhedron_stream_fast_rows", "Rows those steps ran through the station's layers"
