@@ -16,7 +16,7 @@ use std::sync::Arc;
 use super::config::{Activation, RopeStyle};
 use super::kv::SequenceKv;
 use super::ops::{
-    add_in_place, geglu_tanh, rms_norm, rms_norm_in_place, rope_angles_of, rope_apply,
+    add_in_place, geglu_tanh, rms_norm, rms_norm_in_place, rope_angles, rope_apply,
     rope_apply_halves, rope_inv_freq, scale_in_place, swiglu,
 };
 use super::{LlamaWeights, ModelConfig, ModelError, Precision};
@@ -416,7 +416,7 @@ impl LayerRange {
                 let pos = rings.pending_clock(i);
                 let cache_pos = rings.pending_cache_pos(i);
                 let r = (row + i) * half..(row + i + 1) * half;
-                rope_angles_of(
+                rope_angles(
                     pos,
                     &inv_freq,
                     rope_factors,
@@ -429,7 +429,7 @@ impl LayerRange {
                     b.sin_f[r.clone()].copy_from_slice(&b.sin_w[r.clone()]);
                 } else {
                     fixed_differs = true;
-                    rope_angles_of(
+                    rope_angles(
                         cache_pos,
                         &inv_freq,
                         rope_factors,
@@ -438,7 +438,7 @@ impl LayerRange {
                     );
                 }
                 if let Some(local) = &inv_freq_local {
-                    rope_angles_of(
+                    rope_angles(
                         pos,
                         local,
                         rope_factors,

@@ -48,35 +48,22 @@ fn sum_of_squares(row: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-/// RoPE angles for one position: `cos`/`sin` of `pos · base^(−2i/d) / f_i` for `i < d/2`,
-/// where `f_i` are the per-pair frequency divisors of `factors` (the GGUF `rope_freqs.weight`
-/// of Llama 3.1/3.2, as llama.cpp divides its rotation frequencies by them), or 1.
-///
-/// Computed in f64 from the integer position, so large clocks keep full precision; the same
-/// scalar operations on every CPU, one row at a time (bit-identical across ISAs and batches).
-pub fn rope_angles(
-    pos: u64,
-    head_dim: usize,
-    base: f64,
-    factors: Option<&[f32]>,
-    cos: &mut [f32],
-    sin: &mut [f32],
-) {
-    let inv_freq = rope_inv_freq(head_dim, base);
-    rope_angles_of(pos, &inv_freq, factors, cos, sin);
-}
-
-/// `base^(−2i/d)` for `i < d/2`: the rotation frequencies [`rope_angles_of`] takes (computed
-/// once per pass rather than once per row and position).
+/// `base^(−2i/d)` for `i < d/2`: the rotation frequencies of [`rope_angles`] (computed once
+/// per pass rather than once per row and position).
 pub fn rope_inv_freq(head_dim: usize, base: f64) -> Vec<f64> {
     (0..head_dim / 2)
         .map(|i| base.powf(-((2 * i) as f64) / head_dim as f64))
         .collect()
 }
 
-/// [`rope_angles`] with the frequencies of [`rope_inv_freq`]: the same operations, so the
-/// same angles to the bit.
-pub fn rope_angles_of(
+/// RoPE angles for one position: `cos`/`sin` of `pos · inv_freq_i / f_i` for `i < d/2`, with
+/// `inv_freq` from [`rope_inv_freq`] and `f_i` the per-pair frequency divisors of `factors`
+/// (the GGUF `rope_freqs.weight` of Llama 3.1/3.2, as llama.cpp divides its rotation
+/// frequencies by them), or 1.
+///
+/// Computed in f64 from the integer position, so large clocks keep full precision; the same
+/// scalar operations on every CPU, one row at a time (bit-identical across ISAs and batches).
+pub fn rope_angles(
     pos: u64,
     inv_freq: &[f64],
     factors: Option<&[f32]>,

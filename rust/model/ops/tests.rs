@@ -39,9 +39,9 @@ fn rope_is_a_rotation_and_relative() {
     let dot_at = |pq: u64, pk: u64| {
         let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
         let (mut qr, mut kr) = (q.clone(), k.clone());
-        rope_angles(pq, hd, 10000.0, None, &mut c, &mut s);
+        rope_angles(pq, &rope_inv_freq(hd, 10000.0), None, &mut c, &mut s);
         rope_apply(&mut qr, hd, &c, &s);
-        rope_angles(pk, hd, 10000.0, None, &mut c, &mut s);
+        rope_angles(pk, &rope_inv_freq(hd, 10000.0), None, &mut c, &mut s);
         rope_apply(&mut kr, hd, &c, &s);
         qr.iter().zip(&kr).map(|(a, b)| a * b).sum::<f32>()
     };
@@ -50,7 +50,7 @@ fn rope_is_a_rotation_and_relative() {
     let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
     let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
     let mut qr = q.clone();
-    rope_angles(12345, hd, 10000.0, None, &mut c, &mut s);
+    rope_angles(12345, &rope_inv_freq(hd, 10000.0), None, &mut c, &mut s);
     rope_apply(&mut qr, hd, &c, &s);
     assert!((norm(&qr) - norm(&q)).abs() < 1e-4);
 }
@@ -72,7 +72,7 @@ fn rope_halves_pairs_the_two_halves() {
     let hd = 8;
     let x: Vec<f32> = (0..2 * hd).map(|i| i as f32 * 0.1 - 0.7).collect();
     let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
-    rope_angles(37, hd, 10000.0, None, &mut c, &mut s);
+    rope_angles(37, &rope_inv_freq(hd, 10000.0), None, &mut c, &mut s);
     let interleave = |v: &[f32]| -> Vec<f32> {
         v.chunks(hd)
             .flat_map(|h| (0..hd / 2).flat_map(move |i| [h[i], h[i + hd / 2]]))
@@ -175,7 +175,7 @@ fn rope_factors_divide_the_frequencies() {
     let hd = 16;
     let angles = |pos: u64, factors: Option<&[f32]>| {
         let (mut c, mut s) = (vec![0.0; hd / 2], vec![0.0; hd / 2]);
-        rope_angles(pos, hd, 500000.0, factors, &mut c, &mut s);
+        rope_angles(pos, &rope_inv_freq(hd, 500000.0), factors, &mut c, &mut s);
         (c, s)
     };
     // Factors of 1 change nothing, bit for bit.
